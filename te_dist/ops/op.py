@@ -29,11 +29,12 @@ _NO_KEY = object()  # recipe state not built yet (distinct from None = "no recip
 class OpContext:
     """Per-basic-op scratch space for one forward/backward pair (attribute bag, slots-free on purpose)."""
 
-    __slots__ = ("requires_grad", "saved", "recipe", "op")
+    __slots__ = ("requires_grad", "input_requires_grad", "saved", "recipe", "op")
 
     def __init__(self, op: "BasicOperation", requires_grad: bool, recipe):
         self.op = op
-        self.requires_grad = requires_grad
+        self.requires_grad = requires_grad  # save for backward
+        self.input_requires_grad = True  # False only for the first backward op when its input needs no grad
         self.recipe = recipe
         self.saved: tuple = ()
 

@@ -1,0 +1,39 @@
+"""``torch._grouped_mm`` backend (one launch on SM90 bf16; a host-syncing loop elsewhere in torch).
+
+Why: it is the strong baseline on Hopper and the fallback when our CUTLASS kernels cannot run.
+Its output dtype must match the input, so the epilogue (row scale, bias) runs as separate,
+unfused torch kernels: the cost our fused CUTLASS epilogue removes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .epilogue import apply_epilogue
+
+__all__ = ["is_available", "forward", "dgrad", "wgrad"]
+
+
+def is_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:
+    out_dtype = out_dtype or x_TK.dtype
+    acc_TN = torch._grouped_mm(x_TK, w_EKN, offs=offsets_E)
+    return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype)
+
+
+def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Tensor:
+    out_dtype = out_dtype or dy_TN.dtype
+    acc_TK = torch._grouped_mm(dy_TN, w_EKN.transpose(1, 2), offs=offsets_E)
+    return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype)
+
+
+def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tensor:
+    """dw[e] = (dy_e^T @ x_e) as [E, N, K]; returned transposed as [E, K, N]."""
+    out_dtype = out_dtype or x_TK.dtype
+    dw_ENK = torch._grouped_mm(dy_TN.t(), x_TK, offs=offsets_E)
+    if dw_ENK.dtype != out_dtype:
+        dw_ENK = dw_ENK.to(out_dtype)
+    return dw_ENK.transpose(1, 2)

@@ -1,0 +1,128 @@
+"""All-to-all token dispatcher: permute → count exchange → token all-to-all → sort by local expert.
+
+Legend: T tokens, K top-k, S = T*K, H hidden, E global experts, R = EP size, El = E / R,
+N rows received by this rank.
+
+Dispatch (combine runs the same steps backwards; autograd reverses every step):
+
+    x_TH, indices_TK
+      │ permute_tokens                      x_SH        rows by global expert 0..E-1
+      │ exchange_counts (all-to-all, int64) counts_recv [R, El]
+      │ one device→host read of both count vectors (needed to size the variable all-to-all)
+      │ all_to_all_tokens                   x_NH        rows by (source rank, local expert)
+      │ permute_rows(chunk_sort_index)      x_NH        rows by (local expert, source rank)
+      ▼ expert MLP with split_sizes_El = counts_recv.sum(0)
+
+Experts are sharded contiguously: rank r owns global experts [r*El, (r+1)*El), so the
+permuted rows for rank r are one contiguous block of x_SH and no extra gather is needed.
+
+A rank that must fail (NaN router logits) sends -1 counts: every rank sees the flag in the
+count exchange and raises the same error before the token all-to-all, so no rank hangs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..distributed.all_to_all import all_to_all_tokens, exchange_counts
+from ..distributed.groups import group_rank, group_size
+from .permutation import (
+    PermutationState,
+    chunk_sort_index,
+    permute_probs,
+    permute_rows,
+    permute_tokens,
+    unpermute_rows,
+    unpermute_tokens,
+)
+
+__all__ = ["AllToAllDispatcher", "DispatchState", "RoutingError"]
+
+
+class RoutingError(ValueError):
+    """Raised on every rank of the EP group when any rank's routing was invalid."""
+
+
+@dataclass
+class DispatchState:
+    """Everything combine needs to send expert outputs home and restore token order."""
+
+    permutation: PermutationState
+    input_splits: list  # rows this rank sent to each rank
+    output_splits: list  # rows this rank received from each rank
+    chunk_idx: Optional[torch.Tensor]  # (rank, expert) → (expert, rank) row permutation, or None
+    probs_TK: Optional[torch.Tensor]  # set when probabilities are applied at combine
+
+
+class AllToAllDispatcher:
+    """Moves routed token copies to the ranks that own their experts and back.
+
+    Holds no tensors between calls; the per-call state is the returned :class:`DispatchState`.
+    """
+
+    def __init__(self, num_experts: int, ep_group=None):
+        self.ep_group = ep_group
+        self.ep_size = group_size(ep_group)
+        self.ep_rank = group_rank(ep_group)
+        if num_experts % self.ep_size != 0:
+            raise ValueError(f"{num_experts=} is not divisible by ep_size={self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        probs_TK: torch.Tensor,
+        indices_TK: torch.Tensor,
+        *,
+        probs_in_expert: bool,
+        invalid: Optional[torch.Tensor] = None,
+    ):
+        """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``.
+
+        ``invalid``: optional bool scalar tensor (on x's device) that marks this rank's routing as
+        bad (e.g. NaN logits); it travels in-band with the counts (see module docstring).
+        """
+        R, El = self.ep_size, self.num_local_experts
+        x_SH, perm = permute_tokens(x_TH, indices_TK, self.num_experts)
+        counts_send = perm.counts_E
+        if invalid is not None:
+            counts_send = torch.where(invalid, torch.full_like(counts_send, -1), counts_send)
+        counts_recv = exchange_counts(counts_send, self.ep_group)
+        # The single device→host read of the step: the all-to-all needs host split lists.
+        host = torch.cat([counts_send, counts_recv]).tolist()
+        sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
+        recv_RL = [host[self.num_experts + r * El:self.num_experts + (r + 1) * El] for r in range(R)]
+        bad_ranks = sorted({r for r in range(R) if min(recv_RL[r], default=0) < 0}
+                           | ({self.ep_rank} if min(host[:self.num_experts], default=0) < 0 else set()))
+        if bad_ranks:
+            raise RoutingError(
+                f"router logits contain NaN on EP rank(s) {bad_ranks} (this is EP rank {self.ep_rank}); "
+                "check the hidden states fed to the MoE layer and the router weight"
+            )
+        input_splits = [sum(c) for c in sent_RL]
+        output_splits = [sum(c) for c in recv_RL]
+        x_NH = all_to_all_tokens(x_SH, output_splits, input_splits, self.ep_group)
+        probs_N = None
+        if probs_in_expert:
+            probs_N = all_to_all_tokens(permute_probs(probs_TK, perm), output_splits, input_splits, self.ep_group)
+        counts_recv_RL = counts_recv.view(R, El)
+        chunk_idx = None
+        if R > 1 and El > 1:
+            chunk_idx = chunk_sort_index(counts_recv_RL, sum(output_splits))
+            x_NH = permute_rows(x_NH, chunk_idx)
+            if probs_N is not None:
+                probs_N = permute_rows(probs_N, chunk_idx)
+        split_sizes_El = counts_recv_RL.sum(dim=0)
+        state = DispatchState(perm, input_splits, output_splits, chunk_idx, None if probs_in_expert else probs_TK)
+        return x_NH, split_sizes_El, probs_N, state
+
+    def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Expert outputs (rows by local expert) → [T, H] in the original token order."""
+        if state.chunk_idx is not None:
+            y_NH = unpermute_rows(y_NH, state.chunk_idx)
+        y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group)
+        return unpermute_tokens(y_SH, state.permutation, state.probs_TK)

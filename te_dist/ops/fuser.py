@@ -1,0 +1,298 @@
+"""OperationFuser: runs a list of basic ops through a fusion plan chosen per call.
+
+Per call the fuser computes the plan key ``(recipe key, first_op_requiring_backward)`` — the
+recipe key is ``te_dist.autocast.get_recipe_key()`` (``str(recipe)``, cached by the recipe, or the
+rank-agreed string), and ``first_op_requiring_backward`` is ``len(ops)`` when no gradient is needed,
+0 when the input requires grad, else the first op whose parameters or extra inputs require grad.
+Plans are kept in a small bounded map per fuser, so alternating train / no-grad eval or two
+recipes reuses plans. Recipe *state* (quantizers) lives in the basic ops and is rebuilt when the
+recipe key changes; it is not part of the plan.
+
+The whole plan runs inside one autograd node (:class:`_FuserFunction`): forward fused ops and
+backward fused ops may group the basic ops differently because every op's saved state lives in
+its own :class:`~te_dist.ops.op.OpContext`. Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ..autocast import get_active_recipe, get_recipe_key
+from .fused import default_fusion_rules
+from .op import BasicOperation, OpContext
+from .rules import FusionRule, FusionRuleRegistry
+
+__all__ = ["PlanStep", "FusionPlan", "OperationFuser", "fusion_rules_scope", "MAX_CACHED_PLANS"]
+
+MAX_CACHED_PLANS = 16  # per fuser; a few recipes x {train, eval, partial-freeze} fit
+
+
+class PlanStep(NamedTuple):
+    """One executed op and the indices of the basic ops it covers (ascending)."""
+
+    op: object
+    indices: tuple
+
+
+class FusionPlan:
+    """Forward and backward op lists for one key. Backward steps are listed in forward order."""
+
+    __slots__ = ("key", "forward_ops", "backward_ops", "basic_ops")
+
+    def __init__(self, key, basic_ops, forward_ops, backward_ops):
+        self.key = key
+        self.basic_ops = tuple(basic_ops)
+        self.forward_ops = tuple(forward_ops)
+        self.backward_ops = tuple(backward_ops)
+
+    def describe(self) -> str:
+        """Human-readable: which basic ops (by index) each forward / backward op covers."""
+        recipe_key, first_bwd = self.key
+        lines = [f"FusionPlan(recipe={recipe_key!r}, first_op_requiring_backward={first_bwd})", "forward:"]
+        lines += [self._line(step) for step in self.forward_ops]
+        lines.append("backward (runs bottom to top):")
+        lines += [self._line(step) for step in self.backward_ops] or ["  (none)"]
+        return "\n".join(lines)
+
+    def _line(self, step: PlanStep) -> str:
+        covered = ", ".join(f"[{i}] {type(self.basic_ops[i]).__name__}" for i in step.indices)
+        return f"  {type(step.op).__name__:<34} <- {covered}"
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def _fuse(ops, start: int, stop: int, rules, recipe) -> list:
+    steps = []
+    i = start
+    while i < stop:
+        for rule in rules:
+            if rule.matches(ops, i, stop):
+                length = len(rule.pattern)
+                fused = rule.build(tuple(ops[i:i + length]), recipe)
+                if fused is not None:
+                    if tuple(fused.basic_ops) != tuple(ops[i:i + length]):
+                        raise RuntimeError(f"fusion rule {rule.name!r} built an op that does not cover exactly the matched ops")
+                    steps.append(PlanStep(fused, tuple(range(i, i + length))))
+                    i += length
+                    break
+        else:
+            steps.append(PlanStep(ops[i], (i,)))
+            i += 1
+    return steps
+
+
+class _FuserFunction(torch.autograd.Function):
+    """The single autograd node of a fuser call: inputs = (x, *extra_inputs, *params)."""
+
+    @staticmethod
+    def forward(ctx, fuser, plan, first_bwd, recipe, x, *flat):
+        num_extra = fuser._num_extra_inputs
+        extra_flat = flat[:num_extra]
+        op_ctxs, y, extra_outputs = fuser._run_forward(plan, first_bwd, recipe, x, extra_flat, x.requires_grad)
+        ctx.fuser_state = (fuser, plan, first_bwd, op_ctxs, flat[num_extra:].__len__())
+        if not extra_outputs:
+            return y
+        return (y, *extra_outputs)
+
+    @staticmethod
+    def backward(ctx, dy, *grad_extra_outputs):
+        fuser, plan, first_bwd, op_ctxs, num_params = ctx.fuser_state
+        ops = fuser._ops
+        num_ops = len(ops)
+        grad_params = [None] * num_ops
+        grad_extra = [()] * num_ops
+        out_slices = fuser._extra_output_slices
+        for step in reversed(plan.backward_ops):
+            idx = step.indices
+            dy, gparams, gextra = step.op.fuser_backward(
+                [op_ctxs[i] for i in idx], dy, [grad_extra_outputs[out_slices[i]] for i in idx]
+            )
+            for j, i in enumerate(idx):
+                grad_params[i] = gparams[j]
+                grad_extra[i] = gextra[j]
+        ctx.fuser_state = None  # free saved tensors early
+        grads_extra_inputs = []
+        for i, op in enumerate(ops):
+            n = op.num_extra_inputs
+            if n:
+                g = grad_extra[i]
+                grads_extra_inputs.extend(g if g else (None,) * n)
+        grads_params = []
+        for i in range(first_bwd, num_ops):
+            g = grad_params[i]
+            n = len(ops[i].param_list())
+            grads_params.extend(g if g else (None,) * n)
+        assert len(grads_params) == num_params
+        dx = dy if first_bwd == 0 else None
+        return (None, None, None, None, dx, *grads_extra_inputs, *grads_params)
+
+
+class OperationFuser(torch.nn.Module):
+    """Run basic ops ``ops`` as a fused plan: ``fuser(x, *extra_inputs) -> y`` (+ extra outputs).
+
+    Extra inputs are handed to the ops in order, each op taking ``op.num_extra_inputs`` of them.
+    ``fusion_key`` and ``plan`` describe the last call; ``num_plan_builds`` counts plan misses.
+    """
+
+    rules = FusionRuleRegistry(default_fusion_rules())  # per class: subclasses get a copy
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "rules" not in cls.__dict__:
+            cls.rules = cls.rules.copy()
+
+    def __init__(self, ops: Sequence[BasicOperation]):
+        super().__init__()
+        ops = list(ops)
+        if not ops:
+            raise ValueError("OperationFuser needs at least one op, got an empty list")
+        for i, op in enumerate(ops):
+            if not isinstance(op, BasicOperation):
+                raise TypeError(f"OperationFuser ops must be BasicOperation instances; ops[{i}] is {type(op).__name__}")
+        if len({id(op) for op in ops}) != len(ops):
+            raise ValueError("the same op object appears twice in one OperationFuser; create separate ops")
+        self.basic_ops = torch.nn.ModuleList(ops)
+        self.__dict__["_ops"] = tuple(ops)
+        slices, start = [], 0
+        out_slices, out_start = [], 0
+        for op in ops:
+            slices.append(slice(start, start + op.num_extra_inputs))
+            start += op.num_extra_inputs
+            out_slices.append(slice(out_start, out_start + op.num_extra_outputs))
+            out_start += op.num_extra_outputs
+        self._extra_input_slices = tuple(slices)
+        self._extra_output_slices = tuple(out_slices)
+        self._num_extra_inputs = start
+        self._num_extra_outputs = out_start
+        self._plans: dict = {}
+        self._rules_version = None
+        self.num_plan_builds = 0
+        self.fusion_key = None
+        self.plan: Optional[FusionPlan] = None
+
+    @property
+    def num_extra_inputs(self) -> int:
+        return self._num_extra_inputs
+
+    @property
+    def num_extra_outputs(self) -> int:
+        return self._num_extra_outputs
+
+    # ------------------------------------------------------------------ plans
+    def first_op_requiring_backward(self, x, extra_inputs) -> int:
+        ops = self._ops
+        if not torch.is_grad_enabled():
+            return len(ops)
+        if x.requires_grad:
+            return 0
+        slices = self._extra_input_slices
+        for i, op in enumerate(ops):
+            for p in op._parameters.values():
+                if p is not None and p.requires_grad:
+                    return i
+            if op.num_extra_inputs:
+                for t in extra_inputs[slices[i]]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        return i
+        return len(ops)
+
+    def get_plan(self, key, recipe) -> FusionPlan:
+        """The cached plan for ``key`` (built on a miss). ``key = (recipe key, first_op_requiring_backward)``."""
+        registry = type(self).rules
+        if self._rules_version != registry.version:
+            self._plans.clear()
+            self._rules_version = registry.version
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build_plan(key, recipe, registry)
+        return plan
+
+    def _build_plan(self, key, recipe, registry) -> FusionPlan:
+        ops = self._ops
+        first_bwd = key[1]
+        fwd_rules = registry.for_direction("forward")
+        forward = _fuse(ops, 0, first_bwd, fwd_rules, recipe) + _fuse(ops, first_bwd, len(ops), fwd_rules, recipe)
+        backward = _fuse(ops, first_bwd, len(ops), registry.for_direction("backward"), recipe)
+        for name, steps, start in (("forward", forward, 0), ("backward", backward, first_bwd)):
+            covered = [i for step in steps for i in step.indices]
+            assert covered == list(range(start, len(ops))), f"{name} plan does not cover the ops exactly: {covered}"
+        plan = FusionPlan(key, ops, forward, backward)
+        if len(self._plans) >= MAX_CACHED_PLANS:
+            del self._plans[next(iter(self._plans))]  # oldest first
+        self._plans[key] = plan
+        self.num_plan_builds += 1
+        return plan
+
+    def cached_plan_keys(self) -> list:
+        return list(self._plans)
+
+    # ------------------------------------------------------------------ execution
+    def forward(self, x, *extra_inputs):
+        if len(extra_inputs) != self._num_extra_inputs:
+            raise TypeError(
+                f"{type(self).__name__} expects {self._num_extra_inputs} extra input(s) "
+                f"({', '.join(f'{type(op).__name__}: {op.num_extra_inputs}' for op in self._ops if op.num_extra_inputs) or 'none'}), "
+                f"got {len(extra_inputs)}"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__} input must be a torch.Tensor, got {type(x).__name__}")
+        recipe = get_active_recipe()
+        recipe_key = get_recipe_key() if recipe is not None else None
+        for op in self._ops:
+            op.ensure_recipe_state(recipe, recipe_key)
+        first_bwd = self.first_op_requiring_backward(x, extra_inputs)
+        key = (recipe_key, first_bwd)
+        plan = self._plans.get(key) if self._rules_version == type(self).rules.version else None
+        if plan is None:
+            plan = self.get_plan(key, recipe)
+        self.fusion_key = key
+        self.plan = plan
+        ops = self._ops
+        if first_bwd == len(ops):
+            _, y, extra_outputs = self._run_forward(plan, first_bwd, recipe, x, extra_inputs, False)
+        else:
+            params = []
+            for op in ops[first_bwd:]:
+                params += op.param_list()
+            out = _FuserFunction.apply(self, plan, first_bwd, recipe, x, *extra_inputs, *params)
+            if not self._num_extra_outputs:
+                return out
+            y, extra_outputs = out[0], list(out[1:])
+        if not self._num_extra_outputs:
+            return y
+        return (y, *extra_outputs)
+
+    def _run_forward(self, plan, first_bwd, recipe, x, extra_flat, input_requires_grad):
+        ops = self._ops
+        slices = self._extra_input_slices
+        op_ctxs = [OpContext(op, i >= first_bwd, recipe) for i, op in enumerate(ops)]
+        if first_bwd < len(ops):
+            op_ctxs[first_bwd].input_requires_grad = first_bwd == 0 and input_requires_grad
+        per_op_extra = [tuple(extra_flat[s]) for s in slices]
+        extra_outputs = [()] * len(ops)
+        y = x
+        for step in plan.forward_ops:
+            idx = step.indices
+            if len(idx) == 1:
+                i = idx[0]
+                y, outs = step.op.fuser_forward((op_ctxs[i],), y, (per_op_extra[i],), recipe)
+            else:
+                y, outs = step.op.fuser_forward([op_ctxs[i] for i in idx], y, [per_op_extra[i] for i in idx], recipe)
+            for j, i in enumerate(idx):
+                extra_outputs[i] = outs[j]
+        flat_outputs = [t for outs in extra_outputs for t in outs]
+        return op_ctxs, y, flat_outputs
+
+    def extra_repr(self) -> str:
+        return f"num_extra_inputs={self._num_extra_inputs}, cached_plans={len(self._plans)}"
+
+
+@contextlib.contextmanager
+def fusion_rules_scope(*rules: FusionRule, disable=(), fuser_cls=OperationFuser):
+    """Temporarily add (or ``disable`` by name) fusion rules of ``fuser_cls``; undone on exit."""
+    with fuser_cls.rules.scope(*rules, disable=disable) as registry:
+        yield registry

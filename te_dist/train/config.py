@@ -1,0 +1,279 @@
+"""The training job's configuration: nested, keyword-only, validated in one place.
+
+Why one validator: ``te-dist train`` checks the config in the parent process BEFORE it starts
+any worker, so a typo or an impossible shape fails at once with a message that names the key
+to change, instead of surfacing as one rank's traceback (or a hang) after the launch. The
+workers run the same check again (they may be started by a plain ``torchrun``).
+
+YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
+
+    model:    {vocab_size, hidden_size, ffn_hidden_size, num_layers, num_heads,
+               num_experts, top_k, activation, expert_bias, dtype}
+    data:     {seq_len, global_batch_size, branching, seed}
+    train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
+               ckpt_every, out_dir, device, threads}
+    parallel: {ep}
+    recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..recipe import RECIPE_NAMES, Recipe, recipe_from_name
+
+__all__ = [
+    "ModelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "ParallelConfig",
+    "JobConfig",
+    "ConfigError",
+    "load_config",
+    "resolve_recipe",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad training configuration; the message names the key, what was expected and what was given."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A small decoder: embedding, ``num_layers`` x (RMSNorm, causal attention, RMSNorm, MoE), LM head."""
+
+    vocab_size: int = 64
+    hidden_size: int = 32
+    ffn_hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    activation: str = "swiglu"
+    expert_bias: bool = False
+    dtype: str = "float32"
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Synthetic Markov-chain text: ``branching`` likely successors per token, so the loss can fall."""
+
+    seq_len: int = 32
+    global_batch_size: int = 8  # sequences per step, summed over all ranks
+    branching: int = 2
+    seed: int = 1234
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 40
+    lr: float = 1e-2
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 4
+    weight_decay: float = 0.0
+    seed: int = 0
+    log_every: int = 5
+    ckpt_every: int = 20  # 0: only at the end
+    out_dir: str = "te_dist_out"
+    device: str = "auto"  # auto: one CUDA device per rank when GPUs exist, else CPU
+    threads: int = 1  # torch intra-op threads per rank on CPU (fixed, so results are reproducible)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    ep: Optional[int] = None  # expert-parallel size; None: every rank of the job
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recipe: Union[str, dict] = "none"
+
+    def to_dict(self) -> dict:
+        return {
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "train": dataclasses.asdict(self.train),
+            "parallel": dataclasses.asdict(self.parallel),
+            "recipe": self.recipe,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, *, world_size: Optional[int] = None) -> "JobConfig":
+        """Raise ConfigError naming the offending key; ``world_size`` adds the layout checks."""
+        m, d, t = self.model, self.data, self.train
+        for section_name, section in (("model", m), ("data", d), ("train", t), ("parallel", self.parallel)):
+            _check_types(section_name, section)
+        _positive("model.vocab_size", m.vocab_size, minimum=2)
+        for key in ("hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_experts", "top_k"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+        if m.top_k > m.num_experts:
+            raise ConfigError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
+        _choice("model.activation", m.activation, ACTIVATIONS)
+        _choice("model.dtype", m.dtype, DTYPES)
+        _positive("data.seq_len", d.seq_len, minimum=2)
+        _positive("data.global_batch_size", d.global_batch_size)
+        _positive("data.branching", d.branching)
+        if d.branching > m.vocab_size:
+            raise ConfigError(f"data.branching={d.branching} exceeds model.vocab_size={m.vocab_size}")
+        _positive("train.steps", t.steps)
+        if not t.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if t.warmup_steps < 0 or t.weight_decay < 0 or t.ckpt_every < 0:
+            raise ConfigError(
+                f"train.warmup_steps, train.weight_decay and train.ckpt_every must be >= 0, got "
+                f"{t.warmup_steps}, {t.weight_decay}, {t.ckpt_every}"
+            )
+        _positive("train.log_every", t.log_every)
+        _positive("train.threads", t.threads)
+        _choice("train.device", t.device, DEVICES)
+        if self.parallel.ep is not None:
+            _positive("parallel.ep", self.parallel.ep)
+        resolve_recipe(self.recipe)  # raises ConfigError for an unknown name or setting
+        if world_size is not None:
+            self.layout(world_size)
+        return self
+
+    def layout(self, world_size: int) -> tuple:
+        """(ep_size, sequences per rank) for ``world_size`` ranks; raises ConfigError when impossible."""
+        ep = self.parallel.ep if self.parallel.ep is not None else world_size
+        m, d = self.model, self.data
+        if world_size % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the number of ranks ({world_size}); use --ep or --nproc")
+        if m.num_experts % ep:
+            raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={ep}")
+        if d.global_batch_size % world_size:
+            raise ConfigError(
+                f"data.global_batch_size={d.global_batch_size} is not divisible by the number of ranks ({world_size})"
+            )
+        return ep, d.global_batch_size // world_size
+
+
+# ---------------------------------------------------------------------- helpers
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig}
+
+
+def _check_types(section_name: str, section) -> None:
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        expected = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        key = f"{section_name}.{f.name}"
+        if expected == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{key} must be an int, got {type(value).__name__} {value!r}")
+        if expected == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ConfigError(f"{key} must be a number, got {type(value).__name__} {value!r}")
+        if expected == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {type(value).__name__} {value!r}")
+        if expected == "str" and not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}")
+        if expected == "Optional[int]" and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{key} must be an int or null, got {type(value).__name__} {value!r}")
+
+
+def _positive(key: str, value: int, *, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+
+
+def resolve_recipe(spec) -> Optional[Recipe]:
+    """The Recipe a config's ``recipe`` entry names: a short name or a ``Recipe.to_dict()`` mapping."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec not in RECIPE_NAMES:
+            raise ConfigError(f"recipe must be one of {list(RECIPE_NAMES)} or a Recipe.to_dict() mapping, got {spec!r}")
+        return recipe_from_name(spec)
+    if isinstance(spec, dict):
+        try:
+            return Recipe.from_dict(spec)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"recipe: {exc}") from None
+    raise ConfigError(f"recipe must be a name or a mapping, got {type(spec).__name__} {spec!r}")
+
+
+def _section_from_dict(name: str, data) -> Any:
+    cls = _SECTIONS[name]
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {name!r} must be a mapping, got {type(data).__name__} {data!r}")
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in config section {name!r}; expected some of {allowed}")
+    data = dict(data)
+    for f in dataclasses.fields(cls):
+        # YAML 1.1 reads "3e-3" (no dot) as a string; accept it for float settings.
+        if f.type == "float" and isinstance(data.get(f.name), str):
+            try:
+                data[f.name] = float(data[f.name])
+            except ValueError:
+                raise ConfigError(f"{name}.{f.name} must be a number, got {data[f.name]!r}") from None
+    return cls(**data)
+
+
+def config_from_dict(data: dict) -> JobConfig:
+    """Build (not yet validate) a JobConfig from a plain mapping, rejecting unknown keys."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping at the top level, got {type(data).__name__}")
+    allowed = [*_SECTIONS, "recipe"]
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown top-level config key(s) {unknown}; expected some of {allowed}")
+    sections = {name: _section_from_dict(name, data.get(name)) for name in _SECTIONS}
+    return JobConfig(**sections, recipe=data.get("recipe", "none"))
+
+
+def load_config(path: Optional[Union[str, Path]] = None, *, overrides: Optional[dict] = None) -> JobConfig:
+    """Read a YAML (or JSON) file, apply ``{"section.key": value}`` overrides, validate (shape only)."""
+    data: dict = {}
+    if path is not None:
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        data = loaded if loaded is not None else {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    data = {k: (dict(v) if isinstance(v, dict) and k != "recipe" else v) for k, v in data.items()}
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if dotted == "recipe":
+            data["recipe"] = value
+            continue
+        section, _, key = dotted.partition(".")
+        sec = data.setdefault(section, {})
+        if not isinstance(sec, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping, got {sec!r}")
+        sec[key] = value
+    return config_from_dict(data).validate()

@@ -1,0 +1,112 @@
+"""The model ``te-dist train`` trains: a small decoder whose feed-forward layers are our MoELayer.
+
+Legend: B sequences, S positions, H hidden, V vocabulary, T = B*S tokens.
+
+    tokens [B, S] -> embed -> L x ( x + attn(norm(x)) ; x + moe(norm(x)) ) -> norm -> head -> logits [B, S, V]
+
+Why every submodule is built under its own seed: the attention, norm and head weights must not
+depend on how many random numbers the MoE layer drew (that depends on the EP size), so an EP=1
+and an EP=2 model start from the same function, and a checkpoint moves between EP sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+__all__ = ["CausalSelfAttention", "MoEBlock", "MoETransformer", "build_model"]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Run module construction under ``seed`` without disturbing the caller's RNG stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (the token-mixing layer); replicated on every rank."""
+
+    def __init__(self, hidden_size: int, num_heads: int, *, dtype=None, device=None):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"{hidden_size=} is not divisible by {num_heads=}")
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False, dtype=dtype, device=device)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, H = x_BSH.shape
+        q, k, v = self.qkv(x_BSH).view(B, S, 3, self.num_heads, H // self.num_heads).unbind(2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(B, S, H))
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm block: causal attention, then the expert-parallel MoE feed-forward layer."""
+
+    def __init__(self, cfg: ModelConfig, *, seed: int, ep_group=None, dtype=None, device=None):
+        super().__init__()
+        from ..moe import MoELayer  # lazy: te_dist.train imports stay light for `te-dist --help`
+
+        with _seeded(seed):
+            self.attn_norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
+            self.attn = CausalSelfAttention(cfg.hidden_size, cfg.num_heads, dtype=dtype, device=device)
+            self.moe_norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
+        with _seeded(seed + 1):  # MoELayer's own contract: global expert e is EP-size invariant
+            self.moe = MoELayer(
+                cfg.hidden_size,
+                cfg.ffn_hidden_size,
+                cfg.num_experts,
+                cfg.top_k,
+                ep_group=ep_group,
+                activation=cfg.activation,
+                bias=cfg.expert_bias,
+                dtype=dtype,
+                device=device,
+            )
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH))
+        B, S, H = x_BSH.shape
+        y_TH = self.moe(self.moe_norm(x_BSH).reshape(B * S, H))
+        return x_BSH + y_TH.view(B, S, H)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0, ep_group=None, device=None):
+        super().__init__()
+        dtype = getattr(torch, cfg.dtype)
+        self.cfg = cfg
+        with _seeded(seed):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            nn.init.normal_(self.embed.weight, std=1.0)
+        self.blocks = nn.ModuleList(
+            MoEBlock(cfg, seed=seed + 100 * (i + 1), ep_group=ep_group, dtype=dtype, device=device)
+            for i in range(cfg.num_layers)
+        )
+        with _seeded(seed + 1):
+            self.norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
+            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x_BSH = self.embed(tokens_BS)
+        for block in self.blocks:
+            x_BSH = block(x_BSH)
+        return self.head(self.norm(x_BSH))
+
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over this rank's tokens, in fp32."""
+        logits_BSV = self(tokens_BS)
+        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+def build_model(cfg: ModelConfig, *, seed: int, ep_group=None, device: Optional[torch.device] = None) -> MoETransformer:
+    return MoETransformer(cfg, seed=seed, ep_group=ep_group, device=device)
