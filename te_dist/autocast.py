@@ -20,7 +20,7 @@ __all__ = ["autocast", "get_active_recipe", "get_recipe_key", "get_recipe_group"
 class _Frame:
     recipe: Optional[Recipe]
     group: object = None
-    agreed_key: Optional[str] = None  # the rank-agreed string when a group was given
+    agreed_key: Optional[str] = None  # with a group: the rank-agreed string (None: no recipe on any rank)
 
 
 class _State(threading.local):
@@ -44,10 +44,11 @@ def autocast(recipe: Optional[Recipe] = None, enabled: bool = True, group=None):
         raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
     active = recipe if enabled else None
     agreed = None
-    if active is not None and group is not None:
+    if group is not None:
+        # Also with no recipe: one rank quantizing while another does not is a mismatch too.
         from .distributed.consensus import agree_recipe_key  # lazy: distributed is optional at import
 
-        agreed = agree_recipe_key(active, group)
+        agreed = agree_recipe_key(active, group)  # raises on every rank alike; nothing pushed yet
     _state.stack.append(_Frame(active, group, agreed))
     try:
         yield active
@@ -62,21 +63,21 @@ def get_active_recipe() -> Optional[Recipe]:
 
 
 def get_recipe_key() -> Optional[str]:
-    """The string fusion plans are keyed on: the rank-agreed one under a group, else ``str(recipe)``."""
+    """The string fusion plans are keyed on: the rank-agreed one under a group, else ``str(recipe)``.
+
+    Under ``autocast(group=...)`` the key is the one agreed at entry for the whole block, even if
+    the recipe object is changed inside it: a change made on some ranks only must not split the
+    ranks' plans mid-block. The next ``autocast(group=...)`` entry (the next consensus point)
+    sees the change, and raises ``RecipeMismatchError`` on every rank if the ranks now differ.
+    """
     stack = _state.stack
     if not stack:
         return None
     frame = stack[-1]
-    if frame.recipe is None:
-        return None
-    key = str(frame.recipe)
-    if frame.agreed_key is not None and key != frame.agreed_key:
-        # Settings changed after the ranks agreed: using either string could split the ranks' plans.
-        raise RuntimeError(
-            "the recipe changed inside autocast(group=...) after the ranks agreed on it "
-            f"(agreed {frame.agreed_key}, now {key}); change recipes between autocast blocks"
-        )
-    return key
+    if frame.group is not None:
+        return frame.agreed_key
+    recipe = frame.recipe
+    return None if recipe is None else str(recipe)
 
 
 def get_recipe_group():

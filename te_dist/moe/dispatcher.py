@@ -71,6 +71,7 @@ class AllToAllDispatcher:
             raise ValueError(f"{num_experts=} is not divisible by ep_size={self.ep_size}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
 
     def dispatch(
         self,

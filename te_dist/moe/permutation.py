@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "PermutationState",
     "permute_tokens",
+    "expert_counts_from_sorted",
     "permute_probs",
     "unpermute_tokens",
     "permute_rows",
@@ -93,6 +94,16 @@ class PermutationState:
     top_k: int
 
 
+def expert_counts_from_sorted(sorted_S: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E] rows per expert from sorted expert ids, on their device.
+
+    ``torch.bincount`` would read its maximum back to the host (a sync per step on GPU);
+    boundaries found by ``searchsorted`` need none and are exact.
+    """
+    bounds = torch.arange(num_experts + 1, device=sorted_S.device, dtype=sorted_S.dtype)
+    return torch.diff(torch.searchsorted(sorted_S, bounds)).to(torch.int64)
+
+
 def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: int):
     """Sort token copies by global expert. Returns ``(x_SH, state)``.
 
@@ -102,8 +113,8 @@ def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: in
         raise ValueError(f"expected x [T, H] and indices [T, K], got {tuple(x_TH.shape)} and {tuple(indices_TK.shape)}")
     num_tokens, top_k = indices_TK.shape
     flat_S = indices_TK.reshape(-1)
-    sort_idx_S = torch.argsort(flat_S, stable=True)
-    counts_E = torch.bincount(flat_S, minlength=num_experts)
+    sorted_S, sort_idx_S = torch.sort(flat_S, stable=True)
+    counts_E = expert_counts_from_sorted(sorted_S, num_experts)
     x_SH = _ExpandGather.apply(x_TH, sort_idx_S, top_k)
     return x_SH, PermutationState(sort_idx_S, counts_E, num_tokens, top_k)
 

@@ -10,7 +10,7 @@ Score functions (dropless: every token gets exactly K experts, no capacity):
     the caller's load-balancing update (``update_expert_bias``), not by gradients.
 ``normalize=True`` rescales the K probabilities of each token to sum to one.
 
-The router computes in fp32 whatever the activation dtype: routing decisions are discontinuous,
+The router computes in fp32 (fp64 for fp64 layers) whatever the activation dtype: routing decisions are discontinuous,
 so bf16 logits would make EP sizes (different reduction orders) pick different experts.
 """
 
@@ -31,7 +31,7 @@ _SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 @dataclass
 class RoutingResult:
-    """What the dispatcher needs: [T, K] fp32 probabilities and int64 global expert indices."""
+    """What the dispatcher needs: [T, K] probabilities (router dtype) and int64 global expert indices."""
 
     probs_TK: torch.Tensor
     indices_TK: torch.Tensor
@@ -49,7 +49,11 @@ def load_balancing_loss(scores_TE: torch.Tensor, indices_TK: torch.Tensor, num_e
     num_tokens, top_k = indices_TK.shape
     if num_tokens == 0:
         return scores_TE.sum() * 0.0
-    counts_E = torch.bincount(indices_TK.reshape(-1), minlength=num_experts).to(scores_TE.dtype)
+    flat = indices_TK.reshape(-1)
+    # scatter_add, not bincount: bincount reads its max back to the host (a GPU sync)
+    counts_E = torch.zeros(num_experts, dtype=scores_TE.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones(flat.shape, dtype=scores_TE.dtype, device=flat.device)
+    )
     fraction_E = counts_E / (num_tokens * top_k)
     mean_score_E = scores_TE.mean(dim=0)
     return num_experts * torch.sum(fraction_E * mean_score_E)
@@ -102,6 +106,7 @@ class TopKRouter(nn.Module):
         expert_bias: bool = False,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
+        dtype=None,
         device=None,
     ):
         super().__init__()
@@ -124,12 +129,13 @@ class TopKRouter(nn.Module):
         self.normalize = (score_function == "sigmoid" and top_k > 1) if normalize is None else bool(normalize)
         self.aux_loss_coeff = float(aux_loss_coeff)
         self.z_loss_coeff = float(z_loss_coeff)
-        # Router weight in fp32 always (see module docstring); same init as nn.Linear.
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device))
+        # Router weight in fp32 at least (see module docstring); same init as nn.Linear.
+        param_dtype = torch.promote_types(dtype or torch.float32, torch.float32)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=param_dtype, device=device))
         bound = 1.0 / math.sqrt(hidden_size)
         nn.init.uniform_(self.weight, -bound, bound)
         if expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=param_dtype, device=device))
         else:
             self.expert_bias = None
 
@@ -142,10 +148,10 @@ class TopKRouter(nn.Module):
         )
 
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TH.float(), self.weight)
+        return F.linear(x_TH.to(self.weight.dtype), self.weight)
 
     def select(self, logits_TE: torch.Tensor):
-        """(probs_TK fp32, indices_TK int64, scores_TE used by the balancing loss)."""
+        """(probs_TK, indices_TK int64, scores_TE used by the balancing loss)."""
         k = self.top_k
         if self.score_function == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
@@ -189,5 +195,5 @@ class TopKRouter(nn.Module):
             raise ValueError("update_expert_bias needs a router built with expert_bias=True")
         if tokens_per_expert_E.shape != (self.num_experts,):
             raise ValueError(f"tokens_per_expert must have shape ({self.num_experts},), got {tuple(tokens_per_expert_E.shape)}")
-        load = tokens_per_expert_E.to(self.expert_bias.device, torch.float32)
+        load = tokens_per_expert_E.to(self.expert_bias.device, self.expert_bias.dtype)
         self.expert_bias += rate * torch.sign(load.mean() - load)

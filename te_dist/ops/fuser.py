@@ -40,13 +40,16 @@ class PlanStep(NamedTuple):
 class FusionPlan:
     """Forward and backward op lists for one key. Backward steps are listed in forward order."""
 
-    __slots__ = ("key", "forward_ops", "backward_ops", "basic_ops")
+    __slots__ = ("key", "forward_ops", "backward_ops", "basic_ops", "forward_exec", "backward_exec")
 
     def __init__(self, key, basic_ops, forward_ops, backward_ops):
         self.key = key
         self.basic_ops = tuple(basic_ops)
         self.forward_ops = tuple(forward_ops)
         self.backward_ops = tuple(backward_ops)
+        # Bound methods resolved once per plan, so a call does no attribute lookups per op.
+        self.forward_exec = tuple((s.op.fuser_forward, s.indices) for s in self.forward_ops)
+        self.backward_exec = tuple((s.op.fuser_backward, s.indices) for s in reversed(self.backward_ops))
 
     def describe(self) -> str:
         """Human-readable: which basic ops (by index) each forward / backward op covers."""
@@ -89,26 +92,25 @@ class _FuserFunction(torch.autograd.Function):
     """The single autograd node of a fuser call: inputs = (x, *extra_inputs, *params)."""
 
     @staticmethod
-    def forward(ctx, fuser, plan, first_bwd, recipe, x, *flat):
-        num_extra = fuser._num_extra_inputs
-        extra_flat = flat[:num_extra]
+    def forward(ctx, state, x, *flat):
+        fuser, plan, first_bwd, recipe, param_counts = state
+        extra_flat = flat[:fuser._num_extra_inputs]
         op_ctxs, y, extra_outputs = fuser._run_forward(plan, first_bwd, recipe, x, extra_flat, x.requires_grad)
-        ctx.fuser_state = (fuser, plan, first_bwd, op_ctxs, flat[num_extra:].__len__())
+        ctx.fuser_state = (fuser, plan, first_bwd, op_ctxs, param_counts)
         if not extra_outputs:
             return y
         return (y, *extra_outputs)
 
     @staticmethod
     def backward(ctx, dy, *grad_extra_outputs):
-        fuser, plan, first_bwd, op_ctxs, num_params = ctx.fuser_state
+        fuser, plan, first_bwd, op_ctxs, param_counts = ctx.fuser_state
         ops = fuser._ops
         num_ops = len(ops)
         grad_params = [None] * num_ops
         grad_extra = [()] * num_ops
         out_slices = fuser._extra_output_slices
-        for step in reversed(plan.backward_ops):
-            idx = step.indices
-            dy, gparams, gextra = step.op.fuser_backward(
+        for backward, idx in plan.backward_exec:
+            dy, gparams, gextra = backward(
                 [op_ctxs[i] for i in idx], dy, [grad_extra_outputs[out_slices[i]] for i in idx]
             )
             for j, i in enumerate(idx):
@@ -122,13 +124,15 @@ class _FuserFunction(torch.autograd.Function):
                 g = grad_extra[i]
                 grads_extra_inputs.extend(g if g else (None,) * n)
         grads_params = []
-        for i in range(first_bwd, num_ops):
+        for i, n in zip(range(first_bwd, num_ops), param_counts):
             g = grad_params[i]
-            n = len(ops[i].param_list())
-            grads_params.extend(g if g else (None,) * n)
-        assert len(grads_params) == num_params
+            if g:
+                assert len(g) == n, f"{type(ops[i]).__name__} returned {len(g)} parameter grads for {n} parameters"
+                grads_params.extend(g)
+            else:
+                grads_params.extend((None,) * n)
         dx = dy if first_bwd == 0 else None
-        return (None, None, None, None, dx, *grads_extra_inputs, *grads_params)
+        return (None, dx, *grads_extra_inputs, *grads_params)
 
 
 class OperationFuser(torch.nn.Module):
@@ -170,6 +174,8 @@ class OperationFuser(torch.nn.Module):
         self._num_extra_outputs = out_start
         self._plans: dict = {}
         self._rules_version = None
+        self._no_grad_ctxs = tuple(OpContext(op, False, None) for op in ops)
+        self._no_extra_inputs = ((),) * len(ops)
         self.num_plan_builds = 0
         self.fusion_key = None
         self.plan: Optional[FusionPlan] = None
@@ -233,32 +239,32 @@ class OperationFuser(torch.nn.Module):
     # ------------------------------------------------------------------ execution
     def forward(self, x, *extra_inputs):
         if len(extra_inputs) != self._num_extra_inputs:
-            raise TypeError(
-                f"{type(self).__name__} expects {self._num_extra_inputs} extra input(s) "
-                f"({', '.join(f'{type(op).__name__}: {op.num_extra_inputs}' for op in self._ops if op.num_extra_inputs) or 'none'}), "
-                f"got {len(extra_inputs)}"
-            )
+            self._raise_extra_inputs(len(extra_inputs))
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{type(self).__name__} input must be a torch.Tensor, got {type(x).__name__}")
         recipe = get_active_recipe()
-        recipe_key = get_recipe_key() if recipe is not None else None
-        for op in self._ops:
-            op.ensure_recipe_state(recipe, recipe_key)
+        recipe_key = None if recipe is None else get_recipe_key()
+        ops = self._ops
+        for op in ops:
+            if op._recipe_key is not recipe_key:  # identity: str(recipe) is cached, so this is the fast path
+                op.ensure_recipe_state(recipe, recipe_key)
         first_bwd = self.first_op_requiring_backward(x, extra_inputs)
         key = (recipe_key, first_bwd)
         plan = self._plans.get(key) if self._rules_version == type(self).rules.version else None
         if plan is None:
             plan = self.get_plan(key, recipe)
-        self.fusion_key = key
-        self.plan = plan
-        ops = self._ops
+        state = self.__dict__  # plain attributes: nn.Module.__setattr__ is slow on the hot path
+        state["fusion_key"] = key
+        state["plan"] = plan
         if first_bwd == len(ops):
             _, y, extra_outputs = self._run_forward(plan, first_bwd, recipe, x, extra_inputs, False)
         else:
-            params = []
+            params, param_counts = [], []
             for op in ops[first_bwd:]:
-                params += op.param_list()
-            out = _FuserFunction.apply(self, plan, first_bwd, recipe, x, *extra_inputs, *params)
+                op_params = op.param_list()
+                params += op_params
+                param_counts.append(len(op_params))
+            out = _FuserFunction.apply((self, plan, first_bwd, recipe, param_counts), x, *extra_inputs, *params)
             if not self._num_extra_outputs:
                 return out
             y, extra_outputs = out[0], list(out[1:])
@@ -266,26 +272,39 @@ class OperationFuser(torch.nn.Module):
             return y
         return (y, *extra_outputs)
 
+    def _raise_extra_inputs(self, received: int):
+        wanted = ", ".join(f"{type(op).__name__}: {op.num_extra_inputs}" for op in self._ops if op.num_extra_inputs)
+        raise TypeError(
+            f"{type(self).__name__} expects {self._num_extra_inputs} extra input(s) ({wanted or 'none'}), got {received}"
+        )
+
     def _run_forward(self, plan, first_bwd, recipe, x, extra_flat, input_requires_grad):
         ops = self._ops
-        slices = self._extra_input_slices
-        op_ctxs = [OpContext(op, i >= first_bwd, recipe) for i, op in enumerate(ops)]
-        if first_bwd < len(ops):
+        num_ops = len(ops)
+        if first_bwd == num_ops:
+            op_ctxs = self._no_grad_ctxs  # shared: ops write to a context only when it requires grad
+        else:
+            op_ctxs = [OpContext(op, i >= first_bwd, recipe) for i, op in enumerate(ops)]
             op_ctxs[first_bwd].input_requires_grad = first_bwd == 0 and input_requires_grad
-        per_op_extra = [tuple(extra_flat[s]) for s in slices]
-        extra_outputs = [()] * len(ops)
+        if self._num_extra_inputs:
+            per_op_extra = [extra_flat[s] for s in self._extra_input_slices]
+        else:
+            per_op_extra = self._no_extra_inputs
         y = x
-        for step in plan.forward_ops:
-            idx = step.indices
-            if len(idx) == 1:
-                i = idx[0]
-                y, outs = step.op.fuser_forward((op_ctxs[i],), y, (per_op_extra[i],), recipe)
-            else:
-                y, outs = step.op.fuser_forward([op_ctxs[i] for i in idx], y, [per_op_extra[i] for i in idx], recipe)
+        if not self._num_extra_outputs:
+            for forward, idx in plan.forward_exec:
+                if len(idx) == 1:
+                    i = idx[0]
+                    y, _ = forward((op_ctxs[i],), y, (per_op_extra[i],), recipe)
+                else:
+                    y, _ = forward([op_ctxs[i] for i in idx], y, [per_op_extra[i] for i in idx], recipe)
+            return op_ctxs, y, ()
+        extra_outputs = [()] * num_ops
+        for forward, idx in plan.forward_exec:
+            y, outs = forward([op_ctxs[i] for i in idx], y, [per_op_extra[i] for i in idx], recipe)
             for j, i in enumerate(idx):
                 extra_outputs[i] = outs[j]
-        flat_outputs = [t for outs in extra_outputs for t in outs]
-        return op_ctxs, y, flat_outputs
+        return op_ctxs, y, [t for outs in extra_outputs for t in outs]
 
     def extra_repr(self) -> str:
         return f"num_extra_inputs={self._num_extra_inputs}, cached_plans={len(self._plans)}"

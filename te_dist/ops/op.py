@@ -70,9 +70,11 @@ class BasicOperation(FusibleOperation):
 
     def ensure_recipe_state(self, recipe, key: Optional[str]) -> None:
         """Rebuild recipe state when the settings string changed; never reuse state of other settings."""
-        if key is not self._recipe_key and key != self._recipe_key:
+        if key is self._recipe_key:
+            return
+        if key != self._recipe_key:
             self.reset_recipe_state(recipe)
-            self._recipe_key = key
+        self._recipe_key = key  # adopt this string object so the caller's identity check hits next time
 
     def reset_recipe_state(self, recipe) -> None:
         """Build quantizers / amax histories for ``recipe`` (None = no quantization). Default: no state."""

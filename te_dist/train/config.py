@@ -8,7 +8,7 @@ workers run the same check again (they may be started by a plain ``torchrun``).
 YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
 
     model:    {vocab_size, hidden_size, ffn_hidden_size, num_layers, num_heads,
-               num_experts, top_k, activation, expert_bias, dtype}
+               num_experts, top_k, activation, expert_bias, aux_loss_coeff, dtype}
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
                ckpt_every, out_dir, device, threads}
@@ -58,7 +58,8 @@ class ModelConfig:
     num_experts: int = 4
     top_k: int = 2
     activation: str = "swiglu"
-    expert_bias: bool = False
+    expert_bias: bool = False  # per-expert biases in both expert GEMMs
+    aux_loss_coeff: float = 0.01  # router load-balancing loss weight
     dtype: str = "float32"
 
 
@@ -126,6 +127,8 @@ class JobConfig:
         if m.top_k > m.num_experts:
             raise ConfigError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
         _choice("model.activation", m.activation, ACTIVATIONS)
+        if m.aux_loss_coeff < 0:
+            raise ConfigError(f"model.aux_loss_coeff must be >= 0, got {m.aux_loss_coeff}")
         _choice("model.dtype", m.dtype, DTYPES)
         _positive("data.seq_len", d.seq_len, minimum=2)
         _positive("data.global_batch_size", d.global_batch_size)

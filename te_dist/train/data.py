@@ -29,22 +29,29 @@ class MarkovData:
         self.global_batch_size = global_batch_size
         self.seed = seed
         gen = torch.Generator().manual_seed(seed)
-        # Each row: `branching` distinct successors with uneven weights, the rest zero.
-        successors_VB = torch.stack([torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)])
+        # Each token: `branching` distinct successors with uneven weights (sparse: vocabularies
+        # of LLM size must not need a V x V table).
+        self.successors_VB = torch.stack(
+            [torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)]
+        ) if vocab_size <= 4096 else torch.randint(vocab_size, (vocab_size, branching), generator=gen)
         weights_VB = torch.rand(vocab_size, branching, generator=gen, dtype=torch.float64) + 0.5
-        probs_VV = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
-        probs_VV.scatter_(1, successors_VB, weights_VB / weights_VB.sum(1, keepdim=True))
-        self.probs_VV = probs_VV
-        self._cdf_VV = probs_VV.cumsum(1)
-        self._cdf_VV[:, -1] = 1.0  # guard against rounding below 1
+        self.probs_VB = weights_VB / weights_VB.sum(1, keepdim=True)
+        self._cdf_VB = self.probs_VB.cumsum(1)
+        self._cdf_VB[:, -1] = 1.0  # guard against rounding below 1
 
     def entropy_rate(self) -> float:
         """The best achievable mean loss (nats/token) for a model that knows the chain."""
-        stationary = torch.full((self.vocab_size,), 1.0 / self.vocab_size, dtype=torch.float64)
+        V = self.vocab_size
+        probs_VV = torch.zeros(V, V, dtype=torch.float64) if V <= 4096 else None
+        if probs_VV is None:  # large vocabularies: successors may repeat; the per-row bound is close enough
+            p = self.probs_VB
+            return float(-(p * p.log()).sum(1).mean())
+        probs_VV.index_put_((torch.arange(V).repeat_interleave(self.probs_VB.shape[1]), self.successors_VB.flatten()),
+                            self.probs_VB.flatten(), accumulate=True)
+        stationary = torch.full((V,), 1.0 / V, dtype=torch.float64)
         for _ in range(500):
-            stationary = stationary @ self.probs_VV
-        p = self.probs_VV
-        row_entropy = -(torch.where(p > 0, p * p.log(), torch.zeros_like(p))).sum(1)
+            stationary = stationary @ probs_VV
+        row_entropy = -(torch.where(probs_VV > 0, probs_VV * probs_VV.log(), torch.zeros_like(probs_VV))).sum(1)
         return float((stationary * row_entropy).sum())
 
     def uniform_loss(self) -> float:
@@ -58,9 +65,10 @@ class MarkovData:
         tokens_BS[:, 0] = torch.randint(self.vocab_size, (B,), generator=gen)
         u_SB = torch.rand(S, B, generator=gen, dtype=torch.float64)
         for pos in range(S):
-            cdf_BV = self._cdf_VV[tokens_BS[:, pos]]
-            nxt = torch.searchsorted(cdf_BV, u_SB[pos].unsqueeze(1), right=True).squeeze(1)
-            tokens_BS[:, pos + 1] = nxt.clamp_(max=self.vocab_size - 1)
+            cur_B = tokens_BS[:, pos]
+            choice_B = torch.searchsorted(self._cdf_VB[cur_B], u_SB[pos].unsqueeze(1), right=True).squeeze(1)
+            choice_B.clamp_(max=self.successors_VB.shape[1] - 1)
+            tokens_BS[:, pos + 1] = self.successors_VB[cur_B, choice_B]
         return tokens_BS
 
     def local_batch(self, step: int, rank: int, world_size: int) -> tuple:

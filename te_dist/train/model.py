@@ -69,6 +69,7 @@ class MoEBlock(nn.Module):
                 ep_group=ep_group,
                 activation=cfg.activation,
                 bias=cfg.expert_bias,
+                aux_loss_coeff=cfg.aux_loss_coeff,
                 dtype=dtype,
                 device=device,
             )

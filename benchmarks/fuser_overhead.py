@@ -1,0 +1,155 @@
+"""CPU overhead of the fuser: plan lookup, a 4-op Sequential and the grouped expert MLP.
+
+Tiny tensors so Python overhead dominates; every figure is compared with the same computation
+written as plain torch modules, measured in the same run (ratios, since these machines are noisy).
+
+    python benchmarks/fuser_overhead.py [--iters N] [--repeats R] [--recipe NAME]
+
+Goals (issue 4): plan lookup <= 1 us per call; Sequential <= 1.5x plain torch; grouped MLP
+forward+backward <= 300 us of CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import te_dist
+from te_dist import ops
+from te_dist.recipe import recipe_from_name
+
+
+def bench(fn, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean process CPU time per call, in microseconds.
+
+    ``time.process_time`` counts only this process's CPU time, so other jobs on a shared machine
+    inflate it far less than wall time (run with one torch thread so it equals the work done)."""
+    for _ in range(max(3, iters // 10)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(iters):
+            fn()
+        samples.append((time.process_time() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------ plan lookup
+def plan_lookup_rows(iters, repeats, recipe):
+    fuser = ops.OperationFuser([ops.BasicLinear(16, 16), ops.Bias(16), ops.GELU(), ops.BasicLinear(16, 16)])
+    x = torch.randn(4, 16)
+    with te_dist.autocast(recipe=recipe):
+        fuser(x)
+        key = fuser.fusion_key
+        get_plan = fuser.get_plan
+        first_op = fuser.first_op_requiring_backward
+        from te_dist.autocast import get_active_recipe, get_recipe_key
+
+        def key_and_lookup():
+            r = get_active_recipe()
+            k = (get_recipe_key() if r is not None else None, first_op(x, ()))
+            return get_plan(k, r)
+
+        rows = [
+            ("plan lookup: get_plan(key) hit", bench(lambda: get_plan(key, recipe), iters * 10, repeats)),
+            ("key + lookup: recipe key, first_op, get_plan", bench(key_and_lookup, iters * 10, repeats)),
+            ("dict.get baseline (floor)", bench(lambda: fuser._plans.get(key), iters * 10, repeats)),
+        ]
+    return rows
+
+
+# ------------------------------------------------------------------ 4-op Sequential
+def sequential_rows(iters, repeats, recipe, H=64, T=8):
+    torch.manual_seed(0)
+    ours = ops.Sequential(ops.BasicLinear(H, H), ops.Bias(H), ops.GELU(), ops.BasicLinear(H, H))
+    plain = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H, bias=False))
+    x = torch.randn(T, H, requires_grad=True)
+
+    def run(model):
+        def step():
+            model(x).sum().backward()
+        return step
+
+    with te_dist.autocast(recipe=recipe):
+        t_ours = bench(run(ours), iters, repeats)
+        t_eval = bench(lambda: _no_grad(ours, x), iters, repeats)
+    t_plain = bench(run(plain), iters, repeats)
+    t_plain_eval = bench(lambda: _no_grad(plain, x), iters, repeats)
+    return [
+        ("Sequential(Linear,Bias,GELU,Linear) fwd+bwd", t_ours, t_plain),
+        ("same, forward under no_grad", t_eval, t_plain_eval),
+    ]
+
+
+def _no_grad(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+# ------------------------------------------------------------------ grouped MLP
+class PlainExpertMLP(torch.nn.Module):
+    """The expert MLP as plain torch modules: per-expert F.linear, SwiGLU, probs, per-expert F.linear."""
+
+    def __init__(self, E, H, F):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(E, 2 * F, H) * H ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, F) * F ** -0.5)
+
+    def forward(self, x, split_list, probs):
+        outs = []
+        for e, xe in enumerate(x.split(split_list)):
+            gate, up = torch.nn.functional.linear(xe, self.w1[e]).chunk(2, -1)
+            outs.append(torch.nn.functional.silu(gate) * up)
+        a = torch.cat(outs) * probs[:, None]
+        return torch.cat([torch.nn.functional.linear(ae, self.w2[e]) for e, ae in enumerate(a.split(split_list))])
+
+
+def grouped_mlp_rows(iters, repeats, recipe, E=4, H=64, F=64, T=32):
+    torch.manual_seed(0)
+    fuser = ops.OperationFuser([ops.GroupedLinear(E, H, 2 * F), ops.ScaledSwiGLU(), ops.GroupedLinear(E, F, H)])
+    plain = PlainExpertMLP(E, H, F)
+    x = torch.randn(T, H, requires_grad=True)
+    probs = torch.rand(T, requires_grad=True)
+    split_list = [T // E] * E
+    splits = torch.tensor(split_list)
+
+    def ours():
+        fuser(x, splits, probs, splits).sum().backward()
+
+    def theirs():
+        plain(x, split_list, probs).sum().backward()
+
+    with te_dist.autocast(recipe=recipe):
+        t_ours = bench(ours, iters, repeats)
+    t_plain = bench(theirs, iters, repeats)
+    assert type(fuser.plan.forward_ops[0].op).__name__ == "GroupedMLP"
+    return [(f"grouped MLP fwd+bwd (E={E}, H={H}, F={F}, T={T})", t_ours, t_plain)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--recipe", default="none", help="none | delayed | current | block | mxfp8 | nvfp4")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    recipe = recipe_from_name(args.recipe)
+    print(f"torch {torch.__version__}, threads={args.threads}, recipe={args.recipe}, "
+          f"iters={args.iters}, repeats={args.repeats} (median of repeats)\n")
+    print(f"{'measurement':<52} {'us/call':>10}")
+    for name, t in plan_lookup_rows(args.iters, args.repeats, recipe):
+        print(f"{name:<52} {t:>10.3f}")
+    print()
+    print(f"{'measurement':<52} {'te_dist us':>10} {'torch us':>10} {'ratio':>7}")
+    rows = sequential_rows(args.iters, args.repeats, recipe) + grouped_mlp_rows(args.iters, args.repeats, recipe)
+    for name, t_ours, t_plain in rows:
+        print(f"{name:<52} {t_ours:>10.1f} {t_plain:>10.1f} {t_ours / t_plain:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

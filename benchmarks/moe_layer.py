@@ -1,0 +1,256 @@
+"""MoE layer forward+backward at EP=1 and EP=world, against a per-expert nn.Linear loop, in one run.
+
+    torchrun --nproc-per-node 2 benchmarks/moe_layer.py --backend nccl          # 2xH200, bf16
+    torchrun --nproc-per-node 2 benchmarks/moe_layer.py --backend gloo --tiny   # CPU check, fp32
+
+Rows of the table (one per model config and EP size; times are the max over ranks of the mean
+of ``--iters`` steps after ``--warmup``):
+  * layer        MoELayer forward+backward (router, permute, all-to-alls, fused grouped MLP).
+  * loop         the same router/dispatcher with experts as a Python loop over torch.nn.Linear
+                 (Megatron-Core SequentialMLP's approach); speedup = loop / layer.
+  * gemm         the layer's six grouped GEMMs alone (fc1/fc2 forward, dgrad, wgrad) on the split
+                 sizes of the layer's last step.
+  * a2a          raw ``all_to_all_single`` calls alone for the same token moves (dispatch and
+                 combine, forward and backward, plus the probabilities); 0 at EP=1.
+  * overhead     layer / (gemm + a2a); the goal is <= 1.3.
+  * dispatch     our dispatch all-to-all (count exchange + host read + variable-split token
+                 all-to-all) against a raw ``all_to_all_single`` of the same bytes, as algorithm
+                 bandwidth (bytes sent per rank / time).
+Tokens/s is per rank (tokens of this rank's batch / layer step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import te_dist as td
+from te_dist import kernels
+from te_dist.distributed import exchange_counts
+from te_dist.distributed.all_to_all import all_to_all_tokens
+from te_dist.moe import AllToAllDispatcher, TopKRouter
+
+CONFIGS = {
+    "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192),
+    "deepseek": dict(hidden=7168, ffn=2048, experts=64, top_k=8, tokens=8192),
+}
+TINY = {
+    "mixtral": dict(hidden=64, ffn=224, experts=8, top_k=2, tokens=256),
+    "deepseek": dict(hidden=112, ffn=32, experts=64, top_k=8, tokens=128),
+}
+
+
+class LoopMoE(nn.Module):
+    """Baseline: the layer's router and dispatcher, experts run one by one as nn.Linear pairs."""
+
+    def __init__(self, hidden, ffn, num_experts, top_k, ep_group, dtype, device):
+        super().__init__()
+        self.router = TopKRouter(hidden, num_experts, top_k, dtype=dtype, device=device)
+        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
+        El = self.dispatcher.num_local_experts
+        self.fc1 = nn.ModuleList(nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype, device=device) for _ in range(El))
+        self.fc2 = nn.ModuleList(nn.Linear(ffn, hidden, bias=False, dtype=dtype, device=device) for _ in range(El))
+
+    def forward(self, x):
+        routing = self.router(x, check_nan=False)
+        x_NH, splits, probs_N, state = self.dispatcher.dispatch(x, routing.probs_TK, routing.indices_TK, probs_in_expert=True)
+        sizes = splits.tolist()
+        outs = []
+        for fc1, fc2, xe, pe in zip(self.fc1, self.fc2, x_NH.split(sizes), probs_N.split(sizes)):
+            gate, up = fc1(xe).chunk(2, dim=-1)
+            outs.append(fc2(F.silu(gate) * up * pe.to(xe.dtype).unsqueeze(-1)))
+        return self.dispatcher.combine(torch.cat(outs), state)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, args, device) -> float:
+    """Mean seconds per call, max over ranks."""
+    for _ in range(args.warmup):
+        fn()
+    sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        fn()
+    sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / args.iters], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def train_step(module, x, g):
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    module(x).backward(g)
+
+
+def offsets_of(splits, device):
+    return torch.cumsum(splits.to(device), 0, dtype=torch.int32)
+
+
+def gemm_fn(layer, splits, dtype, device):
+    """The layer's six grouped GEMMs on its own weights and last split sizes."""
+    H, Fd = layer.hidden_size, layer.ffn_hidden_size
+    N = int(splits.sum())
+    off = offsets_of(splits, device)
+    w1, w2 = layer.fc1.weight.detach().transpose(1, 2), layer.fc2.weight.detach().transpose(1, 2)
+    x = torch.randn(N, H, dtype=dtype, device=device)
+    s = torch.randn(N, Fd, dtype=dtype, device=device)
+    dy = torch.randn(N, H, dtype=dtype, device=device)
+    dh = torch.randn(N, 2 * Fd, dtype=dtype, device=device)
+    E = layer.num_local_experts
+
+    def run():
+        kernels.grouped_mm_forward(x, w1, off)
+        kernels.grouped_mm_forward(s, w2, off)
+        kernels.grouped_mm_dgrad(dy, w2, off)
+        kernels.grouped_mm_wgrad(s, dy, off, num_groups=E)
+        kernels.grouped_mm_dgrad(dh, w1, off)
+        kernels.grouped_mm_wgrad(x, dh, off, num_groups=E)
+
+    return run
+
+
+def a2a_splits(layer):
+    """(input_splits, output_splits) of the layer's last dispatch."""
+    R = layer.ep_size
+    counts = layer.tokens_per_expert
+    recv = exchange_counts(counts, layer.ep_group)
+    return counts.view(R, -1).sum(1).tolist(), recv.view(R, -1).sum(1).tolist()
+
+
+def raw_a2a(x, out_splits, in_splits, group):
+    out = x.new_empty((sum(out_splits), x.shape[1]) if x.dim() == 2 else (sum(out_splits),))
+    dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    return out
+
+
+def bench_config(name, cfg, ep_size, args, device, dtype, rows):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD if ep_size > 1 else None
+    H, T = cfg["hidden"], cfg["tokens"]
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    x = torch.randn(T, H, dtype=dtype, device=device, generator=gen).requires_grad_(True)
+    g = torch.randn(T, H, dtype=dtype, device=device, generator=gen)
+
+    torch.manual_seed(0)
+    layer = td.moe.MoELayer(H, cfg["ffn"], cfg["experts"], cfg["top_k"], ep_group=group, dtype=dtype, device=device)
+    t_layer = timed(lambda: train_step(layer, x, g), args, device)
+    splits = layer.tokens_per_local_expert
+    t_gemm = timed(gemm_fn(layer, splits, dtype, device), args, device)
+    t_a2a = t_ours = t_raw = 0.0
+    sent_bytes = 0
+    if ep_size > 1:
+        in_splits, out_splits = a2a_splits(layer)
+        rows_sent, rows_recv = sum(in_splits), sum(out_splits)
+        xs = torch.randn(rows_sent, H, dtype=dtype, device=device)
+        xr = torch.randn(rows_recv, H, dtype=dtype, device=device)
+        ps = torch.rand(rows_sent, dtype=torch.float32, device=device)
+
+        def four_a2a():
+            raw_a2a(xs, out_splits, in_splits, group)  # dispatch
+            raw_a2a(ps, out_splits, in_splits, group)  # probabilities
+            raw_a2a(xr, in_splits, out_splits, group)  # combine
+            raw_a2a(xs, out_splits, in_splits, group)  # combine backward (same direction as dispatch)
+            raw_a2a(xr, in_splits, out_splits, group)  # dispatch backward
+
+        t_a2a = timed(four_a2a, args, device)
+        counts = layer.tokens_per_expert
+
+        def ours():
+            recv = exchange_counts(counts, group)
+            torch.cat([counts, recv]).tolist()
+            all_to_all_tokens(xs, out_splits, in_splits, group)
+
+        t_ours = timed(ours, args, device)
+        t_raw = timed(lambda: raw_a2a(xs, out_splits, in_splits, group), args, device)
+        sent_bytes = xs.numel() * xs.element_size()
+    del layer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    torch.manual_seed(0)
+    loop = LoopMoE(H, cfg["ffn"], cfg["experts"], cfg["top_k"], group, dtype, device)
+    t_loop = timed(lambda: train_step(loop, x, g), args, device)
+    del loop
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    row = dict(
+        config=name, ep=ep_size, layer_ms=t_layer * 1e3, loop_ms=t_loop * 1e3, speedup=t_loop / t_layer,
+        tok_s=T / t_layer, gemm_ms=t_gemm * 1e3, a2a_ms=t_a2a * 1e3, overhead=t_layer / (t_gemm + t_a2a),
+        ours_gbs=sent_bytes / t_ours / 1e9 if t_ours else float("nan"),
+        raw_gbs=sent_bytes / t_raw / 1e9 if t_raw else float("nan"),
+    )
+    row["a2a_ratio"] = row["ours_gbs"] / row["raw_gbs"] if t_raw else float("nan")
+    rows.append(row)
+    if rank == 0:
+        print(f"done {name} EP={ep_size}: layer {row['layer_ms']:.2f} ms, loop {row['loop_ms']:.2f} ms", flush=True)
+
+
+def print_table(rows, header):
+    cols = [("config", "{}"), ("ep", "{}"), ("layer_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
+            ("tok_s", "{:,.0f}"), ("gemm_ms", "{:.2f}"), ("a2a_ms", "{:.2f}"), ("overhead", "{:.2f}x"),
+            ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}")]
+    names = ["config", "EP", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
+             "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw"]
+    print(header)
+    print("| " + " | ".join(names) + " |")
+    print("|" + "---|" * len(names))
+    for r in rows:
+        print("| " + " | ".join(fmt.format(r[c]) for c, fmt in cols) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU check of the whole script)")
+    parser.add_argument("--configs", default="mixtral,deepseek")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (overrides the config)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if args.backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device, dtype = torch.device("cuda", local_rank), torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+    dist.init_process_group(args.backend)
+    world = dist.get_world_size()
+    table = TINY if args.tiny else CONFIGS
+    rows = []
+    try:
+        for name in args.configs.split(","):
+            cfg = dict(table[name])
+            if args.tokens:
+                cfg["tokens"] = args.tokens
+            for ep_size in sorted({1, world}):
+                bench_config(name, cfg, ep_size, args, device, dtype, rows)
+        if dist.get_rank() == 0:
+            x = torch.empty(8, 8, dtype=dtype, device=device)
+            w = torch.empty(2, 8, 8, dtype=dtype, device=device)
+            hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+            print_table(rows, f"\nMoE layer fwd+bwd, {world} rank(s) x {hw}, {dtype}, backend {args.backend}, "
+                              f"grouped-GEMM backend {kernels.select_backend('forward', x, w)}, "
+                              f"iters {args.iters} warmup {args.warmup}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

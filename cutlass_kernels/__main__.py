@@ -1,0 +1,41 @@
+"""``python -m cutlass_kernels [--jobs N] [--only NAME ...]``: build every instance into the cache, in parallel.
+
+Used before GPU test/benchmark runs so the first call does not pay for compilation.
+"""
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .build import BuildError, all_instances, build_instance, cache_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cutlass_kernels")
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--only", nargs="*", default=None, help="instance names, e.g. te_gg_fwd_c0_bf16")
+    args = ap.parse_args(argv)
+    insts = [i for i in all_instances() if args.only is None or i.name in args.only]
+    print(f"building {len(insts)} instances into {cache_dir()} with {args.jobs} jobs", flush=True)
+    t0 = time.time()
+    failures = 0
+
+    def one(inst):
+        t = time.time()
+        try:
+            path = build_instance(inst)
+            return f"ok   {inst.name} {time.time() - t:6.1f}s {path.name}"
+        except BuildError as exc:
+            return f"FAIL {inst.name}: {exc}"
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for line in pool.map(one, insts):
+            failures += line.startswith("FAIL")
+            print(line, flush=True)
+    print(f"done in {time.time() - t0:.1f}s, {failures} failed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Just-in-time build of grouped_gemm.cu instances, cached on disk, loaded with ctypes.
+
+Cache key (sha256): the source, every CUTLASS header (the whole include tree, hashed once per
+process), the instance macros, arch and flags, the CUTLASS version and the nvcc version. The
+library is compiled into a temp dir inside the cache dir and renamed into place atomically, so
+many ranks may race to build the same instance safely. Cache dir: ``$TE_DIST_CACHE`` or
+``~/.cache/te_dist/kernels``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+__all__ = [
+    "ARCH_FLAGS",
+    "BASE_FLAGS",
+    "SOURCE",
+    "Instance",
+    "BuildError",
+    "cache_dir",
+    "find_nvcc",
+    "find_cutlass",
+    "build_command",
+    "cache_key",
+    "build_instance",
+    "load_instance",
+    "all_instances",
+]
+
+SOURCE = Path(__file__).resolve().parent / "grouped_gemm.cu"
+ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
+BASE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-O3", "-Xcompiler", "-fPIC", "-shared",
+              "-lineinfo")
+
+KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
+
+
+class BuildError(RuntimeError):
+    """nvcc or the CUTLASS headers are missing, or compilation failed (message has the log tail)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    direction: str  # "fwd" | "dgrad" | "wgrad"
+    config: int  # heuristics.CONFIGS key
+    out_f32: bool = False
+
+    def __post_init__(self):
+        if self.direction not in KINDS:
+            raise ValueError(f"direction must be one of {tuple(KINDS)}, received {self.direction!r}")
+        if self.config not in (0, 1):
+            raise ValueError(f"config must be 0 or 1, received {self.config!r}")
+
+    @property
+    def name(self) -> str:
+        return f"te_gg_{self.direction}_c{self.config}_{'f32' if self.out_f32 else 'bf16'}"
+
+    @property
+    def macros(self) -> Tuple[str, ...]:
+        return (f"-DTE_GG_KIND={KINDS[self.direction]}", f"-DTE_GG_CONFIG={self.config}",
+                f"-DTE_GG_OUT_F32={int(self.out_f32)}")
+
+
+def all_instances() -> List[Instance]:
+    return [Instance(d, c, f) for d in KINDS for c in (0, 1) for f in (False, True)]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TE_DIST_CACHE") or Path.home() / ".cache" / "te_dist" / "kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def find_nvcc() -> Optional[str]:
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    return out.strip().splitlines()[-1] if out.strip() else "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def find_cutlass() -> Optional[Tuple[Path, Path, str]]:
+    """(include dir, util include dir, version) from $TE_DIST_CUTLASS_DIR or the nvidia-cutlass wheel."""
+    root = os.environ.get("TE_DIST_CUTLASS_DIR")
+    version = "custom"
+    if not root:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or spec.origin is None:
+            return None
+        root = str(Path(spec.origin).parent / "source")
+        try:
+            from importlib.metadata import version as _v
+
+            version = _v("nvidia-cutlass")
+        except Exception:  # metadata missing: the header hash still keys the cache
+            version = "unknown"
+    include = Path(root) / "include"
+    util = Path(root) / "tools" / "util" / "include"
+    if not (include / "cutlass" / "cutlass.h").exists():
+        return None
+    return include, util, version
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix in (".h", ".hpp", ".cuh", ".inl", ".inc"):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def build_command(inst: Instance, out_path: Path) -> List[str]:
+    nvcc = find_nvcc()
+    cut = find_cutlass()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    if cut is None:
+        raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
+    include, util, _ = cut
+    return [nvcc, *ARCH_FLAGS, *BASE_FLAGS, *inst.macros, f"-I{include}", f"-I{util}", "-o", str(out_path),
+            str(SOURCE)]
+
+
+def cache_key(inst: Instance) -> str:
+    nvcc = find_nvcc()
+    cut = find_cutlass()
+    if nvcc is None or cut is None:
+        raise BuildError("nvcc or CUTLASS headers not found")
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _tree_digest(cut[0]).encode(), _tree_digest(cut[1]).encode(),
+                 " ".join(inst.macros + ARCH_FLAGS + BASE_FLAGS).encode(), cut[2].encode(),
+                 nvcc_version(nvcc).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+_build_lock = threading.Lock()
+
+
+def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
+    """Path of the cached .so for ``inst``, compiling it first if needed."""
+    target = cache_dir() / f"{inst.name}-{cache_key(inst)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{inst.name}-") as tmp:
+        out = Path(tmp) / target.name
+        cmd = build_command(inst, out)
+        if verbose:
+            print(" ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise BuildError(f"nvcc failed for {inst.name} (rc={proc.returncode}):\n{tail}")
+        os.replace(out, target)  # atomic: a racing rank sees either nothing or the whole file
+    return target
+
+
+class _Library:
+    """ctypes view of one instance's C ABI."""
+
+    def __init__(self, path: Path, inst: Instance):
+        lib = ctypes.CDLL(str(path))
+        c = ctypes
+        lib.te_gg_run.restype = c.c_int
+        lib.te_gg_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
+                                  c.c_void_p, c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
+        lib.te_gg_workspace_bytes.restype = c.c_int
+        lib.te_gg_workspace_bytes.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
+        lib.te_gg_last_error.restype = c.c_char_p
+        got = (lib.te_gg_kind(), lib.te_gg_config(), bool(lib.te_gg_out_f32()))
+        assert got == (KINDS[inst.direction], inst.config, inst.out_f32), f"{path} is not {inst}: {got}"
+        self._lib = lib
+        self._ws_cache = {}
+        self.run = lib.te_gg_run
+        self.path = path
+
+    def workspace_bytes(self, num_groups: int, sm_count: int) -> int:
+        key = (num_groups, sm_count)
+        got = self._ws_cache.get(key)
+        if got is None:
+            out = ctypes.c_size_t(0)
+            self._lib.te_gg_workspace_bytes(num_groups, sm_count, ctypes.byref(out))
+            got = self._ws_cache[key] = int(out.value)
+        return got
+
+    def last_error(self) -> str:
+        return self._lib.te_gg_last_error().decode(errors="replace")
+
+
+_loaded: dict = {}
+
+
+def load_instance(inst: Instance) -> _Library:
+    lib = _loaded.get(inst)
+    if lib is None:
+        with _build_lock:
+            lib = _loaded.get(inst)
+            if lib is None:
+                lib = _loaded[inst] = _Library(build_instance(inst), inst)
+    return lib

@@ -1,0 +1,226 @@
+"""The ``te-dist`` command.
+
+    te-dist train [--nproc N] [--steps N] [--recipe NAME] [--config FILE] [--ep N] [--resume DIR] ...
+    te-dist env [--json]
+
+``train`` validates the job in this process (a bad config fails here with exit code 2, before
+any rank starts), then runs the ranks under torchrun and returns its exit code. ``env`` reports
+versions, backends and the grouped-GEMM support matrix for every visible device and recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import shutil
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser", "env_report", "format_env_report"]
+
+EXIT_USAGE = 2  # argparse's code for bad usage; also used for a bad config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train.args import add_train_arguments
+
+    parser = argparse.ArgumentParser(prog="te-dist", description="te_dist: expert-parallel MoE training tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a small MoE transformer (starts its own torchrun workers)")
+    train.add_argument("--nproc", type=int, help="ranks on this machine (default: number of GPUs, else 2)")
+    add_train_arguments(train)
+    env = sub.add_parser("env", help="versions, backends and the support matrix per device and recipe")
+    env.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    return parser
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _train(ns: argparse.Namespace) -> int:
+    from .train.args import config_from_args, worker_argv
+    import dataclasses
+
+    import torch
+
+    from .train.checkpoint import check_compatible, find_checkpoint
+    from .train.config import ConfigError
+    from .train.launch import default_nproc, launch
+
+    try:
+        cfg = config_from_args(ns)
+        nproc = ns.nproc if ns.nproc is not None else default_nproc(cfg.train.device)
+        if nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+        cfg.validate(world_size=nproc)
+        if cfg.train.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("train.device='cuda' but no GPU is visible (torch.cuda.is_available() is False)")
+        if ns.resume is not None:
+            check_compatible(find_checkpoint(ns.resume), dataclasses.asdict(cfg.model))
+        if ns.fail_rank is not None and not 0 <= ns.fail_rank < nproc:
+            raise ConfigError(f"--fail-rank {ns.fail_rank} is not a rank of a {nproc}-rank job")
+    except ConfigError as exc:
+        print(f"te-dist train: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    code = launch(nproc, worker_argv(ns))
+    if code != 0:
+        print(f"te-dist train: the job failed (torchrun exit code {code}); the failing rank's error is shown above",
+              file=sys.stderr)
+    return code
+
+
+# --------------------------------------------------------------------------- env
+
+
+def _version_of(module_name: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version(module_name)
+    except Exception:
+        return None
+
+
+def _devices() -> list:
+    import torch
+
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return devices
+
+
+def _device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{device} ({torch.cuda.get_device_name(device)}, sm_{major}{minor})"
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _backends() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    out = {
+        "torch._grouped_mm": hasattr(torch, "_grouped_mm"),
+        "torch._scaled_grouped_mm": hasattr(torch, "_scaled_grouped_mm"),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available(),
+        "nvcc": shutil.which("nvcc"),
+        "nvidia-cutlass wheel": _version_of("nvidia-cutlass"),
+    }
+    try:
+        kernels = importlib.import_module("te_dist.kernels")
+        probe = getattr(kernels, "available_backends", None)
+        out["te_dist.kernels backends"] = list(probe()) if callable(probe) else "importable"
+    except Exception as exc:  # report, never crash: this command is what users run when things break
+        out["te_dist.kernels backends"] = f"unavailable ({type(exc).__name__}: {exc})"
+    return out
+
+
+def _support_matrix(devices) -> dict:
+    """{device: {recipe name: {dtype: {"module": bool, "op_fuser": bool}}}} (or an error string)."""
+    import torch
+
+    from .recipe import RECIPE_NAMES, recipe_from_name
+
+    try:
+        support = importlib.import_module("te_dist.support")
+    except Exception as exc:
+        return {"error": f"te_dist.support unavailable ({type(exc).__name__}: {exc})"}
+    matrix = {}
+    for device in devices:
+        rows = {}
+        for name in RECIPE_NAMES:
+            recipe = recipe_from_name(name)
+            cells = {}
+            for dtype in (torch.bfloat16, torch.float32):
+                cell = {}
+                for kind, fn in (("module", support.is_module_grouped_tensor_supported),
+                                 ("op_fuser", support.is_op_fuser_grouped_tensor_supported)):
+                    try:
+                        cell[kind] = bool(fn(recipe, dtype, device=device))
+                    except Exception as exc:
+                        cell[kind] = f"error: {type(exc).__name__}: {exc}"
+                cells[str(dtype).replace("torch.", "")] = cell
+            rows[name] = cells
+        matrix[str(device)] = rows
+    return matrix
+
+
+def env_report() -> dict:
+    import torch
+
+    from . import __version__
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as exc:
+            nccl = f"unknown ({exc})"
+    devices = _devices()
+    return {
+        "versions": {
+            "te_dist": __version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda (torch build)": torch.version.cuda,
+            "cuda available": torch.cuda.is_available(),
+            "nccl": nccl,
+            "numpy": _version_of("numpy"),
+            "megatron-core": _version_of("megatron-core"),
+        },
+        "devices": [_device_name(d) for d in devices],
+        "backends": _backends(),
+        "support": _support_matrix(devices),
+    }
+
+
+def _mark(value) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return str(value)
+
+
+def format_env_report(report: dict) -> str:
+    lines = ["te_dist environment", "", "versions:"]
+    lines += [f"  {k:<22} {_mark(v)}" for k, v in report["versions"].items()]
+    lines += ["", "devices:"] + [f"  {d}" for d in report["devices"]]
+    lines += ["", "backends:"] + [f"  {k:<26} {_mark(v)}" for k, v in report["backends"].items()]
+    lines += ["", "grouped-tensor support (module / op fuser) per device, recipe and dtype:"]
+    support = report["support"]
+    if "error" in support:
+        lines.append(f"  {support['error']}")
+        return "\n".join(lines)
+    for device, rows in support.items():
+        dtypes = list(next(iter(rows.values())).keys())
+        lines.append(f"  {device}")
+        lines.append("    " + f"{'recipe':<10}" + "".join(f"{d:>22}" for d in dtypes))
+        for name, cells in rows.items():
+            text = "".join(f"{_mark(c['module']) + ' / ' + _mark(c['op_fuser']):>22}" for c in cells.values())
+            lines.append(f"    {name:<10}{text}")
+    return "\n".join(lines)
+
+
+def _env(ns: argparse.Namespace) -> int:
+    report = env_report()
+    print(json.dumps(report, indent=1, default=str) if ns.json else format_env_report(report))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.command == "train":
+        return _train(ns)
+    return _env(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Distributed pieces: recipe consensus across ranks, expert-parallel groups, token all-to-all.
+
+A thin re-export list; each name lives in the module that owns it.
+"""
+
+from .all_to_all import all_to_all_tokens, exchange_counts
+from .consensus import ConsensusError, RecipeMismatchError, sync_recipe
+from .groups import ExpertParallelGroups, group_rank, group_size, init_expert_parallel_groups
+
+__all__ = [
+    "sync_recipe",
+    "RecipeMismatchError",
+    "ConsensusError",
+    "ExpertParallelGroups",
+    "init_expert_parallel_groups",
+    "group_rank",
+    "group_size",
+    "all_to_all_tokens",
+    "exchange_counts",
+]

@@ -1,0 +1,355 @@
+"""Rank-consistent recipe keys: every rank of a group keys its fusion plans by the same string.
+
+Why: a fusion plan decides which kernels and collectives an op sequence runs. Two ranks keyed by
+different recipe strings run different plans, and their next collective hangs or mixes up data.
+
+Protocol (one call of :func:`sync_recipe`, identical on every rank of the group)::
+
+    digest d = 62-bit blake2b of the local key ("None" when no recipe)
+    all_reduce(MAX) of [d, -d]  ->  [max d, -min d]         (16 bytes, the steady-state cost)
+    max == min, digest already verified for this group  ->  agreed, no further collective
+    max == min, first time for this group               ->  all_gather the strings once and compare
+    max != min                                          ->  all_gather the strings and settings,
+                                                            raise RecipeMismatchError on EVERY rank
+
+Every branch is chosen from the all-reduced value (or from history that the same calls built
+identically on every rank), so all ranks run the same sequence of collectives: no rank can wait
+in a collective that another rank skipped. Every collective has a timeout, so a dead or stuck
+peer turns into :class:`ConsensusError` on the survivors instead of a hang.
+
+The collectives run on a CPU (gloo) group: the user's group itself when it is gloo, otherwise a
+gloo side group created once per group. On NCCL jobs this keeps the check off the GPU stream and
+avoids a device-to-host synchronisation per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import json
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..recipe import Recipe, _describe
+
+__all__ = [
+    "ConsensusError",
+    "RecipeMismatchError",
+    "sync_recipe",
+    "agree_recipe_key",
+    "recipe_digest",
+    "describe_recipe_mismatch",
+    "DEFAULT_TIMEOUT_S",
+    "reset_consensus_state",
+]
+
+DEFAULT_TIMEOUT_S = 60.0
+_NO_RECIPE = "None"  # the key exchanged for "no recipe": rank 0 quantizing and rank 1 not is a mismatch
+_MAX_VERIFIED = 64  # distinct agreed keys remembered per group (more means a full exchange again)
+_MAX_DIFF_LINES = 12
+_FORCE_SIDE_GROUP = False  # tests set it to exercise the NCCL-style side group on gloo-only machines
+
+
+class ConsensusError(RuntimeError):
+    """A consensus collective failed or timed out: a peer died, hung, or left the group."""
+
+
+class RecipeMismatchError(RuntimeError):
+    """Ranks of a group hold different recipes; raised identically on every rank of the group.
+
+    ``mismatched_ranks`` are group ranks whose key differs from group rank 0's (the authoritative
+    one); ``keys`` maps every group rank to its key; ``global_ranks`` maps group ranks to global ones.
+    """
+
+    def __init__(self, message: str, *, mismatched_ranks, keys, global_ranks):
+        super().__init__(message)
+        self.mismatched_ranks = list(mismatched_ranks)
+        self.keys = dict(keys)
+        self.global_ranks = list(global_ranks)
+
+
+# --------------------------------------------------------------------------- local pieces
+
+
+def recipe_digest(key: str) -> int:
+    """62-bit digest of a recipe key: non-negative, so ``-digest`` fits in int64 for the MIN/MAX trick."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little") >> 2
+
+
+def _local_key(recipe: Optional[Recipe]) -> str:
+    if recipe is None:
+        return _NO_RECIPE
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"sync_recipe expects a te_dist.recipe.Recipe or None, got {type(recipe).__name__}")
+    return str(recipe)
+
+
+def _payload(recipe: Optional[Recipe]) -> dict:
+    """What a rank sends when ranks disagree: enough to print a per-setting diff."""
+    if recipe is None:
+        return {"key": _NO_RECIPE, "type": "no recipe", "settings": {}}
+    settings = {name: _describe(value) for name, value in recipe.settings().items()}
+    return {"key": str(recipe), "type": type(recipe).__name__, "settings": settings}
+
+
+def _rank_name(group_rank: int, global_ranks) -> str:
+    global_rank = global_ranks[group_rank]
+    return f"rank {group_rank}" if global_rank == group_rank else f"rank {group_rank} (global {global_rank})"
+
+
+def _ranks_name(group_ranks, global_ranks) -> str:
+    if len(group_ranks) == 1:
+        return _rank_name(group_ranks[0], global_ranks)
+    return "ranks " + ", ".join(_rank_name(r, global_ranks)[len("rank "):] for r in group_ranks)
+
+
+def _setting_diff(ref: dict, other: dict, ref_name: str, other_name: str) -> list:
+    ref_s, other_s = ref["settings"], other["settings"]
+    lines = []
+    if ref["type"] != other["type"]:
+        lines.append(f"recipe class: {ref['type']} on {ref_name}, {other['type']} on {other_name}")
+    for name in [n for n in ref_s if n in other_s]:
+        if ref_s[name] != other_s[name]:
+            lines.append(f"{name}: {ref_s[name]} on {ref_name}, {other_s[name]} on {other_name}")
+    only_ref = [n for n in ref_s if n not in other_s]
+    only_other = [n for n in other_s if n not in ref_s]
+    if ref["type"] == other["type"]:  # a public attribute attached (or deleted) on one side
+        lines.extend(f"{n}: {ref_s[n]} on {ref_name}, not set on {other_name}" for n in only_ref)
+        lines.extend(f"{n}: not set on {ref_name}, {other_s[n]} on {other_name}" for n in only_other)
+    else:  # different classes: list each side's own settings once instead of a line per setting
+        for name, side, names in ((ref_name, ref_s, only_ref), (other_name, other_s, only_other)):
+            if names:
+                lines.append(f"only {name} has: " + ", ".join(f"{n}={side[n]}" for n in names))
+    if not lines:  # same settings, different strings: show the strings rather than nothing
+        lines.append(f"key: {ref['key']!r} on {ref_name}, {other['key']!r} on {other_name}")
+    if len(lines) > _MAX_DIFF_LINES:
+        lines = lines[:_MAX_DIFF_LINES] + [f"... and {len(lines) - _MAX_DIFF_LINES} more differences"]
+    return lines
+
+
+def describe_recipe_mismatch(payloads: list, global_ranks) -> tuple:
+    """``(message, mismatched group ranks)`` for payloads gathered from every group rank (index = group rank).
+
+    Ranks with the same key are reported together, each group against rank 0 (authoritative).
+    """
+    ref = payloads[0]
+    by_key = collections.OrderedDict()
+    for group_rank, payload in enumerate(payloads):
+        by_key.setdefault(payload["key"], []).append(group_rank)
+    mismatched = [r for r, p in enumerate(payloads) if p["key"] != ref["key"]]
+    ref_name = _rank_name(0, global_ranks)
+    parts = [
+        f"recipe mismatch across the {len(payloads)} ranks of a group: {_ranks_name(mismatched, global_ranks)} "
+        f"{'differs' if len(mismatched) == 1 else 'differ'} from {ref_name}, whose recipe is authoritative"
+    ]
+    for key, ranks in by_key.items():
+        if key == ref["key"]:
+            continue
+        other_name = _ranks_name(ranks, global_ranks)
+        parts.append(f"  {other_name} vs {ref_name}:")
+        parts.extend(f"    {line}" for line in _setting_diff(ref, payloads[ranks[0]], ref_name, other_name))
+    parts.append(
+        "Every rank must build the same recipe and change it at the same step (a setting written, a public "
+        "attribute attached, a different recipe class all count)."
+    )
+    return "\n".join(parts), mismatched
+
+
+# --------------------------------------------------------------------------- per-group state
+
+
+class _GroupConsensus:
+    """Consensus state of one process group: its CPU group and the keys already verified on it."""
+
+    def __init__(self, group, timeout_s: float):
+        self.group = group  # keeps the group alive so the registry's id() key cannot be reused
+        self.global_ranks = list(dist.get_process_group_ranks(group))
+        self.group_rank = dist.get_rank(group)
+        self.size = len(self.global_ranks)
+        self.cpu_group = self._cpu_group(group, timeout_s)
+        self.verified = collections.OrderedDict()  # digest -> key, identical on every rank
+        self.last_key = None
+        self.last_digest = None
+
+    def _cpu_group(self, group, timeout_s: float):
+        backend = str(dist.get_backend(group)).lower()
+        if "gloo" in backend and not _FORCE_SIDE_GROUP:
+            return group
+        # Only this group's ranks take part; every rank of it reaches here at the same consensus call.
+        return dist.new_group(
+            ranks=self.global_ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            use_local_synchronization=True,
+        )
+
+    def digest(self, key: str) -> int:
+        if key is self.last_key:  # str(recipe) is cached, so steady state hits this identity check
+            return self.last_digest
+        digest = recipe_digest(key)
+        self.last_key, self.last_digest = key, digest
+        return digest
+
+    def remember(self, digest: int, key: str) -> None:
+        self.verified[digest] = key
+        self.verified.move_to_end(digest)
+        while len(self.verified) > _MAX_VERIFIED:
+            self.verified.popitem(last=False)
+
+
+class _Registry:
+    """Owner of the per-group states (one per process, keyed by group identity)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._states = {}
+
+    def get(self, group, timeout_s: float) -> _GroupConsensus:
+        state = self._states.get(id(group))
+        if state is not None and state.group is group:
+            return state
+        with self._lock:
+            state = self._states.get(id(group))
+            if state is None or state.group is not group:
+                state = _GroupConsensus(group, timeout_s)
+                self._states[id(group)] = state
+            return state
+
+    def clear(self) -> None:
+        with self._lock:
+            self._states.clear()
+
+
+_REGISTRY = _Registry()
+
+
+def reset_consensus_state() -> None:
+    """Forget verified keys and side groups (after ``destroy_process_group``, or in tests)."""
+    _REGISTRY.clear()
+
+
+# --------------------------------------------------------------------------- collectives with a timeout
+
+
+def _wait(work, state: _GroupConsensus, phase: str, timeout_s: float, started: float) -> None:
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # gloo raises on a closed peer connection or on the timeout
+        raise _consensus_error(state, phase, timeout_s, started, exc) from exc
+    if ok is False:
+        raise _consensus_error(state, phase, timeout_s, started, "the collective did not complete")
+
+
+def _consensus_error(state, phase, timeout_s, started, cause) -> ConsensusError:
+    elapsed = time.monotonic() - started
+    return ConsensusError(
+        f"recipe consensus failed on {_rank_name(state.group_rank, state.global_ranks)} of a group of "
+        f"{state.size} (global ranks {state.global_ranks}) during {phase} after {elapsed:.1f}s "
+        f"(timeout {timeout_s:g}s): a peer rank died, hung, or skipped this consensus point. Cause: {cause}"
+    )
+
+
+def _all_reduce_digest(state, digest: int, timeout_s: float, started: float) -> tuple:
+    t = torch.tensor([digest, -digest], dtype=torch.int64)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=state.cpu_group, async_op=True)
+    _wait(work, state, "the digest all_reduce", timeout_s, started)
+    return int(t[0]), -int(t[1])
+
+
+def _all_gather_text(state, text: str, timeout_s: float, started: float) -> list:
+    """All ranks' ``text`` (index = group rank); two fixed-order collectives, both with a timeout."""
+    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    length = torch.tensor([data.numel()], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(state.size)]
+    work = dist.all_gather(lengths, length, group=state.cpu_group, async_op=True)
+    _wait(work, state, "the length all_gather", timeout_s, started)
+    sizes = [int(n) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(state.size)]
+    work = dist.all_gather(buffers, padded, group=state.cpu_group, async_op=True)
+    _wait(work, state, "the string all_gather", timeout_s, started)
+    return [bytes(buf[:n].tolist()).decode("utf-8") for buf, n in zip(buffers, sizes)]
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def _resolve_group(group):
+    """The group to agree over, or None when consensus is a local no-op."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError(f"sync_recipe got group={group!r} but torch.distributed is not initialised")
+        return None
+    if group is None:
+        group = dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this rank (global {dist.get_rank()}) is not a member of the group given to sync_recipe "
+            f"(global ranks {dist.get_process_group_ranks(group)})"
+        )
+    return group
+
+
+def _check_timeout(timeout) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be seconds (int/float) or a timedelta, got {type(timeout).__name__}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def agree_recipe_key(recipe: Optional[Recipe], group, *, timeout=None) -> Optional[str]:
+    """The recipe key all ranks of ``group`` agreed on (None: no recipe on every rank).
+
+    Called by ``te_dist.autocast(group=...)`` at entry; see the module docstring for the protocol.
+    """
+    timeout_s = _check_timeout(timeout)
+    key = _local_key(recipe)
+    group = _resolve_group(group)
+    if group is None or dist.get_world_size(group) == 1:
+        return None if recipe is None else key
+    started = time.monotonic()
+    state = _REGISTRY.get(group, timeout_s)
+    digest = state.digest(key)
+    high, low = _all_reduce_digest(state, digest, timeout_s, started)
+    if high == low:
+        if state.verified.get(high) is key or state.verified.get(high) == key:
+            state.verified.move_to_end(high)
+            return None if recipe is None else key
+        # First time this key is seen on this group: compare the exact strings once (digest collisions).
+        keys = _all_gather_text(state, key, timeout_s, started)
+        if all(k == keys[0] for k in keys):
+            state.remember(high, keys[0])
+            return None if recipe is None else keys[0]
+    # Every rank is here (the branch depends only on values identical on all ranks): build the diff.
+    texts = _all_gather_text(state, json.dumps(_payload(recipe), sort_keys=False), timeout_s, started)
+    payloads = [json.loads(t) for t in texts]
+    message, mismatched = describe_recipe_mismatch(payloads, state.global_ranks)
+    raise RecipeMismatchError(
+        message,
+        mismatched_ranks=mismatched,
+        keys={r: p["key"] for r, p in enumerate(payloads)},
+        global_ranks=state.global_ranks,
+    )
+
+
+def sync_recipe(recipe: Optional[Recipe], group=None, *, timeout=None) -> Optional[str]:
+    """Agree on ``recipe``'s key across ``group`` (default: the world) and return it.
+
+    Rank 0's key is authoritative; every rank returns the same string, or every rank raises
+    :class:`RecipeMismatchError` naming the differing ranks and settings. A dead or stuck peer
+    raises :class:`ConsensusError` within ``timeout`` seconds (default ``DEFAULT_TIMEOUT_S``).
+    Without an initialised process group (and ``group=None``) this is a local no-op returning
+    ``str(recipe)``. ``recipe=None`` returns None once every rank agrees it has no recipe.
+    """
+    return agree_recipe_key(recipe, group, timeout=timeout)

@@ -1,0 +1,180 @@
+"""Grouped GEMM for expert MLPs: the one entry point, whatever runs underneath.
+
+``grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None)`` computes,
+for the rows of expert e (rows ``offsets[e-1]:offsets[e]``, offsets = int32 cumulative END rows on
+x's device, as ``torch._grouped_mm`` takes them)::
+
+    y[rows] = row_scale[rows, None] * (x[rows] @ w[e]) + bias[e]
+
+and is differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally a transposed view of
+a contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Each call picks a backend
+(``te_dist.backends.selection``): our CUTLASS SM90 kernels -> ``torch._grouped_mm`` -> a per-expert
+loop (CPU, fp16/fp32, decode shapes). Inputs are validated before anything launches.
+
+Legend: T rows (tokens), K in-features, N out-features, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .backends import loop_backend, torch_backend, validation
+from .backends.grouped_mm_function import GroupedMM
+from .backends.selection import BACKENDS, Problem, choose_backend
+
+__all__ = [
+    "grouped_mm",
+    "grouped_mm_forward",
+    "grouped_mm_dgrad",
+    "grouped_mm_wgrad",
+    "select_backend",
+    "available_backends",
+    "BACKENDS",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int):
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _cutlass_module():
+    from .backends import cutlass_backend
+
+    return cutlass_backend
+
+
+def _cutlass_built(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return _cutlass_module().is_available(device)
+
+
+def _problem(direction, a, k, n, num_groups, dtype, out_dtype, weight_k_major) -> Problem:
+    device = a.device
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return Problem(direction, device.type, cap, dtype, out_dtype, a.shape[0], k, n, num_groups, weight_k_major, capturing)
+
+
+def _weight_k_major(w_EKN: torch.Tensor) -> bool:
+    E, K, N = w_EKN.shape
+    return w_EKN.stride(1) == 1 and w_EKN.stride(2) == K and (E <= 1 or w_EKN.stride(0) == N * K)
+
+
+def _select(p: Problem, device: torch.device, forced: Optional[str]) -> str:
+    cutlass_ok = p.device_type == "cuda" and p.capability == (9, 0) and _cutlass_built(device)
+    return choose_backend(p, cutlass_built=cutlass_ok, torch_grouped=torch_backend.is_available(), forced=forced)
+
+
+def _impl(name: str):
+    if name == "loop":
+        return loop_backend
+    if name == "torch":
+        return torch_backend
+    return _cutlass_module()
+
+
+def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None, backend=None) -> str:
+    """The backend a call with these operands would use (for benchmarks, logs and `te-dist env`)."""
+    E, K, N = w_EKN.shape
+    p = _problem(direction, x_TK, K, N, E, x_TK.dtype, out_dtype or x_TK.dtype, _weight_k_major(w_EKN))
+    return _select(p, x_TK.device, backend)
+
+
+def available_backends(device) -> list:
+    """Backends that can run a bf16 call on ``device`` (ignoring shape constraints)."""
+    device = torch.device(device)
+    out = []
+    if device.type == "cuda":
+        cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+        if cap == (9, 0) and _cutlass_built(device):
+            out.append("cutlass")
+        if cap >= (9, 0) and torch_backend.is_available():
+            out.append("torch")
+    out.append("loop")
+    return out
+
+
+class _Dispatch:
+    """Validated-input entry points used by the autograd function (one object, no state)."""
+
+    @staticmethod
+    def forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend):
+        out_dtype = out_dtype or x_TK.dtype
+        E, K, N = w_EKN.shape
+        p = _problem("fwd", x_TK, K, N, E, x_TK.dtype, out_dtype, _weight_k_major(w_EKN))
+        name = _select(p, x_TK.device, backend)
+        return _impl(name).forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+
+    @staticmethod
+    def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend):
+        out_dtype = out_dtype or dy_TN.dtype
+        E, K, N = w_EKN.shape
+        # dgrad contracts over N and writes K columns.
+        p = _problem("dgrad", dy_TN, N, K, E, dy_TN.dtype, out_dtype, _weight_k_major(w_EKN))
+        name = _select(p, dy_TN.device, backend)
+        return _impl(name).dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+
+    @staticmethod
+    def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend):
+        out_dtype = out_dtype or x_TK.dtype
+        p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, x_TK.dtype, out_dtype, True)
+        name = _select(p, x_TK.device, backend)
+        return _impl(name).wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+
+
+def _check_backend_arg(backend) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}, received {backend!r}")
+
+
+def grouped_mm(
+    x_TK: torch.Tensor,
+    w_EKN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    bias_EN: Optional[torch.Tensor] = None,
+    row_scale_T: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
+    check_offsets: Optional[bool] = None,
+) -> torch.Tensor:
+    """Differentiable grouped GEMM with a fused per-row scale and per-expert bias (see module doc).
+
+    ``check_offsets``: read offsets' values on the host to validate them (default: only for CPU
+    offsets; on CUDA this would sync and break graph capture).
+    """
+    _check_backend_arg(backend)
+    validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
+    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch)
+
+
+def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None,
+                       backend=None, check_offsets=None) -> torch.Tensor:
+    """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]."""
+    _check_backend_arg(backend)
+    validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
+    return _Dispatch.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend)
+
+
+def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,
+                     check_offsets=None) -> torch.Tensor:
+    """dx = row_scale * (dy @ w[e]^T) for the rows of each expert."""
+    _check_backend_arg(backend)
+    validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets)
+    return _Dispatch.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend)
+
+
+def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None, out_dtype=None, backend=None,
+                     check_offsets=None) -> torch.Tensor:
+    """dw[e] = x_e^T @ dy_e as [E, K, N], a transposed view of a contiguous [E, N, K] buffer
+    (the weight's storage layout). Experts without rows get zeros."""
+    _check_backend_arg(backend)
+    if num_groups is None:
+        num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
+    validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets)
+    return _Dispatch.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend)

@@ -1,0 +1,108 @@
+"""Distributed-checkpoint layout of grouped expert weights, interchangeable with SequentialMLP.
+
+Why: a Megatron checkpoint written with ``SequentialMLP`` (or TEGroupedMLP, which writes the same
+layout) must load into our experts and back, at any expert-parallel size. Our parameters are one
+tensor per projection holding all local experts; Megatron's checkpoint keys hold one global tensor
+per projection with a leading expert axis. Expert-parallel rank r owns global experts
+``r*E_local .. (r+1)*E_local - 1``.
+
+    ours (local, per rank)                 checkpoint key (global)                       SequentialMLP local expert e
+    linear_fc1.weight [E_local, 2F, H]     {prefix}experts.linear_fc1.weight [E, 2F, H]   local_experts.e.linear_fc1.weight [2F, H]
+    linear_fc1.bias   [E_local, 2F]        {prefix}experts.linear_fc1.bias   [E, 2F]      local_experts.e.linear_fc1.bias   [2F]
+    linear_fc2.weight [E_local, H, F]      {prefix}experts.linear_fc2.weight [E, H, F]    local_experts.e.linear_fc2.weight [H, F]
+    linear_fc2_bias   [E_local, H]         {prefix}experts.linear_fc2.bias   [E, H]       local_experts.e.linear_fc2.bias   [H]
+
+Rows 0..F-1 of fc1 are the gate (SiLU input), rows F..2F-1 the linear ("up") half, in both.
+With a gated fc1 Megatron writes the two halves as separate shards (its SwiGLU factory); we write
+the same shards, plus the ``_extra_state`` objects its local linears write, so either side finds
+every key it asks for. Only expert tensor-parallel size 1 is supported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["expert_tensor_factory", "expert_extra_state_objects"]
+
+
+def _sharded_tensor_cls():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor
+
+
+def expert_tensor_factory(
+    key: str,
+    data: torch.Tensor,
+    *,
+    sharded_offsets: tuple,
+    ep_rank: int,
+    ep_size: int,
+    replica_id: tuple,
+    glu: bool,
+    extra_state_key: Optional[str] = None,
+):
+    """A ShardedTensorFactory writing ``data`` [E_local, ...] as per-expert shards of ``key`` [E, ...].
+
+    With ``glu`` the first local axis (2F) is written as two half shards, as Megatron's SwiGLU
+    factory does for a tensor-parallel size of 1. With ``extra_state_key`` the factory also writes
+    the (empty) per-expert ``_extra_state`` objects of that linear; loading ignores them.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    num_local = data.shape[0]
+    num_global = num_local * ep_size
+    expert_axis = len(sharded_offsets)
+    prepend = expert_axis + 1  # the expert axis is prepended to each [..] expert slice
+    ShardedTensor = _sharded_tensor_cls()
+
+    @torch.no_grad()
+    def build(key, t, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise ValueError(f"{key}: flattened (distributed-optimizer flat) shards are not supported")
+        shards = []
+        for local_idx in range(num_local):
+            expert_offset = (expert_axis, ep_rank * num_local + local_idx, num_global)
+            pieces = torch.chunk(t[local_idx], 2, dim=0) if glu else (t[local_idx],)
+            shards.append([
+                ShardedTensor.from_rank_offsets(
+                    key, piece, *sharded_offsets, expert_offset, (prepend, half, len(pieces)),
+                    replica_id=replica_id, prepend_axis_num=prepend,
+                )
+                for half, piece in enumerate(pieces)
+            ])
+        built = {"shards": shards}
+        if extra_state_key is not None:
+            built["extra_state"] = list(expert_extra_state_objects(
+                extra_state_key, sharded_offsets=sharded_offsets, ep_rank=ep_rank, num_local=num_local,
+                ep_size=ep_size, replica_id=replica_id,
+            ).values())
+        return built
+
+    def merge(loaded):
+        with torch.no_grad():
+            return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded["shards"]])
+
+    return ShardedTensorFactory(key, data, build, merge, replica_id)
+
+
+def expert_extra_state_objects(key: str, *, sharded_offsets: tuple, ep_rank: int, num_local: int,
+                               ep_size: int, replica_id: tuple) -> dict:
+    """Empty ``_extra_state`` objects at the keys SequentialMLP's local linears use (nothing to restore)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    num_global = num_local * ep_size
+    outer = sorted(sharded_offsets, key=lambda o: o[0])  # (axis, offset, count) of enclosing modules
+    objects = {}
+    for local_idx in range(num_local):
+        global_idx = ep_rank * num_local + local_idx
+        objects[local_idx] = ShardedObject(
+            key,
+            None,
+            (*(o[2] for o in outer), num_global),
+            (*(o[1] for o in outer), global_idx),
+            replica_id,
+        )
+    return objects

@@ -1,0 +1,229 @@
+"""``GroupedExperts``: te_dist's grouped-GEMM expert MLP as a Megatron-Core experts module.
+
+Why: Megatron users switch experts by changing a spec. This module has Megatron's experts
+constructor and forward, and runs all local experts as one te_dist fused op sequence
+
+    x_TH --GroupedLinear(fc1, [E, 2F, H])--> h_T2F --ScaledSwiGLU(probs_T)--> a_TF --GroupedLinear(fc2, [E, H, F])--> y_TH
+
+under the spec's recipe (``te_dist.autocast``), where Megatron's ``SequentialMLP`` loops over
+experts. It computes the same function as ``SequentialMLP`` built from the same config: the
+routing probability scales the SwiGLU output before fc2, and an fc2 bias is scaled by it too.
+
+Legend: T tokens routed to this rank (sorted by local expert), H hidden size, F
+``moe_ffn_hidden_size``, E local experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._compat import require_megatron
+from .checkpoint import expert_tensor_factory
+from .recipe_config import resolve_recipe
+
+require_megatron()
+
+from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the version check)
+
+__all__ = ["GroupedExperts"]
+
+_INIT_SEED_STRIDE = 1_000_003  # per-expert seed spacing: global expert g always draws the same weights
+
+
+def _check_config(config, num_local_experts: int, ep_size: int, expt_tp_size: int) -> None:
+    """Reject what the grouped path does not compute the way SequentialMLP would, before allocating."""
+    if not isinstance(num_local_experts, int) or num_local_experts < 1:
+        raise ValueError(f"num_local_experts must be a positive int, got {num_local_experts!r}")
+    if config.num_moe_experts != num_local_experts * ep_size:
+        raise ValueError(
+            f"config.num_moe_experts={config.num_moe_experts} != {num_local_experts=} * {ep_size=}"
+        )
+    if config.moe_ffn_hidden_size is None:
+        raise ValueError("config.moe_ffn_hidden_size must be set for MoE experts, got None")
+    if not (config.gated_linear_unit and config.activation_func is F.silu):
+        act = getattr(config.activation_func, "__name__", config.activation_func)
+        raise ValueError(
+            "te_dist experts compute SwiGLU: expected gated_linear_unit=True and activation_func=F.silu, "
+            f"got gated_linear_unit={config.gated_linear_unit}, activation_func={act}"
+        )
+    if getattr(config, "glu_linear_offset", 0.0):
+        raise ValueError(f"config.glu_linear_offset must be 0 for te_dist experts, got {config.glu_linear_offset}")
+    if getattr(config, "moe_latent_size", None):
+        raise ValueError(f"config.moe_latent_size must be None for te_dist experts, got {config.moe_latent_size}")
+    if getattr(config, "delay_wgrad_compute", False):
+        raise ValueError("config.delay_wgrad_compute=True is not supported by te_dist experts")
+    if expt_tp_size != 1:
+        raise ValueError(f"te_dist experts need expert tensor-parallel size 1, got {expt_tp_size}")
+
+
+def _pg_size(group) -> int:
+    return torch.distributed.get_world_size(group) if group is not None else 1
+
+
+def _pg_rank(group) -> int:
+    return torch.distributed.get_rank(group) if group is not None else 0
+
+
+class GroupedExperts(MegatronModule):
+    """Megatron experts module: ``(permuted_tokens, tokens_per_expert, permuted_probs) -> (output, None)``.
+
+    Constructor matches Megatron's experts builders of 0.16 (``build_module``) and 0.19 (called with
+    ``name=``). Options come from the spec's params (see ``te_dist.megatron.experts_spec``).
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        pg_collection=None,
+        name: Optional[str] = None,
+        *,
+        recipe=None,
+        recipe_group: str = "ep",
+        submodules=None,
+    ):
+        if submodules is not None:
+            raise TypeError(
+                "GroupedExperts takes no submodules (its ops are te_dist's); build it with "
+                f"te_dist.megatron.experts_spec(), got submodules={submodules!r}"
+            )
+        if recipe_group not in ("ep", None):
+            raise ValueError(f"recipe_group must be 'ep' or None, got {recipe_group!r}")
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        ep_group = pg_collection.ep
+        ep_size, ep_rank = _pg_size(ep_group), _pg_rank(ep_group)
+        _check_config(config, num_local_experts, ep_size, _pg_size(pg_collection.expt_tp))
+        resolved = resolve_recipe(recipe, config)  # raises before any allocation
+        super().__init__(config=config)
+
+        from ..ops import GroupedLinear, OperationFuser, ScaledSwiGLU
+
+        self.name = name
+        self.num_local_experts = num_local_experts
+        self.ep_group = ep_group
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
+        self.recipe = resolved
+        self._recipe_disabled = recipe == "none"  # explicit "none" also overrides an outer te_dist.autocast
+        self._recipe_group = ep_group if (recipe_group == "ep" and ep_size > 1) else None
+
+        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        dtype = config.params_dtype
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        bias = bool(config.add_bias_linear)
+        self.linear_fc1 = GroupedLinear(num_local_experts, hidden, 2 * ffn, bias=bias, dtype=dtype, device=device)
+        # activation_func_clamp_value clamps gate <= v and -v <= up <= v, as ScaledSwiGLU's limit does.
+        self.activation = ScaledSwiGLU(limit=getattr(config, "activation_func_clamp_value", None))
+        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, hidden, bias=False, dtype=dtype, device=device)
+        # Megatron scales the fc2 bias by the routing probability (MLP.forward with per_token_scale),
+        # which a bias inside the fused sequence (added after the scaled SwiGLU) would not: kept here.
+        self.linear_fc2_bias = (
+            torch.nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype, device=device)) if bias else None
+        )
+        # Not a registered child: the ops above already own the parameters under Megatron-like names.
+        self.__dict__["_fuser"] = OperationFuser([self.linear_fc1, self.activation, self.linear_fc2])
+
+        if config.perform_initialization:
+            self._initialize(config)
+        for param in self.parameters():
+            # Expert parameters: Megatron's DDP reduces their gradients over the expert-data-parallel group.
+            param.allreduce = False
+
+    @torch.no_grad()
+    def _initialize(self, config) -> None:
+        """Megatron's init methods, seeded per *global* expert so any EP size gives the same experts."""
+        base_seed = torch.initial_seed()
+        device = self.linear_fc1.weight.device
+        devices = [device] if device.type == "cuda" else []
+        for local_idx in range(self.num_local_experts):
+            global_idx = self.ep_rank * self.num_local_experts + local_idx
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed((base_seed + _INIT_SEED_STRIDE * (global_idx + 1)) % (2**63))
+                config.init_method(self.linear_fc1.weight[local_idx])
+                config.output_layer_init_method(self.linear_fc2.weight[local_idx])
+        if getattr(self.linear_fc1, "bias", None) is not None:
+            self.linear_fc1.bias.zero_()
+        if self.linear_fc2_bias is not None:
+            self.linear_fc2_bias.zero_()
+
+    def _recipe_context(self):
+        from ..autocast import autocast
+
+        if self._recipe_disabled:
+            return autocast(enabled=False)
+        if self.recipe is None:
+            return contextlib.nullcontext()  # an outer te_dist.autocast (if any) decides
+        return autocast(recipe=self.recipe, group=self._recipe_group)
+
+    def forward(self, permuted_tokens, tokens_per_expert, permuted_probs, **kwargs):
+        """Run the local experts; ``tokens_per_expert`` [E] may live on the CPU or on the tokens' device.
+
+        Megatron 0.19 may pass ``routing_map`` (inference; ignored) and zero-copy buffers (only with
+        its NCCL-EP dispatcher, which these experts do not support).
+        """
+        unsupported = sorted(k for k, v in kwargs.items() if v is not None and k != "routing_map")
+        if unsupported:
+            raise TypeError(f"GroupedExperts.forward does not support {unsupported}; use another token dispatcher")
+        x_TH, probs_T = permuted_tokens, permuted_probs
+        if x_TH.dim() != 2 or x_TH.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"permuted_tokens must be [tokens, {self.config.hidden_size}], got {tuple(x_TH.shape)}"
+            )
+        if tuple(tokens_per_expert.shape) != (self.num_local_experts,):
+            raise ValueError(
+                f"tokens_per_expert must have shape ({self.num_local_experts},), got {tuple(tokens_per_expert.shape)}"
+            )
+        if tuple(probs_T.shape) != (x_TH.shape[0],):
+            raise ValueError(f"permuted_probs must have shape ({x_TH.shape[0]},), got {tuple(probs_T.shape)}")
+        if tokens_per_expert.device.type == "cpu":  # free to check here; on a GPU it would sync
+            total = int(tokens_per_expert.sum())
+            if total != x_TH.shape[0]:
+                raise ValueError(f"tokens_per_expert sums to {total}, but permuted_tokens has {x_TH.shape[0]} rows")
+
+        if self.config.moe_apply_probs_on_input:
+            x_TH = (probs_T.unsqueeze(-1) * x_TH).to(x_TH.dtype)
+            probs_T = torch.ones_like(probs_T)
+        split_sizes = tokens_per_expert.to(torch.int64)
+        with self._recipe_context():
+            y_TH = self._fuser(x_TH, split_sizes, probs_T, split_sizes)
+        if self.linear_fc2_bias is not None:
+            expert_T = torch.repeat_interleave(
+                torch.arange(self.num_local_experts, device=x_TH.device),
+                split_sizes.to(x_TH.device),
+                output_size=x_TH.shape[0],  # known length: no device-to-host sync
+            )
+            y_TH = y_TH + (probs_T.unsqueeze(-1) * self.linear_fc2_bias[expert_T]).to(y_TH.dtype)
+        return y_TH, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the backward pass (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """SequentialMLP's checkpoint layout (see ``te_dist.megatron.checkpoint``)."""
+        if (metadata or {}).get("singleton_local_shards", False):
+            raise ValueError("metadata singleton_local_shards=True is not supported by te_dist experts")
+        replica_id = (0, 0, _pg_rank(self.expt_dp_group))
+        common = dict(sharded_offsets=sharded_offsets, ep_rank=self.ep_rank, ep_size=self.ep_size,
+                      replica_id=replica_id)
+        tensors = (  # (our state-dict name, checkpoint name, tensor, gated halves, linear owning _extra_state)
+            ("linear_fc1.weight", "linear_fc1.weight", self.linear_fc1.weight, True, "linear_fc1"),
+            ("linear_fc1.bias", "linear_fc1.bias", getattr(self.linear_fc1, "bias", None), True, None),
+            ("linear_fc2.weight", "linear_fc2.weight", self.linear_fc2.weight, False, "linear_fc2"),
+            ("linear_fc2_bias", "linear_fc2.bias", self.linear_fc2_bias, False, None),
+        )
+        sharded = {}
+        for local_name, ckpt_name, tensor, glu, extra_owner in tensors:
+            if tensor is None:
+                continue
+            extra_key = f"{prefix}experts.{extra_owner}._extra_state" if extra_owner else None
+            sharded[f"{prefix}{local_name}"] = expert_tensor_factory(
+                f"{prefix}experts.{ckpt_name}", tensor.detach(), glu=glu, extra_state_key=extra_key, **common
+            )
+        return sharded

@@ -1,0 +1,217 @@
+"""``MoELayer``: router → permute → all-to-all dispatch → grouped expert MLP → combine.
+
+Legend: T tokens, H hidden, F expert FFN size, E global experts, K top-k, R EP size,
+El = E / R local experts, N rows this rank's experts receive.
+
+    hidden_TH ─router─▶ probs_TK, indices_TK
+              ─dispatcher.dispatch─▶ x_NH (rows by local expert), split_sizes_El, probs_N
+              ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
+              ─dispatcher.combine─▶ out_TH
+
+Where the routing probability is applied (``probs_position``):
+  * ``"expert"`` (default for SwiGLU, as Megatron-Core does): inside the MLP, after the
+    activation and before the second GEMM (``fuser(x, splits, probs, splits)``). Biases of fc2
+    are then *not* scaled by the probability.
+  * ``"combine"``: the MLP runs unscaled and each expert output is weighted while summing the K
+    outputs of a token (the only choice for non-gated activations, which have no scaled op).
+
+Experts are sharded contiguously over ``ep_group``: EP rank r owns global experts
+``[r*El, (r+1)*El)``. Expert parameters carry ``allreduce = False`` (the Megatron-Core marker),
+so data-parallel wrappers reduce them over the expert-data-parallel group, not the full DP group.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..distributed.groups import group_rank, group_size
+from .dispatcher import AllToAllDispatcher
+from .init import draw_base_seed, expert_seed, init_expert_slice_
+from .router import TopKRouter
+from .state_dict import install_expert_state_dict_hooks
+
+__all__ = ["MoELayer"]
+
+_ACTIVATIONS = ("swiglu", "gelu", "relu")
+_PROBS_POSITIONS = ("expert", "combine")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_int(name, value, minimum=1):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
+
+
+class MoELayer(nn.Module):
+    """Dropless top-k mixture of experts with expert parallelism over ``ep_group``.
+
+    ``layer(hidden_states)`` takes ``[..., hidden_size]`` and returns the same shape. Router
+    options (``score_function``, ``pre_softmax``, ``normalize``, ``expert_bias``,
+    ``aux_loss_coeff``, ``z_loss_coeff``) are passed to :class:`TopKRouter`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        ep_group=None,
+        activation: str = "swiglu",
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        probs_position: Optional[str] = None,
+        swiglu_limit: Optional[float] = None,
+        edp_group=None,
+        **router_options,
+    ):
+        super().__init__()
+        _check_int("hidden_size", hidden_size)
+        _check_int("ffn_hidden_size", ffn_hidden_size)
+        _check_int("num_experts", num_experts)
+        _check_int("top_k", top_k)
+        if top_k > num_experts:
+            raise ValueError(f"{top_k=} is larger than {num_experts=}")
+        ep_size = group_size(ep_group)
+        if num_experts % ep_size != 0:
+            raise ValueError(f"{num_experts=} is not divisible by {ep_size=}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+        gated = activation == "swiglu"
+        if probs_position is None:
+            probs_position = "expert" if gated else "combine"
+        if probs_position not in _PROBS_POSITIONS:
+            raise ValueError(f"probs_position must be one of {_PROBS_POSITIONS}, got {probs_position!r}")
+        if probs_position == "expert" and not gated:
+            raise ValueError(f"probs_position='expert' needs activation='swiglu' (a scaled op), got {activation=!r}")
+        if swiglu_limit is not None and not gated:
+            raise ValueError(f"swiglu_limit applies to activation='swiglu', got {activation=!r}")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be one of {_DTYPES} (the grouped-GEMM dtypes), got {dtype!r}")
+
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.activation = activation
+        self.probs_position = probs_position
+        self.dtype = dtype
+        self.ep_group = ep_group
+        self.edp_group = edp_group
+        self.ep_size = ep_size
+        self.ep_rank = group_rank(ep_group)
+        self.num_local_experts = num_experts // ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+
+        # Global RNG use is identical at every EP size: one seed draw, then the router weight.
+        base_seed = draw_base_seed()
+        self.router = TopKRouter(hidden_size, num_experts, top_k, dtype=dtype, device=device, **router_options)
+        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
+        self.mlp = self._build_mlp(gated, bias, swiglu_limit, dtype, device)
+        self._init_experts(base_seed)
+        for op in (self.fc1, self.fc2):
+            for p in op.parameters():
+                p.allreduce = False  # Megatron-Core: reduce over the expert-data-parallel group
+        name_of = {id(p): n for n, p in self.named_parameters()}
+        slots = {
+            f"{fc}.{kind}": name_of[id(getattr(op, kind))]
+            for fc, op in (("fc1", self.fc1), ("fc2", self.fc2))
+            for kind in ("weight", "bias")
+            if getattr(op, kind, None) is not None
+        }
+        install_expert_state_dict_hooks(self, slots, self.first_expert, num_experts)
+        # Statistics of the last forward (for balancing updates and logs), on the input's device:
+        self.tokens_per_expert = None  # int64 [E]: this rank's tokens routed to each global expert
+        self.tokens_per_local_expert = None  # int64 [El]: rows this rank's experts received
+        self.aux_loss = self.z_loss = None  # coefficient-weighted, detached (None when off)
+
+    # ------------------------------------------------------------------ construction
+    def _build_mlp(self, gated, bias, swiglu_limit, dtype, device):
+        from ..ops import GELU, GroupedLinear, OperationFuser, ReLU, ScaledSwiGLU, SwiGLU
+
+        El, H, F = self.num_local_experts, self.hidden_size, self.ffn_hidden_size
+        fc1_out = 2 * F if gated else F
+        # The ops draw their own default init from the global RNG (an amount that depends on El);
+        # fork it so later draws are EP-invariant. Values are overwritten by _init_experts.
+        fork_devices = [torch.device(device)] if device is not None and torch.device(device).type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):
+            fc1 = GroupedLinear(El, H, fc1_out, bias=bias, dtype=dtype, device=device)
+            fc2 = GroupedLinear(El, F, H, bias=bias, dtype=dtype, device=device)
+        if self.probs_position == "expert":
+            act = ScaledSwiGLU(limit=swiglu_limit)
+        elif gated:
+            act = SwiGLU(limit=swiglu_limit)
+        else:
+            act = GELU() if self.activation == "gelu" else ReLU()
+        return OperationFuser([fc1, act, fc2])
+
+    @property
+    def fc1(self):
+        return self.mlp.basic_ops[0]
+
+    @property
+    def fc2(self):
+        return self.mlp.basic_ops[2]
+
+    @torch.no_grad()
+    def _init_experts(self, base_seed: int) -> None:
+        for slot, (op, fan_in) in enumerate(((self.fc1, self.hidden_size), (self.fc2, self.ffn_hidden_size))):
+            for i in range(self.num_local_experts):
+                g = self.first_expert + i
+                init_expert_slice_(op.weight[i], fan_in, expert_seed(base_seed, g, 2 * slot))
+                if getattr(op, "bias", None) is not None:
+                    init_expert_slice_(op.bias[i], fan_in, expert_seed(base_seed, g, 2 * slot + 1))
+
+    def expert_parameters(self):
+        """Parameters sharded over EP (reduce their gradients over the expert-data-parallel group)."""
+        return [p for op in (self.fc1, self.fc2) for p in op.parameters()]
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, activation={self.activation!r}, "
+            f"probs_position={self.probs_position!r}, dtype={self.dtype}"
+        )
+
+    # ------------------------------------------------------------------ forward
+    def _check_input(self, hidden_states):
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"MoELayer input must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"MoELayer expects hidden states [..., {self.hidden_size}], got shape {tuple(hidden_states.shape)}"
+            )
+        if hidden_states.dtype != self.dtype:
+            raise TypeError(f"MoELayer was built for dtype={self.dtype}, got input dtype={hidden_states.dtype}")
+        weight = self.fc1.weight
+        if hidden_states.device != weight.device:
+            raise ValueError(f"MoELayer parameters are on {weight.device}, got input on {hidden_states.device}")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._check_input(hidden_states)
+        shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, self.hidden_size)
+        routing = self.router(x_TH, check_nan=False)
+        # NaN travels in-band with the count exchange so every EP rank raises together.
+        invalid = torch.isnan(routing.logits_TE).any()
+        probs_in_expert = self.probs_position == "expert"
+        x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
+            x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid
+        )
+        self.tokens_per_expert = state.permutation.counts_E
+        self.tokens_per_local_expert = split_sizes_El
+        self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
+        if probs_in_expert:
+            y_NH = self.mlp(x_NH, split_sizes_El, probs_N, split_sizes_El)
+        else:
+            y_NH = self.mlp(x_NH, split_sizes_El, split_sizes_El)
+        out_TH = self.dispatcher.combine(y_NH, state)
+        return out_TH.reshape(shape)

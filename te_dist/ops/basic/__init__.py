@@ -1,0 +1,14 @@
+"""Basic ops: each owns its parameters and recipe state and has an explicit forward and backward."""
+
+from .activation import GELU, ReLU
+from .bias import Bias
+from .communication import AllGather, AllReduce, ReduceScatter
+from .grouped_linear import GroupedLinear
+from .linear import BasicLinear
+from .quantize import Quantize
+from .swiglu import ScaledSwiGLU, SwiGLU
+
+__all__ = [
+    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "Quantize",
+    "AllGather", "ReduceScatter", "AllReduce",
+]

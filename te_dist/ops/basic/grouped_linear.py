@@ -1,0 +1,159 @@
+"""GroupedLinear: one linear layer per expert over contiguous row groups (``y_e = x_e @ W_e.T + b_e``).
+
+Legend: T rows (tokens), E groups (experts), K in_features, N out_features.
+The weight is stored ``[E, N, K]`` (like nn.Linear per expert); the GEMMs see it as a transposed
+``[E, K, N]`` view. The extra input ``split_sizes`` (int tensor [E], on CPU or the data's device,
+zeros allowed) becomes int32 cumulative END offsets on the data's device — computed on the device
+when the split sizes already live there, so no host sync. CPU split sizes are validated (non-negative,
+summing to T) before any kernel runs.
+
+``grouped_forward`` / ``grouped_backward`` are the functional core the grouped-MLP fused op calls.
+The saved input may carry a per-row scale (``input = x * row_scale[:, None]``) so the fused op can
+use grouped_mm's row-scale epilogue without materialising the scaled activation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..op import BasicOperation, OpContext
+from ._quant import GemmQuantizers, fake_quantize_or_identity
+
+__all__ = ["GroupedLinear", "split_sizes_to_offsets"]
+
+_kernels = None
+
+
+def kernels():
+    """te_dist.kernels, imported on first use (it is a leaf that may probe the GPU lazily)."""
+    global _kernels
+    if _kernels is None:
+        from ... import kernels as module
+
+        _kernels = module
+    return _kernels
+
+
+def split_sizes_to_offsets(split_sizes, num_groups: int, x: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative end offsets [E] on ``x.device``; validates CPU split sizes without a device sync."""
+    if isinstance(split_sizes, (list, tuple)):
+        split_sizes = torch.tensor(split_sizes, dtype=torch.int64)
+    if not isinstance(split_sizes, torch.Tensor):
+        raise TypeError(f"split_sizes must be an int tensor of shape [{num_groups}], got {type(split_sizes).__name__}")
+    if split_sizes.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"split_sizes must be int64 or int32, got {split_sizes.dtype}")
+    if split_sizes.dim() != 1 or split_sizes.shape[0] != num_groups:
+        raise ValueError(f"split_sizes must have shape [{num_groups}] (one per group), got {tuple(split_sizes.shape)}")
+    if split_sizes.device.type == "cpu":
+        sizes = split_sizes.tolist()
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"split_sizes must be non-negative, got {sizes}")
+        if sum(sizes) != x.shape[0]:
+            raise ValueError(f"split_sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
+        offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
+        return offsets if x.device.type == "cpu" else offsets.to(x.device, non_blocking=True)
+    if split_sizes.device != x.device:
+        raise ValueError(f"split_sizes on {split_sizes.device} but the input is on {x.device}")
+    return torch.cumsum(split_sizes, 0, dtype=torch.int32)  # stays on the device: no sync
+
+
+class GroupedLinear(BasicOperation):
+    """``num_groups`` experts of ``in_features -> out_features``; extra input: ``split_sizes`` [E]."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = False,
+                 dtype=None, device=None):
+        super().__init__()
+        for name, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GroupedLinear {name} must be a positive int, got {name}={value!r}")
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, device=device, dtype=dtype))
+        bound = 1.0 / math.sqrt(in_features)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(num_groups, out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self._quantizers = GemmQuantizers(None)
+
+    def reset_recipe_state(self, recipe) -> None:
+        self._quantizers = GemmQuantizers(recipe)
+
+    @property
+    def quantizers(self) -> GemmQuantizers:
+        return self._quantizers
+
+    def offsets(self, split_sizes, x: torch.Tensor) -> torch.Tensor:
+        return split_sizes_to_offsets(split_sizes, self.num_groups, x)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"GroupedLinear expects input [T, {self.in_features}], got {shape}")
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"GroupedLinear input dtype {x.dtype} does not match weight dtype {self.weight.dtype}")
+
+    # ------------------------------------------------------------------ functional core
+    def grouped_forward(self, ctx: OpContext, x, offsets, *, row_scale: Optional[torch.Tensor] = None):
+        """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only)."""
+        q = self._quantizers
+        w = self.weight
+        if q.active:
+            assert row_scale is None, "quantized inputs must be scaled before quantization"
+            xq = fake_quantize_or_identity(x, q.input)
+            wq = fake_quantize_or_identity(w, q.weight)
+        else:
+            xq, wq = x, w
+        y = kernels().grouped_mm_forward(
+            xq, wq.transpose(1, 2), offsets, bias_EN=self.bias, row_scale_T=row_scale, check_offsets=False
+        )
+        if ctx.requires_grad:
+            saved_x, saved_w = (xq, wq) if q.save_quantized_operands else (x, w)
+            bias_rg = self.bias is not None and self.bias.requires_grad
+            ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, offsets, w.requires_grad, bias_rg)
+        return y
+
+    def grouped_backward(self, ctx: OpContext, dy):
+        """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale``."""
+        saved_x, row_scale, saved_w, offsets, weight_rg, bias_rg = ctx.saved
+        ctx.saved = ()
+        k = kernels()
+        dyq = fake_quantize_or_identity(dy, self._quantizers.grad_output)
+        dx = None
+        if ctx.input_requires_grad:
+            dx = k.grouped_mm_dgrad(dyq, saved_w.transpose(1, 2), offsets, check_offsets=False)
+        dw = None
+        if weight_rg:
+            x_in = saved_x if row_scale is None else saved_x * row_scale.to(saved_x.dtype).unsqueeze(-1)
+            dw = k.grouped_mm_wgrad(x_in, dyq, offsets, num_groups=self.num_groups, check_offsets=False).transpose(1, 2)
+        db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
+        return dx, dw, db
+
+    # ------------------------------------------------------------------ op interface
+    def op_forward(self, ctx, x, extra_inputs, recipe):
+        self.check_input(x)
+        offsets = self.offsets(extra_inputs[0], x)
+        return self.grouped_forward(ctx, x, offsets), ()
+
+    def op_backward(self, ctx, dy, grad_extra_outputs):
+        dx, dw, db = self.grouped_backward(ctx, dy)
+        grads = [dw] if self.bias is None else [dw, db]
+        return dx, grads, (None,)
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+def bias_grad(dy, offsets, num_groups, dtype):
+    from ...backends.epilogue import bias_grad as _bias_grad
+
+    return _bias_grad(dy, offsets, num_groups, dtype)

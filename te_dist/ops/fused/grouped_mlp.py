@@ -1,0 +1,73 @@
+"""Joint forward/backward fusion of the expert MLP: GroupedLinear -> (Scaled)SwiGLU -> GroupedLinear.
+
+Forward: split sizes become offsets once (shared when both GEMMs get the same split-size tensor),
+the expert biases ride in grouped_mm's bias epilogue, and without quantization the routing
+probabilities ride in the second GEMM's row-scale epilogue (``y = p * (swiglu(h) @ W2) + b2``),
+so ``swiglu(h) * p`` is never materialised. Under a recipe the scaled activation is quantized, so
+it is formed first — exactly what the unfused ops quantize.
+
+The rule honours ``recipe.enable_fused_grouped_mlp`` (absent means enabled), a public attribute a
+user may attach at runtime; it is part of ``str(recipe)`` and therefore of the plan key.
+"""
+
+from __future__ import annotations
+
+from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
+from ..basic.swiglu import swiglu_forward
+from ..op import FusedOperation
+from ..rules import FusionRule
+
+__all__ = ["GroupedMLP", "FORWARD_GROUPED_MLP", "BACKWARD_GROUPED_MLP"]
+
+
+class GroupedMLP(FusedOperation):
+    def fuser_forward(self, ctxs, x, extra_inputs, recipe):
+        fc1, act, fc2 = self.basic_ops
+        c1, c2, c3 = ctxs
+        splits1, splits2 = extra_inputs[0][0], extra_inputs[2][0]
+        fc1.check_input(x)
+        offsets1 = fc1.offsets(splits1, x)
+        offsets2 = offsets1 if splits2 is splits1 else fc2.offsets(splits2, x)
+        h = fc1.grouped_forward(c1, x, offsets1)
+        s = swiglu_forward(h, act.limit)
+        fc2.check_input(s)
+        if isinstance(act, ScaledSwiGLU):
+            probs_in = extra_inputs[1][0]
+            probs = act.check_scales(h, probs_in)
+            if c2.requires_grad:
+                c2.saved = (h, probs, probs_in.shape, probs_in.requires_grad)
+            if fc2.quantizers.active:
+                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), offsets2)
+            else:
+                y = fc2.grouped_forward(c3, s, offsets2, row_scale=probs)
+        else:
+            if c2.requires_grad:
+                c2.saved = (h,)
+            y = fc2.grouped_forward(c3, s, offsets2)
+        return y, [(), (), ()]
+
+    def fuser_backward(self, ctxs, dy, grad_extra_outputs):
+        fc1, act, fc2 = self.basic_ops
+        c1, c2, c3 = ctxs
+        da, dw2, db2 = fc2.grouped_backward(c3, dy)
+        dh, _, act_extra = act.op_backward(c2, da, ())
+        dx, dw1, db1 = fc1.grouped_backward(c1, dh)
+        g1 = [dw1] if fc1.bias is None else [dw1, db1]
+        g2 = [dw2] if fc2.bias is None else [dw2, db2]
+        return dx, [g1, [], g2], [(None,), act_extra, (None,)]
+
+
+def _build(ops, recipe):
+    if not getattr(recipe, "enable_fused_grouped_mlp", True):
+        return None
+    fc1, _, fc2 = ops
+    if fc1.num_groups != fc2.num_groups or fc1.out_features != 2 * fc2.in_features:
+        return None
+    if fc1.weight.dtype != fc2.weight.dtype or fc1.weight.device != fc2.weight.device:
+        return None
+    return GroupedMLP(ops)
+
+
+_PATTERN = (GroupedLinear, (ScaledSwiGLU, SwiGLU), GroupedLinear)
+FORWARD_GROUPED_MLP = FusionRule("forward_grouped_mlp", "forward", _PATTERN, _build)
+BACKWARD_GROUPED_MLP = FusionRule("backward_grouped_mlp", "backward", _PATTERN, _build)

@@ -1,0 +1,141 @@
+"""Block-scaled quantizers: Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling.
+
+All three quantize a copy along its own last dim (see :mod:`.tensors` for the layouts) and are
+stateless apart from the NVFP4 stochastic-rounding generator. Shapes must tile exactly; the
+error names the dim and the multiple to pad to.
+
+Block shapes per role:
+  Float8BlockScaling: ``*_block_scaling_dim`` 1 -> 1x128, 2 -> 128x128 (input: x_, weight: w_,
+  grad_output: grad_); scales float32, rounded down to powers of two with ``use_power_2_scales``.
+  MXFP8BlockScaling: 1x32, E8M0 shared exponent (OCP MX rule, see ``scaling.mx_shared_exponent``),
+  ``margin`` raises the exponent (more headroom, like DelayedScaling's margin).
+  NVFP4BlockScaling: 1x16, or 16x16 for weights unless ``disable_2d_quantization``; the columnwise
+  (wgrad) copy of input and grad_output is Hadamard-transformed unless ``disable_rht``; grad_output
+  is stochastically rounded unless ``disable_stochastic_rounding``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..recipe import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, QParams
+from .cast import cast_fp8_blocks, cast_mxfp8, cast_nvfp4
+from .compile import dispatch
+from .formats import FP8_EMAX, FP8_MAX, format_for_role, fp8_dtype
+from .hadamard import apply_rht
+from .quantizer import Quantizer
+from .scaling import compute_amax, nvfp4_global_scale
+from .tensors import BlockScaledData, Float8BlockTensor, MXFP8Tensor, NVFP4Tensor
+
+__all__ = ["Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer"]
+
+
+def _as_matrix(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() >= 2 else x.reshape(1, -1)
+
+
+class _BlockQuantizer(Quantizer):
+    """Shared driver: build the requested copies, each through ``_cast_copy``."""
+
+    tensor_type = None
+
+    def _quantize(self, x, rowwise, columnwise, hadamard):
+        x2 = _as_matrix(x)
+        copies = {}
+        if rowwise:
+            copies["rowwise"] = self._cast_copy(x2, transposed=False, hadamard=bool(hadamard))
+        if columnwise:
+            rht = self.wants_rht if hadamard is None else bool(hadamard)
+            copies["columnwise"] = self._cast_copy(x2.transpose(-1, -2), transposed=True, hadamard=rht)
+        return self._make_tensor(x, copies)
+
+    def _make_tensor(self, x, copies):
+        return self.tensor_type(x.shape, x.dtype, self.fmt, copies.get("rowwise"), copies.get("columnwise"))
+
+    def _cast_copy(self, x_copy: torch.Tensor, transposed: bool, hadamard: bool) -> BlockScaledData:
+        raise NotImplementedError
+
+
+class Float8BlockQuantizer(_BlockQuantizer):
+    recipe_type = Float8BlockScaling
+    tensor_type = Float8BlockTensor
+
+    def __init__(self, recipe: Float8BlockScaling, role: str, *, group=None):
+        super().__init__(recipe, role, group=group)
+        self.fmt = format_for_role(recipe.fp8_format, role)
+        self.fp8_dtype = fp8_dtype(self.fmt)
+        self.fmt_max = FP8_MAX[self.fmt]
+        self.use_power_2_scales = recipe.use_power_2_scales
+        dim = {
+            "input": recipe.x_block_scaling_dim,
+            "weight": recipe.w_block_scaling_dim,
+            "grad_output": recipe.grad_block_scaling_dim,
+        }[role]
+        self.block_shape = (1, 128) if dim == 1 else (128, 128)
+
+    def _cast_copy(self, x_copy, transposed, hadamard):
+        br, bc = self.block_shape
+        data, scale_inv = dispatch(cast_fp8_blocks, x_copy, br, bc, self.fp8_dtype, self.fmt_max, self.use_power_2_scales)
+        return BlockScaledData(data, scale_inv, br, bc, transposed=transposed)
+
+
+class MXFP8Quantizer(_BlockQuantizer):
+    recipe_type = MXFP8BlockScaling
+    tensor_type = MXFP8Tensor
+    block_shape = (1, 32)
+
+    def __init__(self, recipe: MXFP8BlockScaling, role: str, *, group=None):
+        super().__init__(recipe, role, group=group)
+        self.fmt = format_for_role(recipe.fp8_format, role)
+        self.fp8_dtype = fp8_dtype(self.fmt)
+        self.fmt_max = FP8_MAX[self.fmt]
+        self.emax_elem = FP8_EMAX[self.fmt]
+        self.margin = recipe.margin
+
+    def _cast_copy(self, x_copy, transposed, hadamard):
+        data, scale = dispatch(cast_mxfp8, x_copy, 32, self.fp8_dtype, self.fmt_max, self.emax_elem, self.margin)
+        return BlockScaledData(data, scale, 1, 32, transposed=transposed)
+
+
+class NVFP4Quantizer(_BlockQuantizer):
+    """``generator``: optional torch.Generator (on the data's device) for stochastic rounding;
+    without one the global RNG is used, so ``torch.manual_seed`` makes results reproducible."""
+
+    recipe_type = NVFP4BlockScaling
+    tensor_type = NVFP4Tensor
+
+    def __init__(self, recipe: NVFP4BlockScaling, role: str, *, group=None, generator: Optional[torch.Generator] = None):
+        super().__init__(recipe, role, group=group)
+        self.fmt = Format.E2M1
+        self.qparams: QParams = {
+            "input": recipe.fp4_quant_fwd_inp,
+            "weight": recipe.fp4_quant_fwd_weight,
+            "grad_output": recipe.fp4_quant_bwd_grad,
+        }[role]
+        self.block_shape = (16, 16) if self.qparams.fp4_2d_quantization else (1, 16)
+        self.generator = generator
+
+    @property
+    def wants_rht(self) -> bool:
+        return self.qparams.random_hadamard_transform
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.qparams.stochastic_rounding
+
+    def _cast_copy(self, x_copy, transposed, hadamard):
+        br, bc = self.block_shape
+        x_copy = x_copy.to(torch.float32)
+        if hadamard:
+            x_copy = apply_rht(x_copy)
+        # The tensor scale comes from the copy's own amax: a Hadamard transform can raise it up to 4x.
+        s_enc = nvfp4_global_scale(compute_amax(x_copy))
+        noise = None
+        if self.stochastic_rounding:
+            noise = torch.rand(x_copy.shape, device=x_copy.device, generator=self.generator)
+        packed, scale = dispatch(cast_nvfp4, x_copy, br, bc, s_enc, noise)
+        return BlockScaledData(
+            packed, scale, br, bc, transposed=transposed, hadamard=hadamard, global_scale_inv=1.0 / s_enc
+        )

@@ -1,0 +1,76 @@
+"""One quantize function per element format, written as pure whole-tensor math.
+
+Why separate from the quantizers: these are the "kernels" — no validation, no state, shapes
+already checked — so on CUDA they run through ``torch.compile`` (see :mod:`.compile`), where each
+becomes one fused pass over the input, and on CPU they run eagerly. Each takes a float tensor
+``x[..., R, C]`` whose last dimension (and, for 2D blocks, the one before) is a multiple of the
+block size, and quantizes along the last dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .e2m1 import pack_e2m1, round_to_e2m1_codes, stochastic_round_to_e2m1_codes
+from .scaling import (
+    block_amax,
+    block_view,
+    e8m0_from_exponent,
+    expand_block_scale,
+    mx_shared_exponent,
+    nvfp4_block_scales,
+    per_tensor_scale,
+    pow2_from_exponent,
+)
+
+__all__ = ["cast_fp8_per_tensor", "cast_fp8_blocks", "cast_mxfp8", "cast_nvfp4", "dequantize_blocks"]
+
+
+def cast_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float) -> torch.Tensor:
+    """FP8 data = saturate(x * scale) rounded to nearest even; NaN stays NaN."""
+    return (x.to(torch.float32) * scale).clamp(-fmt_max, fmt_max).to(fp8_dtype)
+
+
+def cast_fp8_blocks(
+    x: torch.Tensor, block_rows: int, block_cols: int, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool
+):
+    """FP8 with one float32 scale per (block_rows x block_cols) block. Returns (data, scale_inv)."""
+    xb = block_view(x.to(torch.float32), block_rows, block_cols)
+    scale = per_tensor_scale(block_amax(xb), fmt_max, power_2=power_2)
+    data = (xb * expand_block_scale(scale)).clamp(-fmt_max, fmt_max).to(fp8_dtype)
+    return data.reshape(x.shape), 1.0 / scale
+
+
+def cast_mxfp8(x: torch.Tensor, block: int, fp8_dtype: torch.dtype, fmt_max: float, emax_elem: int, margin: int):
+    """OCP MX: 1 x block groups share ``2**X`` (E8M0), elements are ``x / 2**X`` in FP8. Returns (data, scale)."""
+    xb = block_view(x.to(torch.float32), 1, block)
+    amax = block_amax(xb)
+    exponent = mx_shared_exponent(amax, emax_elem, margin)
+    multiplier = pow2_from_exponent(-exponent)  # exact 2**-X
+    data = (xb * expand_block_scale(multiplier)).clamp(-fmt_max, fmt_max).to(fp8_dtype)
+    return data.reshape(x.shape), e8m0_from_exponent(exponent, amax)
+
+
+def cast_nvfp4(
+    x: torch.Tensor, block_rows: int, block_cols: int, s_enc: torch.Tensor, noise: Optional[torch.Tensor] = None
+):
+    """NVFP4: E4M3 scale per block (1x16 or 16x16), E2M1 elements packed two per byte.
+
+    ``noise`` (uniform [0, 1), x's shape) switches to stochastic rounding. Returns (packed, scale_e4m3).
+    """
+    xb = block_view(x.to(torch.float32), block_rows, block_cols)
+    scale_e4m3, factor = nvfp4_block_scales(block_amax(xb), s_enc)
+    scaled = (xb * expand_block_scale(factor)).reshape(x.shape)
+    if noise is None:
+        codes = round_to_e2m1_codes(scaled)
+    else:
+        codes = stochastic_round_to_e2m1_codes(scaled, noise)
+    return pack_e2m1(codes), scale_e4m3
+
+
+def dequantize_blocks(values: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    """float32 element values [..., R, C] times their block's scale_inv [..., R/br, C/bc]."""
+    vb = block_view(values, block_rows, block_cols)
+    return (vb * expand_block_scale(scale_inv.to(torch.float32))).reshape(values.shape)

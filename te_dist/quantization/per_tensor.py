@@ -1,0 +1,121 @@
+"""Per-tensor FP8 quantizers: DelayedScaling (amax history) and Float8CurrentScaling.
+
+DelayedScaling, one call ``q = quantizer(x)``:
+  1. quantize x with the *current* ``scale`` (derived from past amaxes; 1.0 before any update),
+  2. record ``amax(x)``: all-reduce MAX over ``group`` when ``reduce_amax`` and the group has
+     more than one rank, then roll it into ``amax_history`` (index 0 = most recent),
+  3. recompute ``scale = fp8_max / A / 2**margin`` with ``A`` = max(history) ("max"),
+     history[0] ("most_recent") or ``algo(history)`` for a callable (1-D float32 tensor, most
+     recent first, returns a 0-dim amax). A zero or non-finite ``A`` keeps the previous scale.
+New tensors are assigned only after every step succeeded, so an error leaves the state intact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipe import DelayedScaling, Float8CurrentScaling
+from .cast import cast_fp8_per_tensor
+from .compile import dispatch
+from .formats import FP8_MAX, format_for_role, fp8_dtype
+from .quantizer import Quantizer
+from .scaling import compute_amax, per_tensor_scale
+from .tensors import Float8Tensor
+
+__all__ = ["DelayedScalingQuantizer", "CurrentScalingQuantizer", "reduce_amax"]
+
+
+def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """MAX all-reduce of a 0-dim amax over ``group``; a no-op without a group or with one rank."""
+    if group is None:
+        return amax
+    import torch.distributed as dist  # lazy: only distributed runs pay for it
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("an amax reduction group was given but torch.distributed is not initialized")
+    if dist.get_world_size(group) <= 1:
+        return amax
+    buf = amax.detach().reshape(1).clone()
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return buf.reshape(())
+
+
+class DelayedScalingQuantizer(Quantizer):
+    recipe_type = DelayedScaling
+
+    def __init__(self, recipe: DelayedScaling, role: str, *, group=None):
+        super().__init__(recipe, role, group=group)
+        self.fmt = format_for_role(recipe.fp8_format, role)
+        self.fp8_dtype = fp8_dtype(self.fmt)
+        self.fmt_max = FP8_MAX[self.fmt]
+        self.margin = recipe.margin
+        self.amax_history_len = recipe.amax_history_len
+        self.amax_compute_algo = recipe.amax_compute_algo
+        self.reduce_amax = recipe.reduce_amax
+        self.num_updates = 0
+        self.amax_history = torch.zeros(self.amax_history_len, dtype=torch.float32)
+        self.scale = torch.ones((), dtype=torch.float32)
+        self.scale_inv = torch.ones((), dtype=torch.float32)
+
+    def _to_device(self, device: torch.device) -> None:
+        if self.scale.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
+            self.scale_inv = self.scale_inv.to(device)
+
+    def _quantize(self, x, rowwise, columnwise, hadamard):
+        self._to_device(x.device)
+        amax = compute_amax(x)
+        data = dispatch(cast_fp8_per_tensor, x, self.scale, self.fp8_dtype, self.fmt_max)
+        out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype)
+        self.update(amax)
+        return out
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Record x's amax and update the scale without quantizing (warm start, calibration)."""
+        self._to_device(x.device)
+        self.update(compute_amax(x.detach()))
+
+    def _history_amax(self, history: torch.Tensor) -> torch.Tensor:
+        algo = self.amax_compute_algo
+        if algo == "max":
+            return history.amax()
+        if algo == "most_recent":
+            return history[0]
+        result = algo(history)
+        if not isinstance(result, torch.Tensor) or result.numel() != 1:
+            raise TypeError(
+                f"amax_compute_algo callable must return a 1-element tensor, got {type(result).__name__} "
+                f"{getattr(result, 'shape', '')}"
+            )
+        return result.reshape(()).to(torch.float32)
+
+    def update(self, amax: torch.Tensor) -> None:
+        """Roll ``amax`` into the history and recompute the scale (step 2-3 of the module docstring)."""
+        amax = amax.to(device=self.amax_history.device, dtype=torch.float32).reshape(())
+        if self.reduce_amax:
+            amax = reduce_amax(amax, self.group)
+        history = torch.cat((amax.reshape(1), self.amax_history[:-1]))
+        scale = per_tensor_scale(self._history_amax(history), self.fmt_max, margin=self.margin, fallback=self.scale)
+        scale_inv = 1.0 / scale
+        self.amax_history, self.scale, self.scale_inv = history, scale, scale_inv
+        self.num_updates += 1
+
+
+class CurrentScalingQuantizer(Quantizer):
+    """Scale from this tensor's own amax (all-reduced MAX over ``group`` when one is given)."""
+
+    recipe_type = Float8CurrentScaling
+
+    def __init__(self, recipe: Float8CurrentScaling, role: str, *, group=None):
+        super().__init__(recipe, role, group=group)
+        self.fmt = format_for_role(recipe.fp8_format, role)
+        self.fp8_dtype = fp8_dtype(self.fmt)
+        self.fmt_max = FP8_MAX[self.fmt]
+        self.use_power_2_scales = recipe.use_power_2_scales
+
+    def _quantize(self, x, rowwise, columnwise, hadamard):
+        amax = reduce_amax(compute_amax(x), self.group)
+        scale = per_tensor_scale(amax, self.fmt_max, power_2=self.use_power_2_scales)
+        data = dispatch(cast_fp8_per_tensor, x, scale, self.fp8_dtype, self.fmt_max)
+        return Float8Tensor(data, 1.0 / scale, self.fmt, x.dtype)

@@ -1,0 +1,222 @@
+"""The training loop of ``te-dist train``: build, (resume), train, checkpoint, summarise.
+
+One step on every rank:
+
+    batch(step) -> autocast(recipe, group=WORLD) { loss = CE(model(x), y) } -> backward
+      -> reduce grads (dense: WORLD, experts: EDP; both / W) -> AdamW -> loss all-reduce for the log
+
+Rank 0 prints the agreed recipe key and the fusion plan once, a progress line every
+``log_every`` steps and a summary; it also writes ``<out>/metrics.jsonl`` (one JSON line per
+step, losses as exact floats) so runs can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..autocast import autocast
+from .checkpoint import checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
+from .config import JobConfig, resolve_recipe
+from .data import MarkovData
+from .model import build_model
+from .parallel import GradientReducer, Runtime, dense_group, init_runtime
+
+__all__ = ["FaultInjection", "TrainResult", "train", "lr_at"]
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Testing aid: raise on ``rank`` at the start of ``step`` (shows how a rank failure ends a job)."""
+
+    rank: int
+    step: int
+
+
+@dataclass
+class TrainResult:
+    first_step: int
+    last_step: int
+    losses: dict = field(default_factory=dict)  # step -> global mean loss
+    tokens_per_s: float = float("nan")
+    wall_s: float = 0.0
+    checkpoint: Optional[str] = None
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+    t = cfg.train
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    span = max(t.steps - t.warmup_steps, 1)
+    progress = min(max(step - t.warmup_steps, 0) / span, 1.0)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _say(runtime: Runtime, text: str) -> None:
+    if runtime.is_main:
+        print(text, flush=True)
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = int(width * done / total)
+    return "#" * filled + "." * (width - filled)
+
+
+def _fuser_report(model) -> str:
+    try:
+        from ..ops import OperationFuser
+    except ImportError as exc:
+        return f"fusion plan: unavailable ({exc})"
+    for name, module in model.named_modules():
+        if isinstance(module, OperationFuser):
+            plan = getattr(module, "plan", None)
+            described = plan.describe() if plan is not None else "(no plan yet)"
+            return f"fusion key: {module.fusion_key!r}\nfusion plan of {name}:\n{described}"
+    return "fusion plan: the model holds no OperationFuser"
+
+
+def _start_metrics(path: Path, *, keep_until: Optional[int], history: dict) -> None:
+    """Start the metrics file: a fresh run empties it; a resumed run keeps the steps up to its
+    checkpoint (from this file, else the losses the checkpoint recorded)."""
+    kept = {}
+    if keep_until is not None:
+        kept = {step: json.dumps({"step": step, "loss": loss}) for step, loss in history.items() if step <= keep_until}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= keep_until:
+                    kept[json.loads(line)["step"]] = line
+    path.write_text("".join(kept[step] + "\n" for step in sorted(kept)))
+
+
+def _append_metrics(path: Path, row: dict) -> None:
+    with path.open("a") as f:  # line by line: a crashed run still leaves its history
+        f.write(json.dumps(row) + "\n")
+
+
+def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[FaultInjection] = None) -> TrainResult:
+    """Run the job on this rank (collective; call on every rank of the torchrun job)."""
+    cfg.validate()
+    t, m, d = cfg.train, cfg.model, cfg.data
+    if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
+        torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ep_size, per_rank = cfg.layout(world_size)
+    recipe = resolve_recipe(cfg.recipe)
+    runtime = init_runtime(device=t.device, ep_size=ep_size)
+    rt = runtime
+    group = dense_group()
+
+    agreed_key = None
+    if recipe is not None:
+        from ..distributed import sync_recipe
+
+        agreed_key = sync_recipe(recipe, group=group)
+
+    data = MarkovData(m.vocab_size, d.seq_len, d.global_batch_size, branching=d.branching, seed=d.seed)
+    model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=t.weight_decay, foreach=False)
+    reducer = GradientReducer(model, rt)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    start_step, history = 0, {}
+    if resume is not None:
+        ckpt = find_checkpoint(resume)
+        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer, runtime=rt, model_config=asdict(m))
+        start_step = int(meta["step"])
+        history = {int(k): v for k, v in meta.get("losses", {}).items()}
+        _say(rt, f"[te-dist] resumed from {ckpt} at step {start_step} "
+                 f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={ep_size})")
+
+    out_dir = Path(t.out_dir)
+    metrics_path = out_dir / "metrics.jsonl"
+    if rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _start_metrics(metrics_path, keep_until=start_step if resume is not None else None, history=history)
+    tokens_per_step = d.global_batch_size * d.seq_len
+    _say(rt, (f"[te-dist] {rt.world_size} ranks ({rt.backend}, {rt.device.type}) | ep={ep_size} edp={rt.groups.edp_size} | "
+              f"{num_params:,} params/rank | {m.num_layers} layers, {m.num_experts} experts top-{m.top_k} | "
+              f"{tokens_per_step} tokens/step | steps {start_step + 1}..{t.steps}"))
+    _say(rt, f"[te-dist] agreed recipe key: {agreed_key}")
+    _say(rt, f"[te-dist] data: Markov chain, uniform loss {data.uniform_loss():.4f}, best possible loss "
+             f"(entropy rate) {data.entropy_rate():.4f}")
+
+    speeds, losses = [], {}
+    last_ckpt = None
+    t_start = time.perf_counter()
+    for step in range(start_step + 1, t.steps + 1):
+        t0 = time.perf_counter()
+        if fault is not None and fault.step == step and fault.rank == rt.rank:
+            raise RuntimeError(f"injected failure on rank {rt.rank} at step {step} (--fail-rank/--fail-step)")
+        lr = lr_at(step, cfg)
+        for group_ in optimizer.param_groups:
+            group_["lr"] = lr
+        x_BS, y_BS = (b.to(rt.device) for b in data.local_batch(step, rt.rank, rt.world_size))
+        with autocast(recipe=recipe, group=group if recipe is not None else None):
+            loss = model.loss(x_BS, y_BS)
+        if not torch.isfinite(loss):
+            # Every rank must still enter the collectives below; the all-reduced loss tells all of them.
+            loss_for_log = torch.full((), float("nan"), device=rt.device)
+        else:
+            loss_for_log = loss.detach().float().clone()
+        loss.backward()
+        reducer.reduce()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_for_log)
+        global_loss = loss_for_log.item() / rt.world_size
+        if not math.isfinite(global_loss):
+            raise FloatingPointError(f"loss is {global_loss} at step {step}; lower train.lr or check the recipe")
+        dt = time.perf_counter() - t0
+        losses[step] = global_loss
+        if step > start_step + 1 or t.steps == start_step + 1:
+            speeds.append(tokens_per_step / dt)
+        if rt.is_main:
+            _append_metrics(metrics_path, {"step": step, "loss": global_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt})
+        if step == start_step + 1:
+            _say(rt, _fuser_report(model))
+        if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
+            _say(rt, f"step {step:>5}/{t.steps} [{_bar(step, t.steps)}] loss {global_loss:.4f} | lr {lr:.2e} | "
+                     f"{tokens_per_step / dt:>9,.0f} tok/s | {time.perf_counter() - t_start:6.1f}s")
+        if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+            history.update(losses)
+            meta = {"model": asdict(m), "recipe": cfg.recipe, "losses": {str(k): v for k, v in sorted(history.items())}}
+            last_ckpt = save_checkpoint(checkpoint_dir(out_dir, step), model=model, optimizer=optimizer,
+                                        runtime=rt, step=step, meta=meta)
+            _say(rt, f"[te-dist] checkpoint {last_ckpt}")
+    wall = time.perf_counter() - t_start
+
+    result = TrainResult(start_step + 1, t.steps, losses,
+                         sum(speeds) / len(speeds) if speeds else float("nan"), wall,
+                         str(last_ckpt) if last_ckpt else None)
+    if rt.is_main:
+        _print_summary(result, data, rt, ep_size, agreed_key)
+    return result
+
+
+def _print_summary(result: TrainResult, data: MarkovData, rt: Runtime, ep_size: int, agreed_key) -> None:
+    lines = ["", "=" * 24 + " te-dist train summary " + "=" * 24]
+    if result.losses:
+        first, last = result.losses[result.first_step], result.losses[result.last_step]
+        lines.append(f"steps      {result.first_step}..{result.last_step} on {rt.world_size} ranks "
+                     f"({rt.backend}, {rt.device.type}), ep={ep_size}")
+        lines.append(f"loss       {first:.4f} -> {last:.4f}  (uniform {data.uniform_loss():.4f}, "
+                     f"best possible {data.entropy_rate():.4f})")
+        lines.append(f"throughput {result.tokens_per_s:,.0f} tokens/s (mean over steps after the first)")
+    else:
+        lines.append(f"nothing to do: the checkpoint is already at step {result.first_step - 1}")
+    lines.append(f"wall time  {result.wall_s:.1f} s")
+    lines.append(f"recipe key {agreed_key}")
+    lines.append(f"checkpoint {result.checkpoint}")
+    print("\n".join(lines), flush=True)
+    sys.stdout.flush()

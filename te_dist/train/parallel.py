@@ -1,0 +1,153 @@
+"""Process-group setup for a training rank, and the gradient reduction of an EP x DP layout.
+
+Every rank is a data-parallel rank for the dense weights (embedding, attention, norms, router,
+head: replicated everywhere) and an expert-parallel rank inside its EP group for the expert
+weights (each EP rank holds ``num_experts / ep`` experts, replicated over its EDP group).
+
+Why gradients are divided by the WORLD size for both kinds: the training loss is the mean of
+the ranks' local mean losses, ``L = (1/W) sum_r L_r``. A dense weight's gradient is the sum of
+the ranks' gradients over W; an expert weight already receives, through the all-to-all
+backward, the gradients of every token of its EP group, so summing over its EDP replicas gives
+``sum_r dL_r/dW`` and the same division by W gives ``dL/dW``. Both therefore match one rank
+training on the whole global batch, whatever the EP size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Runtime", "init_runtime", "expert_parameter_names", "GradientReducer", "global_expert_ids"]
+
+
+@dataclass
+class Runtime:
+    """Where this rank runs: its rank numbers, device, backend and EP/EDP groups."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    groups: object  # te_dist.distributed.groups.ExpertParallelGroups
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ep_size(self) -> int:
+        return self.groups.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.groups.ep_ranks.index(self.rank)
+
+
+def _pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("train.device='cuda' was asked for, but torch.cuda.is_available() is False")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(f"local rank {local_rank} has no GPU: only {count} visible; use --nproc {count} or fewer")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(*, device: str, ep_size: int, timeout_s: float = 300.0) -> Runtime:
+    """Join the torchrun job (env:// rendezvous) and build the EP/EDP groups.
+
+    Runs as world size 1 without torchrun too (a plain ``python -m te_dist.train.worker``).
+    """
+    from ..distributed.groups import init_expert_parallel_groups
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # not started by torchrun: a one-rank job on a private port
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    groups = init_expert_parallel_groups(ep_size)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, groups)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_expert_module(module: nn.Module) -> bool:
+    try:
+        from ..ops import GroupedLinear
+    except ImportError:  # ops not importable: fall back to explicit parameter marks only
+        return False
+    return isinstance(module, GroupedLinear)
+
+
+def expert_parameter_names(model: nn.Module) -> list:
+    """Names of the expert-sharded parameters (first dim = local experts).
+
+    A parameter is an expert parameter when it belongs to a GroupedLinear op (weights
+    [E_local, out, in], biases [E_local, out]) or carries the Megatron-Core marker
+    ``allreduce = False`` that MoELayer sets on its expert weights.
+    """
+    names = []
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            if _is_expert_module(module) or getattr(p, "allreduce", True) is False:
+                names.append(f"{mod_name}.{p_name}" if mod_name else p_name)
+    return names
+
+
+def global_expert_ids(num_local: int, ep_rank: int) -> range:
+    """Global expert ids of this EP rank: contiguous blocks, rank k holds [k*E_local, (k+1)*E_local)."""
+    return range(ep_rank * num_local, (ep_rank + 1) * num_local)
+
+
+class GradientReducer:
+    """One flat all-reduce for the dense gradients (WORLD), one for the expert ones (EDP)."""
+
+    def __init__(self, model: nn.Module, runtime: Runtime):
+        expert = set(expert_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.dense = [p for n, p in named if n not in expert]
+        self.expert = [p for n, p in named if n in expert]
+        self.runtime = runtime
+
+    def _reduce(self, params: Iterable[nn.Parameter], group, group_size: int) -> None:
+        params = list(params)
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if group_size > 1:
+            dist.all_reduce(flat, group=group)
+        flat.div_(self.runtime.world_size)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def reduce(self) -> None:
+        rt = self.runtime
+        self._reduce(self.dense, None, rt.world_size)
+        self._reduce(self.expert, rt.groups.edp_group, rt.groups.edp_size)
+
+
+def dense_group() -> Optional[object]:
+    """The group every rank agrees on the recipe over (the whole job)."""
+    return dist.group.WORLD if dist.is_initialized() else None

@@ -1,0 +1,51 @@
+"""Build check: compile grouped_gemm.cu with nvcc against the nvidia-cutlass headers (no GPU needed).
+
+Skipped only when nvcc is absent. Compiles one instance per direction, covering both tile
+configs and both output dtypes, into a temp cache (the JIT path itself: key, temp dir, rename).
+"""
+
+import shutil
+
+import pytest
+
+import cutlass_kernels as ck
+from cutlass_kernels import build
+
+pytestmark = pytest.mark.slow
+
+BUILD_SET = [ck.Instance("fwd", 0, False), ck.Instance("dgrad", 1, True), ck.Instance("wgrad", 1, False)]
+
+
+def test_cache_key_covers_instance_and_flags(monkeypatch, tmp_path):
+    if ck.find_nvcc() is None or ck.find_cutlass() is None:
+        pytest.skip("nvcc or the nvidia-cutlass headers are absent: the cache key needs both")
+    keys = {build.cache_key(i) for i in build.all_instances()}
+    assert len(keys) == len(build.all_instances())
+    monkeypatch.setattr(build, "BASE_FLAGS", build.BASE_FLAGS + ("-DEXTRA",))
+    assert build.cache_key(BUILD_SET[0]) not in keys
+    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
+    assert build.cache_dir() == tmp_path
+
+
+def test_instance_validation():
+    with pytest.raises(ValueError, match="direction"):
+        ck.Instance("bwd", 0)
+    with pytest.raises(ValueError, match="config"):
+        ck.Instance("fwd", 7)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and build.find_nvcc() is None,
+                    reason="nvcc is absent on this machine (the .cu build check needs the CUDA compiler)")
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("inst", BUILD_SET, ids=[i.name for i in BUILD_SET])
+def test_nvcc_compiles_instance(inst, tmp_path, monkeypatch):
+    if ck.find_cutlass() is None:
+        pytest.fail("nvcc is present but the CUTLASS headers are not: pip install --no-deps nvidia-cutlass")
+    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
+    path = ck.build_instance(inst)
+    assert path.exists() and path.stat().st_size > 100_000
+    assert path.parent == tmp_path
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp build dir left behind"
+    # a second call is a cache hit: same file, no rebuild
+    mtime = path.stat().st_mtime_ns
+    assert ck.build_instance(inst) == path and path.stat().st_mtime_ns == mtime

@@ -1,0 +1,174 @@
+"""CPU tests of te_dist.kernels: the loop path, the torch._grouped_mm path, autograd, validation."""
+
+import pytest
+import torch
+
+from te_dist import kernels
+from te_dist.kernels import grouped_mm, grouped_mm_dgrad, grouped_mm_forward, grouped_mm_wgrad
+
+
+def _offsets(splits):
+    return torch.tensor(splits, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _reference(x, w_EKN, splits, bias=None, scale=None):
+    """float64 per-expert reference written independently of the backends."""
+    outs, start = [], 0
+    for e, n in enumerate(splits):
+        acc = x[start:start + n].double() @ w_EKN[e].double()
+        if scale is not None:
+            acc = acc * scale[start:start + n].double()[:, None]
+        if bias is not None:
+            acc = acc + bias[e].double()
+        outs.append(acc)
+        start += n
+    return torch.cat(outs) if outs else torch.zeros(0, w_EKN.shape[2], dtype=torch.float64)
+
+
+def _weight(E, K, N, dtype=torch.float32):
+    return torch.randn(E, N, K, dtype=dtype).transpose(1, 2)  # [E, K, N] view of [E, out, in]
+
+
+SPLITS = [[3, 0, 5, 1], [0, 0, 7], [1, 1, 1, 1, 1], [4]]
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_forward_matches_reference(splits, backend):
+    torch.manual_seed(0)
+    E, K, N, T = len(splits), 16, 8, sum(splits)
+    x, w = torch.randn(T, K), _weight(E, K, N)
+    bias, scale = torch.randn(E, N), torch.rand(T)
+    y = grouped_mm_forward(x, w, _offsets(splits), bias_EN=bias, row_scale_T=scale, backend=backend)
+    torch.testing.assert_close(y.double(), _reference(x, w, splits, bias, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_forward_bf16_epilogue_in_fp32_and_out_dtype():
+    torch.manual_seed(1)
+    splits = [2, 3, 0]
+    x, w = torch.randn(5, 16).bfloat16(), _weight(3, 16, 8, torch.bfloat16)
+    y = grouped_mm(x, w, _offsets(splits), out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), _reference(x, w, splits), rtol=1e-5, atol=1e-5)
+    assert grouped_mm(x, w, _offsets(splits)).dtype == torch.bfloat16
+
+
+def test_contiguous_EKN_weight_is_accepted():
+    torch.manual_seed(2)
+    splits = [2, 2]
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 4)  # contiguous [E, K, N]
+    y = grouped_mm(x, w, _offsets(splits))
+    torch.testing.assert_close(y.double(), _reference(x, w, splits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [[3, 0, 5, 1], [0, 4, 0]])
+@pytest.mark.parametrize("with_bias,with_scale", [(False, False), (True, False), (False, True), (True, True)])
+def test_autograd_matches_reference(splits, with_bias, with_scale):
+    torch.manual_seed(3)
+    E, K, N, T = len(splits), 16, 8, sum(splits)
+    x = torch.randn(T, K, requires_grad=True)
+    w_ENK = torch.randn(E, N, K, requires_grad=True)  # the stored parameter
+    bias = torch.randn(E, N, requires_grad=True) if with_bias else None
+    scale = torch.rand(T, requires_grad=True) if with_scale else None
+    offsets = _offsets(splits)
+    y = grouped_mm(x, w_ENK.transpose(1, 2), offsets, bias_EN=bias, row_scale_T=scale)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    leaves = [x, w_ENK] + [t for t in (bias, scale) if t is not None]
+    got = [t.grad.clone() for t in leaves]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    rx, rw = ref_leaves[0], ref_leaves[1]
+    rest = iter(ref_leaves[2:])
+    rb = next(rest) if with_bias else None
+    rs = next(rest) if with_scale else None
+    _reference(rx, rw.transpose(1, 2), splits, rb, rs).backward(dy.double())
+    for g, r in zip(got, ref_leaves):
+        torch.testing.assert_close(g.double(), r.grad, rtol=1e-5, atol=1e-5)
+    # experts without rows get exactly zero weight (and bias) gradients
+    for e, n in enumerate(splits):
+        if n == 0:
+            assert torch.count_nonzero(w_ENK.grad[e]) == 0
+            if with_bias:
+                assert torch.count_nonzero(bias.grad[e]) == 0
+
+
+def test_float64_is_rejected_with_a_clear_error():
+    x, w = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="x_TK.dtype must be one of"):
+        grouped_mm(x, w, _offsets([2, 0, 3]))
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_dgrad_and_wgrad_entry_points(backend):
+    torch.manual_seed(5)
+    splits = [3, 0, 2]
+    E, K, N, T = 3, 16, 8, 5
+    x, w, dy, s = torch.randn(T, K), _weight(E, K, N), torch.randn(T, N), torch.rand(T)
+    offsets = _offsets(splits)
+    dx = grouped_mm_dgrad(dy, w, offsets, row_scale_T=s, backend=backend)
+    ref_dx = _reference(dy, w.transpose(1, 2), splits, None, s)
+    torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-5, atol=1e-5)
+    dw = grouped_mm_wgrad(x, dy, offsets, backend=backend)
+    assert dw.shape == (E, K, N)
+    assert dw.transpose(1, 2).is_contiguous(), "wgrad must be written in the weight's [E, N, K] layout"
+    start = 0
+    for e, n in enumerate(splits):
+        torch.testing.assert_close(dw[e].double(), x[start:start + n].double().t() @ dy[start:start + n].double(),
+                                   rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_zero_rows_total():
+    x, w = torch.zeros(0, 8), _weight(2, 8, 8)
+    y = grouped_mm(x, w, _offsets([0, 0]))
+    assert y.shape == (0, 8)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_validation_errors_name_expected_and_received():
+    x, w = torch.randn(5, 8), _weight(2, 8, 4)
+    good = _offsets([2, 3])
+    with pytest.raises(TypeError, match="int32"):
+        grouped_mm(x, w, good.long())
+    with pytest.raises(ValueError, match="2 experts"):
+        grouped_mm(x, w, _offsets([5]))
+    with pytest.raises(ValueError, match=r"offsets_E\[-1\]=4 != num_rows=5"):
+        grouped_mm(x, w, _offsets([2, 2]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_mm(x, w, torch.tensor([4, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="K=6"):
+        grouped_mm(torch.randn(5, 6), w, good)
+    with pytest.raises(TypeError, match="w_EKN.dtype"):
+        grouped_mm(x, w.double(), good)
+    with pytest.raises(TypeError, match="x_TK.dtype"):
+        grouped_mm(x.to(torch.int32), w, good)
+    with pytest.raises(ValueError, match=r"bias_EN must have shape \(2, 4\)"):
+        grouped_mm(x, w, good, bias_EN=torch.randn(2, 5))
+    with pytest.raises(ValueError, match="row_scale_T must have T=5"):
+        grouped_mm(x, w, good, row_scale_T=torch.rand(4))
+    with pytest.raises(ValueError, match="backend must be"):
+        grouped_mm(x, w, good, backend="cublas")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        grouped_mm(x, w, good, backend="cutlass")
+    with pytest.raises(ValueError, match="3-D"):
+        grouped_mm(x, w[0], good)
+
+
+def test_validation_happens_before_any_work(monkeypatch):
+    calls = []
+    from te_dist.backends import loop_backend
+
+    monkeypatch.setattr(loop_backend, "forward", lambda *a, **k: calls.append(a))
+    with pytest.raises(ValueError):
+        grouped_mm(torch.randn(5, 8), _weight(2, 8, 4), _offsets([2, 2]))
+    assert calls == []
+
+
+def test_available_backends_cpu():
+    assert kernels.available_backends("cpu") == ["loop"]
+    x, w = torch.randn(4, 8), _weight(2, 8, 8)
+    assert kernels.select_backend("fwd", x, w) == "loop"
+    assert kernels.select_backend("fwd", x, w, backend="torch") == "torch"

@@ -1,0 +1,65 @@
+"""Backend selection table (pure function; devices described, none needed)."""
+
+import pytest
+import torch
+
+from te_dist.backends.selection import DECODE_ROWS_PER_EXPERT, Problem, choose_backend, why_not
+
+
+def _p(**kw):
+    base = dict(direction="fwd", device_type="cuda", capability=(9, 0), dtype=torch.bfloat16,
+                out_dtype=torch.bfloat16, num_rows=4096, k=4096, n=2048, num_groups=8)
+    base.update(kw)
+    return Problem(**base)
+
+
+def test_cpu_always_loop():
+    assert choose_backend(_p(device_type="cpu", capability=None), cutlass_built=True, torch_grouped=True) == "loop"
+
+
+def test_hopper_bf16_prefers_cutlass_then_torch():
+    assert choose_backend(_p(), cutlass_built=True, torch_grouped=True) == "cutlass"
+    assert choose_backend(_p(), cutlass_built=False, torch_grouped=True) == "torch"
+    assert choose_backend(_p(), cutlass_built=False, torch_grouped=False) == "loop"
+
+
+def test_blackwell_uses_torch_not_sm90a_kernels():
+    assert choose_backend(_p(capability=(10, 0)), cutlass_built=True, torch_grouped=True) == "torch"
+
+
+def test_fp16_and_fp32_fall_back_to_loop():
+    for dt in (torch.float16, torch.float32):
+        assert choose_backend(_p(dtype=dt, out_dtype=dt), cutlass_built=True, torch_grouped=True) == "loop"
+
+
+def test_misaligned_k_or_n_skips_tma_backends():
+    assert choose_backend(_p(k=4100), cutlass_built=True, torch_grouped=True) == "loop"
+    assert "multiples of 8" in why_not("cutlass", _p(n=12), cutlass_built=True, torch_grouped=True)
+
+
+def test_non_k_major_weight_skips_cutlass_forward_only():
+    assert choose_backend(_p(weight_k_major=False), cutlass_built=True, torch_grouped=True) == "torch"
+    assert choose_backend(_p(direction="wgrad", weight_k_major=False), cutlass_built=True, torch_grouped=True) == "cutlass"
+
+
+def test_decode_shapes_use_loop_unless_capturing():
+    rows = DECODE_ROWS_PER_EXPERT * 8
+    assert choose_backend(_p(num_rows=rows), cutlass_built=False, torch_grouped=True) == "loop"
+    assert choose_backend(_p(num_rows=rows, capturing=True), cutlass_built=False, torch_grouped=True) == "torch"
+    assert choose_backend(_p(num_rows=rows + 1), cutlass_built=False, torch_grouped=True) == "torch"
+
+
+def test_capture_with_no_graph_safe_backend_raises():
+    with pytest.raises(ValueError, match="CUDA graph"):
+        choose_backend(_p(dtype=torch.float32, out_dtype=torch.float32, capturing=True),
+                       cutlass_built=True, torch_grouped=True)
+
+
+def test_forced_backend_validated():
+    assert choose_backend(_p(), cutlass_built=True, torch_grouped=True, forced="loop") == "loop"
+    with pytest.raises(ValueError, match="sm_90a"):
+        choose_backend(_p(capability=(8, 0)), cutlass_built=True, torch_grouped=True, forced="cutlass")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        choose_backend(_p(out_dtype=torch.float16), cutlass_built=True, torch_grouped=True, forced="cutlass")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        choose_backend(_p(), cutlass_built=True, torch_grouped=True, forced="magic")

@@ -1,0 +1,99 @@
+"""torchrun worker: the all-to-all dispatcher with stand-in experts (no MLP), every EP rank.
+
+Stand-in expert g multiplies its rows by (g + 1), so the combined output has a closed form
+``out_t = sum_k w_tk * (e_tk + 1) * x_t`` that each rank checks locally, forward and backward.
+
+Scenarios (argv[1], comma-separated): random, skewed (every token to rank 0's experts, so other
+ranks receive nothing), empty (rank 1 has zero tokens), nan (rank 1's routing is invalid: every
+rank must raise RoutingError, none may hang). ``--backend nccl`` runs on cuda:LOCAL_RANK.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from te_dist.moe import AllToAllDispatcher, RoutingError
+
+
+def stand_in_experts(x_NH, split_sizes_El, first_expert):
+    scale = torch.repeat_interleave(
+        torch.arange(split_sizes_El.numel(), device=x_NH.device, dtype=x_NH.dtype) + first_expert + 1,
+        split_sizes_El.to(x_NH.device),
+        output_size=x_NH.shape[0],
+    )
+    return x_NH * scale[:, None]
+
+
+def routing(scenario, rank, E, K, device, dtype):
+    gen = torch.Generator().manual_seed(100 + rank)
+    T = 0 if (scenario == "empty" and rank == 1) else 5 + rank
+    x = torch.randn(T, 3, generator=gen).to(device, dtype).requires_grad_(True)
+    probs = torch.rand(T, K, generator=gen).to(device, dtype).requires_grad_(True)
+    if scenario == "skewed":
+        # only rank 0's experts (or the first K experts when rank 0 owns fewer than K)
+        pool = max(K, E // dist.get_world_size())
+        choices = torch.stack([torch.randperm(pool, generator=gen)[:K] for _ in range(T)])
+    else:
+        choices = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K)
+    return x, probs, choices.to(device, torch.int64).reshape(T, K)
+
+
+def run(scenario, args, device, dtype):
+    rank = dist.get_rank()
+    E, K = args.num_experts, 2
+    dispatcher = AllToAllDispatcher(E, dist.group.WORLD)
+    x, probs, indices = routing(scenario, rank, E, K, device, dtype)
+    invalid = torch.tensor(scenario == "nan" and rank == 1, device=device)
+    try:
+        for probs_in_expert in (True, False):
+            x_NH, splits, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=probs_in_expert, invalid=invalid)
+            assert splits.numel() == dispatcher.num_local_experts
+            assert int(splits.sum()) == x_NH.shape[0]
+            y_NH = stand_in_experts(x_NH, splits, dispatcher.first_expert)
+            if probs_in_expert:
+                y_NH = y_NH * probs_N[:, None]
+            out = dispatcher.combine(y_NH, state)
+            ref_x = x.detach().clone().requires_grad_(True)
+            ref_p = probs.detach().clone().requires_grad_(True)
+            ref = ((ref_p * (indices + 1).to(dtype)).sum(-1, keepdim=True)) * ref_x
+            torch.testing.assert_close(out, ref)
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+            gx, gp = torch.autograd.grad(out, (x, probs), g)
+            rx, rp = torch.autograd.grad(ref, (ref_x, ref_p), g)
+            torch.testing.assert_close(gx, rx)
+            torch.testing.assert_close(gp, rp)
+            if scenario == "skewed" and dispatcher.first_expert >= max(K, dispatcher.num_local_experts):
+                assert x_NH.shape[0] == 0, f"rank {rank} should receive nothing, got {x_NH.shape[0]} rows"
+    except RoutingError as err:
+        if scenario != "nan":
+            raise
+        print(f"rank={rank} scenario=nan raised RoutingError: {err}")
+        return
+    assert scenario != "nan", "NaN routing on rank 1 was not detected"
+    print(f"rank={rank} scenario={scenario} ok")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenarios")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--num-experts", type=int, default=8)
+    args = parser.parse_args()
+    if args.backend == "nccl":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device, dtype = torch.device("cuda", local_rank), torch.float32
+    else:
+        device, dtype = torch.device("cpu"), torch.float64
+    dist.init_process_group(args.backend)
+    try:
+        for scenario in args.scenarios.split(","):
+            run(scenario, args, device, dtype)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

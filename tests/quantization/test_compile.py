@@ -1,0 +1,75 @@
+"""The cast functions trace as one graph (so torch.compile can fuse them) and compiled == eager."""
+
+import pytest
+import torch
+
+from te_dist.quantization import cast, compile as qcompile
+from te_dist import recipe as R
+from te_dist.quantization import make_quantizer, set_compile_enabled
+
+
+def _cases(device):
+    g = torch.Generator(device=device).manual_seed(0)
+    noise = torch.rand(64, 128, device=device, generator=g)
+    s = torch.tensor(3.0, device=device)
+    return [
+        (cast.cast_fp8_per_tensor, (s, torch.float8_e4m3fn, 448.0)),
+        (cast.cast_fp8_blocks, (1, 128, torch.float8_e4m3fn, 448.0, True)),
+        (cast.cast_fp8_blocks, (64, 128, torch.float8_e5m2, 57344.0, False)),
+        (cast.cast_mxfp8, (32, torch.float8_e4m3fn, 448.0, 8, 0)),
+        (cast.cast_nvfp4, (16, 16, s, None)),
+        (cast.cast_nvfp4, (1, 16, s, noise)),
+    ]
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _same(a, b):
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    return all(torch.equal(_bits(u), _bits(v)) for u, v in zip(a, b))
+
+
+def test_cast_functions_trace_as_one_graph():
+    x = torch.randn(64, 128) * 10
+    for fn, args in _cases(torch.device("cpu")):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        assert _same(compiled(x, *args), fn(x, *args)), fn.__name__
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_inductor_matches_eager_on_cuda(cuda_device):
+    x = torch.randn(64, 128, device=cuda_device, dtype=torch.bfloat16) * 10
+    for fn, args in _cases(cuda_device):
+        compiled = torch.compile(fn, fullgraph=True)
+        assert _same(compiled(x, *args), fn(x, *args)), fn.__name__
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(qcompile, "_compiled", {})
+    monkeypatch.setattr(qcompile, "_failed", set())
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    set_compile_enabled(True)
+    try:
+        x = torch.randn(4, 32)
+        with pytest.warns(UserWarning, match="running eagerly"):
+            q = make_quantizer(R.MXFP8BlockScaling(), "input")(x)
+        set_compile_enabled(False)
+        assert torch.equal(q.dequantize(), make_quantizer(R.MXFP8BlockScaling(), "input")(x).dequantize())
+    finally:
+        set_compile_enabled(None)
+
+
+def test_set_compile_enabled_validates():
+    with pytest.raises(TypeError, match="None, True or False"):
+        set_compile_enabled("yes")
+    assert qcompile.compile_enabled(torch.device("cpu")) is False
+    assert qcompile.compile_enabled(torch.device("cuda")) is True
