@@ -1,12 +1,12 @@
 """Grouped GEMM throughput on one GPU: our CUTLASS kernels vs torch._grouped_mm vs a per-expert loop.
 
-    python benchmarks/grouped_gemm.py [--iters 20] [--warmup 3] [--json out.json]
+    python benchmarks/grouped_gemm.py [--iters 10] [--warmup 3] [--json out.json] [--skip-backward]
 
 Prints TFLOP/s per backend (CUTLASS per config and with the heuristic's choice), the backend the
 selector picks ("auto") and its ratio to the best of the three, the CUTLASS/torch ratio and its
 geometric mean over the six ANCHORS.md shapes, dgrad/wgrad rows, and the fused bias+scale epilogue
 against GEMM followed by separate bias and scale kernels. Timings: CUDA events, mean of --iters
-calls after --warmup calls; ratios are within this run.
+calls after --warmup calls, median of 5 such means; ratios are within this run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import torch  # noqa: E402
 from te_dist import kernels  # noqa: E402
 from te_dist.backends import cutlass_backend, epilogue, loop_backend, torch_backend  # noqa: E402
 
+cutlass_kernels = cutlass_backend.kernels_module()
+CONFIGS, choose_config = cutlass_kernels.CONFIGS, cutlass_kernels.choose_config
+
 SHAPES = [  # name, E, rows per expert, K, N
     ("mixtral_fc1", 8, 4096, 4096, 28672),
     ("mixtral_fc2", 8, 4096, 14336, 4096),
@@ -38,17 +41,21 @@ DECODE = [  # name, E, total rows (spread evenly), K, N
 ]
 
 
-def bench(fn, warmup, iters):
+def bench(fn, warmup, iters, repeats=5):
+    """Median over ``repeats`` of the mean per-call time (ms) of ``iters`` back-to-back calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters  # ms
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return sorted(times)[len(times) // 2]
 
 
 def make(E, splits, K, N, dev):
@@ -61,14 +68,18 @@ def make(E, splits, K, N, dev):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-backward", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
     W, I = args.warmup, args.iters
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}, mean of {I} calls after {W} warm-up")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; per call: median of 5 means of {I} calls, after {W} warm-up")
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    dense = bench(lambda: a @ a, 5, 10)  # also brings the clocks up before the first measured shape
+    print(f"# dense bf16 8192^3 a @ a: {2 * 8192 ** 3 / dense / 1e9:.0f} TFLOP/s")
+    del a
     results = {"forward": [], "backward": [], "epilogue": []}
 
     cases = [(n, E, [m] * E, K, N) for n, E, m, K, N in SHAPES]
@@ -76,52 +87,60 @@ def main():
         base, extra = divmod(T, E)
         cases.append((n, E, [base + (i < extra) for i in range(E)], K, N))
 
-    hdr = f"{'shape':<16}{'cutlass':>9}{'c0 coop':>9}{'c1 pp':>9}{'torch':>9}{'loop':>9}{'auto':>9} {'pick':<8}{'auto/best':>10}{'cut/torch':>10}"
-    print("\n## forward bf16 (TFLOP/s)\n" + hdr)
+    configs = sorted(CONFIGS)
+    cfg_cols = "".join(f"{'c' + str(c):>8}" for c in configs)
+    hdr = f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
+    print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = heuristic's config, auto = grouped_mm_forward)\n" + hdr)
     geo = []
     for name, E, splits, K, N in cases:
         x, w, off = make(E, splits, K, N, dev)
         flop = 2.0 * sum(splits) * K * N
-        t = {
-            "cutlass": bench(lambda: cutlass_backend.forward(x, w, off), W, I),
-            "c0": bench(lambda: cutlass_backend.forward(x, w, off, config=0), W, I),
-            "c1": bench(lambda: cutlass_backend.forward(x, w, off, config=1), W, I),
-            "torch": bench(lambda: torch_backend.forward(x, w, off), W, I),
-            "loop": bench(lambda: loop_backend.forward(x, w, off), W, I),
-            "auto": bench(lambda: kernels.grouped_mm_forward(x, w, off), W, I),
-        }
+        t = {f"c{c}": bench(lambda c=c: cutlass_backend.forward(x, w, off, config=c), W, I) for c in configs}
+        t["cutlass"] = bench(lambda: cutlass_backend.forward(x, w, off), W, I)
+        t["torch"] = bench(lambda: torch_backend.forward(x, w, off), W, I)
+        t["loop"] = bench(lambda: loop_backend.forward(x, w, off), W, I, repeats=3)
+        t["auto"] = bench(lambda: kernels.grouped_mm_forward(x, w, off), W, I)
         pick = kernels.select_backend("fwd", x, w)
+        if pick == "cutlass":
+            pick += f"/c{choose_config('fwd', sum(splits), N, K, E)}"
         tf = {k: flop / v / 1e9 for k, v in t.items()}
-        best3 = max(tf["cutlass"], tf["torch"], tf["loop"])
+        best_name = max(["cutlass", "torch", "loop"] + [f"c{c}" for c in configs], key=lambda k: tf[k])
+        best3 = max(tf[k] for k in tf if k != "auto")
         ratio = tf["cutlass"] / tf["torch"]
         if name in [s[0] for s in SHAPES]:
             geo.append(ratio)
-        print(f"{name:<16}{tf['cutlass']:9.1f}{tf['c0']:9.1f}{tf['c1']:9.1f}{tf['torch']:9.1f}{tf['loop']:9.1f}"
-              f"{tf['auto']:9.1f} {pick:<8}{tf['auto'] / best3:10.3f}{ratio:10.3f}")
+        cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
+        print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} {pick:<10}"
+              f"{best_name:<6}{tf['auto'] / best3:10.3f}{ratio:10.3f}")
         results["forward"].append({"shape": name, "tflops": tf, "pick": pick})
         del x, w, off
         torch.cuda.empty_cache()
     gm = math.exp(sum(map(math.log, geo)) / len(geo))
-    print(f"geomean cutlass/torch over the six ANCHORS shapes: {gm:.3f}")
+    print(f"geomean cutlass(heuristic)/torch over the six ANCHORS shapes: {gm:.3f}")
     results["geomean_cutlass_over_torch"] = gm
 
     if not args.skip_backward:
-        print("\n## backward bf16 (TFLOP/s)\n" + f"{'shape':<16}{'dgrad cut':>10}{'dgrad tor':>10}{'wgrad cut':>10}{'wgrad tor':>10}")
-        for name, E, m, K, N in SHAPES:
-            x, w, off = make(E, [m] * E, K, N, dev)
-            dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
-            flop = 2.0 * x.shape[0] * K * N
-            r = {
-                "dgrad_cutlass": bench(lambda: cutlass_backend.dgrad(dy, w, off), W, I),
-                "dgrad_torch": bench(lambda: torch_backend.dgrad(dy, w, off), W, I),
-                "wgrad_cutlass": bench(lambda: cutlass_backend.wgrad(x, dy, off, E), W, I),
-                "wgrad_torch": bench(lambda: torch_backend.wgrad(x, dy, off, E), W, I),
-            }
-            tf = {k: flop / v / 1e9 for k, v in r.items()}
-            print(f"{name:<16}{tf['dgrad_cutlass']:10.1f}{tf['dgrad_torch']:10.1f}{tf['wgrad_cutlass']:10.1f}{tf['wgrad_torch']:10.1f}")
-            results["backward"].append({"shape": name, "tflops": tf})
-            del x, w, off, dy
-            torch.cuda.empty_cache()
+        for direction in ("dgrad", "wgrad"):
+            print(f"\n## {direction} bf16 (TFLOP/s)\n{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8} {'best':<6}")
+            for name, E, splits, K, N in cases:
+                x, w, off = make(E, splits, K, N, dev)
+                dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
+                flop = 2.0 * x.shape[0] * K * N
+                if direction == "dgrad":
+                    fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in configs}
+                    fns["cutlass"] = lambda: cutlass_backend.dgrad(dy, w, off)
+                    fns["torch"] = lambda: torch_backend.dgrad(dy, w, off)
+                else:
+                    fns = {f"c{c}": (lambda c=c: cutlass_backend.wgrad(x, dy, off, E, config=c)) for c in configs}
+                    fns["cutlass"] = lambda: cutlass_backend.wgrad(x, dy, off, E)
+                    fns["torch"] = lambda: torch_backend.wgrad(x, dy, off, E)
+                tf = {k: flop / bench(f, W, I) / 1e9 for k, f in fns.items()}
+                best_name = max(tf, key=lambda k: tf[k])
+                cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
+                print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f} {best_name:<6}")
+                results["backward"].append({"shape": name, "direction": direction, "tflops": tf})
+                del x, w, off, dy
+                torch.cuda.empty_cache()
 
     print("\n## fused bias + row-scale epilogue (ms; ratio = unfused / fused)")
     print(f"{'shape':<16}{'fused':>9}{'cut+sep':>9}{'torch+sep':>10}{'vs cut+sep':>11}{'vs torch+sep':>13}")

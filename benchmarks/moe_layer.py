@@ -16,12 +16,15 @@ of ``--iters`` steps after ``--warmup``):
   * dispatch     our dispatch all-to-all (count exchange + host read + variable-split token
                  all-to-all) against a raw ``all_to_all_single`` of the same bytes, as algorithm
                  bandwidth (bytes sent per rank / time).
-Tokens/s is per rank (tokens of this rank's batch / layer step time).
+Tokens/s is per rank (tokens of this rank's batch / layer step time). Each config runs 8192 and 2048
+tokens per rank by default (``--tokens`` to change): fewer tokens per expert is where a per-expert
+loop loses most (launch overhead, small GEMMs).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import time
@@ -38,12 +41,12 @@ from te_dist.distributed.all_to_all import all_to_all_tokens
 from te_dist.moe import AllToAllDispatcher, TopKRouter
 
 CONFIGS = {
-    "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192),
-    "deepseek": dict(hidden=7168, ffn=2048, experts=64, top_k=8, tokens=8192),
+    "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=[8192, 2048]),
+    "deepseek": dict(hidden=7168, ffn=2048, experts=64, top_k=8, tokens=[8192, 2048]),
 }
 TINY = {
-    "mixtral": dict(hidden=64, ffn=224, experts=8, top_k=2, tokens=256),
-    "deepseek": dict(hidden=112, ffn=32, experts=64, top_k=8, tokens=128),
+    "mixtral": dict(hidden=64, ffn=224, experts=8, top_k=2, tokens=[256]),
+    "deepseek": dict(hidden=112, ffn=32, experts=64, top_k=8, tokens=[128]),
 }
 
 
@@ -137,36 +140,44 @@ def raw_a2a(x, out_splits, in_splits, group):
     return out
 
 
-def bench_config(name, cfg, ep_size, args, device, dtype, rows):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    group = dist.group.WORLD if ep_size > 1 else None
-    H, T = cfg["hidden"], cfg["tokens"]
-    gen = torch.Generator(device=device).manual_seed(1000 + rank)
-    x = torch.randn(T, H, dtype=dtype, device=device, generator=gen).requires_grad_(True)
-    g = torch.randn(T, H, dtype=dtype, device=device, generator=gen)
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
-    torch.manual_seed(0)
-    layer = td.moe.MoELayer(H, cfg["ffn"], cfg["experts"], cfg["top_k"], ep_group=group, dtype=dtype, device=device)
-    t_layer = timed(lambda: train_step(layer, x, g), args, device)
+
+def batch(T, H, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
+    x = torch.randn(T, H, dtype=dtype, device=device, generator=gen).requires_grad_(True)
+    return x, torch.randn(T, H, dtype=dtype, device=device, generator=gen)
+
+
+def bench_layer_parts(layer, T, args, device, dtype):
+    """Layer step, its grouped GEMMs alone, raw all-to-alls alone, dispatch bandwidth, for T tokens."""
+    H, group = layer.hidden_size, layer.ep_group
+    x, g = batch(T, H, dtype, device)
+    t_layer = timed(functools.partial(train_step, layer, x, g), args, device)
     splits = layer.tokens_per_local_expert
+    probe = torch.empty(int(splits.sum()), H, dtype=dtype, device=device)
+    backend = kernels.select_backend("forward", probe, layer.fc1.weight.detach().transpose(1, 2))
+    del probe
     t_gemm = timed(gemm_fn(layer, splits, dtype, device), args, device)
     t_a2a = t_ours = t_raw = 0.0
     sent_bytes = 0
-    if ep_size > 1:
+    if layer.ep_size > 1:
         in_splits, out_splits = a2a_splits(layer)
-        rows_sent, rows_recv = sum(in_splits), sum(out_splits)
-        xs = torch.randn(rows_sent, H, dtype=dtype, device=device)
-        xr = torch.randn(rows_recv, H, dtype=dtype, device=device)
-        ps = torch.rand(rows_sent, dtype=torch.float32, device=device)
+        xs = torch.randn(sum(in_splits), H, dtype=dtype, device=device)
+        xr = torch.randn(sum(out_splits), H, dtype=dtype, device=device)
+        ps = torch.rand(sum(in_splits), dtype=torch.float32, device=device)
 
-        def four_a2a():
+        def raw_all():
             raw_a2a(xs, out_splits, in_splits, group)  # dispatch
             raw_a2a(ps, out_splits, in_splits, group)  # probabilities
             raw_a2a(xr, in_splits, out_splits, group)  # combine
             raw_a2a(xs, out_splits, in_splits, group)  # combine backward (same direction as dispatch)
             raw_a2a(xr, in_splits, out_splits, group)  # dispatch backward
 
-        t_a2a = timed(four_a2a, args, device)
+        t_a2a = timed(raw_all, args, device)
         counts = layer.tokens_per_expert
 
         def ours():
@@ -177,36 +188,43 @@ def bench_config(name, cfg, ep_size, args, device, dtype, rows):
         t_ours = timed(ours, args, device)
         t_raw = timed(lambda: raw_a2a(xs, out_splits, in_splits, group), args, device)
         sent_bytes = xs.numel() * xs.element_size()
-    del layer
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    torch.manual_seed(0)
-    loop = LoopMoE(H, cfg["ffn"], cfg["experts"], cfg["top_k"], group, dtype, device)
-    t_loop = timed(lambda: train_step(loop, x, g), args, device)
-    del loop
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    row = dict(
-        config=name, ep=ep_size, layer_ms=t_layer * 1e3, loop_ms=t_loop * 1e3, speedup=t_loop / t_layer,
-        tok_s=T / t_layer, gemm_ms=t_gemm * 1e3, a2a_ms=t_a2a * 1e3, overhead=t_layer / (t_gemm + t_a2a),
+    return dict(
+        tokens=T, backend=backend, layer_ms=t_layer * 1e3, tok_s=T / t_layer, gemm_ms=t_gemm * 1e3,
+        a2a_ms=t_a2a * 1e3, overhead=t_layer / (t_gemm + t_a2a),
         ours_gbs=sent_bytes / t_ours / 1e9 if t_ours else float("nan"),
         raw_gbs=sent_bytes / t_raw / 1e9 if t_raw else float("nan"),
+        a2a_ratio=t_raw / t_ours if t_ours else float("nan"),
     )
-    row["a2a_ratio"] = row["ours_gbs"] / row["raw_gbs"] if t_raw else float("nan")
-    rows.append(row)
-    if rank == 0:
-        print(f"done {name} EP={ep_size}: layer {row['layer_ms']:.2f} ms, loop {row['loop_ms']:.2f} ms", flush=True)
+
+
+def bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows):
+    """One model config at one EP size, every token count: the layer first, then the loop baseline."""
+    group = dist.group.WORLD if ep_size > 1 else None
+    shape = (cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"])
+    torch.manual_seed(0)
+    layer = td.moe.MoELayer(*shape, ep_group=group, dtype=dtype, device=device)
+    new_rows = [dict(config=name, ep=ep_size, **bench_layer_parts(layer, T, args, device, dtype)) for T in tokens_list]
+    del layer
+    free(device)
+    torch.manual_seed(0)
+    loop = LoopMoE(*shape, group, dtype, device)
+    for row in new_rows:
+        x, g = batch(row["tokens"], cfg["hidden"], dtype, device)
+        row["loop_ms"] = timed(functools.partial(train_step, loop, x, g), args, device) * 1e3
+        row["speedup"] = row["loop_ms"] / row["layer_ms"]
+        if dist.get_rank() == 0:
+            print(f"done {name} EP={ep_size} tokens={row['tokens']}: layer {row['layer_ms']:.2f} ms, "
+                  f"loop {row['loop_ms']:.2f} ms", flush=True)
+    del loop
+    free(device)
+    rows.extend(new_rows)
 
 
 def print_table(rows, header):
-    cols = [("config", "{}"), ("ep", "{}"), ("layer_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
+    cols = [("config", "{}"), ("ep", "{}"), ("tokens", "{}"), ("backend", "{}"), ("layer_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
             ("tok_s", "{:,.0f}"), ("gemm_ms", "{:.2f}"), ("a2a_ms", "{:.2f}"), ("overhead", "{:.2f}x"),
             ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}")]
-    names = ["config", "EP", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
+    names = ["config", "EP", "tokens/rank", "fc1 backend", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
              "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw"]
     print(header)
     print("| " + " | ".join(names) + " |")
@@ -220,7 +238,8 @@ def main():
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU check of the whole script)")
     parser.add_argument("--configs", default="mixtral,deepseek")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (overrides the config)")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated tokens per rank (default: the config's list)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
@@ -236,18 +255,14 @@ def main():
     rows = []
     try:
         for name in args.configs.split(","):
-            cfg = dict(table[name])
-            if args.tokens:
-                cfg["tokens"] = args.tokens
+            cfg = table[name]
+            tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else cfg["tokens"]
             for ep_size in sorted({1, world}):
-                bench_config(name, cfg, ep_size, args, device, dtype, rows)
+                bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows)
         if dist.get_rank() == 0:
-            x = torch.empty(8, 8, dtype=dtype, device=device)
-            w = torch.empty(2, 8, 8, dtype=dtype, device=device)
             hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-            print_table(rows, f"\nMoE layer fwd+bwd, {world} rank(s) x {hw}, {dtype}, backend {args.backend}, "
-                              f"grouped-GEMM backend {kernels.select_backend('forward', x, w)}, "
-                              f"iters {args.iters} warmup {args.warmup}")
+            print_table(rows, f"\nMoE layer fwd+bwd, {world} rank(s) x {hw}, {dtype}, {args.backend}, "
+                              f"torch {torch.__version__}, iters {args.iters} warmup {args.warmup}")
     finally:
         dist.destroy_process_group()
 

@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from .heuristics import CONFIGS
+
 __all__ = [
     "ARCH_FLAGS",
     "BASE_FLAGS",
@@ -59,8 +61,8 @@ class Instance:
     def __post_init__(self):
         if self.direction not in KINDS:
             raise ValueError(f"direction must be one of {tuple(KINDS)}, received {self.direction!r}")
-        if self.config not in (0, 1):
-            raise ValueError(f"config must be 0 or 1, received {self.config!r}")
+        if self.config not in CONFIGS:
+            raise ValueError(f"config must be one of {sorted(CONFIGS)}, received {self.config!r}")
 
     @property
     def name(self) -> str:
@@ -73,7 +75,7 @@ class Instance:
 
 
 def all_instances() -> List[Instance]:
-    return [Instance(d, c, f) for d in KINDS for c in (0, 1) for f in (False, True)]
+    return [Instance(d, c, f) for d in KINDS for c in sorted(CONFIGS) for f in (False, True)]
 
 
 def cache_dir() -> Path:

@@ -4,8 +4,11 @@
 //   TE_GG_KIND    0 fwd   : y[T,N]  = x[T,K] @ w[e]      (A=x row-major, B=w [E,N,K] K-major)
 //                 1 dgrad : dx[T,K] = dy[T,N] @ w[e]^T   (A=dy row-major, B=w [E,N,K] as N-major)
 //                 2 wgrad : dw[e][N,K] = dy_e^T @ x_e    (A=dy M-major, B=x N-major, K=rows of e)
-//   TE_GG_CONFIG  0 cooperative 128x256x64, cluster 2x1x1 (large M)
-//                 1 ping-pong   64x128x64,  cluster 1x1x1 (small M / many small experts)
+//   TE_GG_CONFIG  0 cooperative 128x256x64, cluster 2x1x1 (large M per expert)
+//                 1 ping-pong   64x128x64,  cluster 1x1x1 (decode: a few rows per expert)
+//                 2 ping-pong   128x128x64, cluster 1x2x1 (small M: one M tile per expert, A multicast along N)
+//                 3 cooperative 256x128x64, cluster 1x2x1 (large M, N-multicast)
+//   (cutlass_kernels/heuristics.py picks one per call.)
 //   TE_GG_OUT_F32 0 bf16 out, 1 fp32 out.   Inputs bf16, accumulate fp32.
 // Epilogue (fused, per group e): out = row_scale[row] * acc + bias[e][col]; either may be null.
 //
@@ -65,11 +68,23 @@ using TileShape = Shape<_128, _256, _64>;
 using ClusterShape = Shape<_2, _1, _1>;
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-#else
+#elif TE_GG_CONFIG == 1
 using TileShape = Shape<_64, _128, _64>;
 using ClusterShape = Shape<_1, _1, _1>;
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+#elif TE_GG_CONFIG == 2
+using TileShape = Shape<_128, _128, _64>;
+using ClusterShape = Shape<_1, _2, _1>;
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+#elif TE_GG_CONFIG == 3
+using TileShape = Shape<_256, _128, _64>;
+using ClusterShape = Shape<_1, _2, _1>;
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+#else
+#error "TE_GG_CONFIG must be 0..3"
 #endif
 
 // out = fma(row_scale, acc, bias): per-row (M) scale, per-column (N) bias, one pointer per group.

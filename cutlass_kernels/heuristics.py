@@ -2,46 +2,45 @@
 
 Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 
-| id | name        | tile (M x N x K) | cluster | schedule    | good for |
-|----|-------------|------------------|---------|-------------|----------|
-| 0  | cooperative | 128 x 256 x 64   | 2x1x1   | cooperative | large M per expert: 2 consumer warpgroups share one big tile |
-| 1  | pingpong    | 64 x 128 x 64    | 1x1x1   | ping-pong   | small M per expert (fine-grained MoE, decode): less padding waste, epilogue overlaps the next tile's MMA |
+| id | schedule    | tile (M x N x K) | cluster | meant for |
+|----|-------------|------------------|---------|-----------|
+| 0  | cooperative | 128 x 256 x 64   | 2x1x1   | large M per expert: 2 consumer warpgroups share one big tile, B multicast along M |
+| 1  | ping-pong   | 64 x 128 x 64    | 1x1x1   | decode (a few rows per expert): smallest wgmma M, least padding |
+| 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
+| 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
 
-Rule (M = rows per expert on average for fwd/dgrad; for wgrad M is the out-feature count):
-
-| condition | config |
-|---|---|
-| average M per expert <= ``SMALL_M`` | pingpong |
-| cooperative tiles < ``WAVE_FRACTION`` x SMs (too few tiles to fill the GPU) | pingpong |
-| otherwise | cooperative |
-
-Thresholds were set from the H200 sweep in docs/kernels.md (benchmarks/grouped_gemm.py runs both
-configs per shape and prints which one wins).
+Rule: see ``RULES`` (first match wins; M = average rows per expert for fwd/dgrad, the
+out-feature count for wgrad). Thresholds come from the H200 sweep in docs/kernels.md
+(benchmarks/grouped_gemm.py times every config per shape and prints the winner).
 """
 
 from __future__ import annotations
 
-__all__ = ["CONFIGS", "SMALL_M", "WAVE_FRACTION", "choose_config"]
+__all__ = ["CONFIGS", "RULES", "choose_config"]
 
-CONFIGS = {0: ("cooperative", 128, 256), 1: ("pingpong", 64, 128)}
-SMALL_M = 256
-WAVE_FRACTION = 1.0
+CONFIGS = {
+    0: ("cooperative", 128, 256, (2, 1)),
+    1: ("pingpong", 64, 128, (1, 1)),
+    2: ("pingpong", 128, 128, (1, 2)),
+    3: ("cooperative", 256, 128, (1, 2)),
+}
 
-
-def _tiles(m: int, n: int, tile_m: int, tile_n: int) -> int:
-    return -(-m // tile_m) * -(-n // tile_n)
+# (direction or "*", max average rows per expert (inclusive) or None for any, config)
+RULES = (
+    ("wgrad", None, 0),
+    ("*", 32, 1),
+    ("*", 256, 2),
+    ("*", None, 0),
+)
 
 
 def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132) -> int:
-    """Config id for one call. ``n``/``k`` are the user-level out/in features."""
-    groups = max(num_groups, 1)
-    if direction == "wgrad":
-        m_per_group, n_gemm = n, k
-        coop_tiles = groups * _tiles(m_per_group, n_gemm, 128, 256) if num_rows > 0 else 0
-        return 1 if coop_tiles < WAVE_FRACTION * sm_count else 0
-    n_gemm = n if direction == "fwd" else k
-    m_avg = num_rows / groups
-    if m_avg <= SMALL_M:
-        return 1
-    coop_tiles = groups * _tiles(int(m_avg), n_gemm, 128, 256)
-    return 1 if coop_tiles < WAVE_FRACTION * sm_count else 0
+    """Config id for one call. ``n``/``k`` are the user-level out/in features (unused by the
+    current table, kept in the signature so shape-dependent rules need no call-site change)."""
+    m_avg = num_rows / max(num_groups, 1)
+    for rule_direction, max_m, config in RULES:
+        if rule_direction not in ("*", direction):
+            continue
+        if max_m is None or m_avg <= max_m:
+            return config
+    raise AssertionError("RULES must end with a catch-all row")

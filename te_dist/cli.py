@@ -101,7 +101,7 @@ def _device_name(device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _backends() -> dict:
+def _backends(devices) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -113,13 +113,17 @@ def _backends() -> dict:
         "nvcc": shutil.which("nvcc"),
         "nvidia-cutlass wheel": _version_of("nvidia-cutlass"),
     }
-    try:
-        kernels = importlib.import_module("te_dist.kernels")
-        probe = getattr(kernels, "available_backends", None)
-        out["te_dist.kernels backends"] = list(probe()) if callable(probe) else "importable"
-    except Exception as exc:  # report, never crash: this command is what users run when things break
-        out["te_dist.kernels backends"] = f"unavailable ({type(exc).__name__}: {exc})"
+    for device in devices:
+        key = f"grouped_mm backends on {device}"
+        try:
+            kernels = importlib.import_module("te_dist.kernels")
+            out[key] = ", ".join(kernels.available_backends(device))
+        except Exception as exc:  # report, never crash: this command is what users run when things break
+            out[key] = f"unavailable ({type(exc).__name__}: {exc})"
     return out
+
+
+SPLIT_ALIGNMENT = 128  # the alignment the matrix assumes (every block format's tile divides it)
 
 
 def _support_matrix(devices) -> dict:
@@ -143,7 +147,7 @@ def _support_matrix(devices) -> dict:
                 for kind, fn in (("module", support.is_module_grouped_tensor_supported),
                                  ("op_fuser", support.is_op_fuser_grouped_tensor_supported)):
                     try:
-                        cell[kind] = bool(fn(recipe, dtype, device=device))
+                        cell[kind] = bool(fn(recipe, dtype, split_alignment=SPLIT_ALIGNMENT, device=device))
                     except Exception as exc:
                         cell[kind] = f"error: {type(exc).__name__}: {exc}"
                 cells[str(dtype).replace("torch.", "")] = cell
@@ -176,7 +180,7 @@ def env_report() -> dict:
             "megatron-core": _version_of("megatron-core"),
         },
         "devices": [_device_name(d) for d in devices],
-        "backends": _backends(),
+        "backends": _backends(devices),
         "support": _support_matrix(devices),
     }
 
@@ -193,8 +197,9 @@ def format_env_report(report: dict) -> str:
     lines = ["te_dist environment", "", "versions:"]
     lines += [f"  {k:<22} {_mark(v)}" for k, v in report["versions"].items()]
     lines += ["", "devices:"] + [f"  {d}" for d in report["devices"]]
-    lines += ["", "backends:"] + [f"  {k:<26} {_mark(v)}" for k, v in report["backends"].items()]
-    lines += ["", "grouped-tensor support (module / op fuser) per device, recipe and dtype:"]
+    lines += ["", "backends:"] + [f"  {k:<32} {_mark(v)}" for k, v in report["backends"].items()]
+    lines += ["", "grouped-tensor support (module / op fuser) per device, recipe and dtype, "
+              f"splits aligned to {SPLIT_ALIGNMENT} rows:"]
     support = report["support"]
     if "error" in support:
         lines.append(f"  {support['error']}")

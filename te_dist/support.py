@@ -16,7 +16,7 @@ path keeps grouped semantics there):
 | DelayedScaling, Float8CurrentScaling | fp8_format | cap >= 9.0, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 16 == 0 |
 | Float8BlockScaling | x/w/grad_block_scaling_dim | cap == 9.x, cutlass FP8 block kernels present (not yet: ``FP8_BLOCK_KERNELS``), x and grad dims 1, split_alignment % 128 == 0 |
 | MXFP8BlockScaling | fp8_format | cap >= 10.0, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 32 == 0 |
-| NVFP4BlockScaling | disable_2d_quantization | cap >= 10.0, dtype bf16, split_alignment % 16 (1D weights) or % 16 and weight dims ... == 0 |
+| NVFP4BlockScaling | disable_2d_quantization | cap >= 10.0, dtype bf16, split_alignment % 16 == 0 (2D blocks) or % 32 == 0 (1D, ``disable_2d_quantization=True``) |
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
 ``split_alignment=None`` means "unknown" and fails every rule that reads it.
@@ -154,8 +154,8 @@ def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> bool:
     if tag == "mxfp8":
         return cap >= (10, 0) and settings is not _recipe.Format.E5M2 and _aligned(split_alignment, 32)
     if tag == "nvfp4":
-        # 2D (16x16) weight blocks also tile the token dim in wgrad: 16-row splits either way,
-        # 1D weights additionally need 32-row splits for the RHT-free columnwise path.
+        # 16-row splits keep the 16x16 blocks of the wgrad operands inside one expert; the 1D
+        # variant quantizes those operands columnwise in 32-row tiles instead.
         multiple = 16 if not settings else 32
         return cap >= (10, 0) and dtype == torch.bfloat16 and _aligned(split_alignment, multiple)
     raise AssertionError(f"unhandled tag {tag}")  # internal invariant: _SPECS and rules agree
@@ -224,11 +224,6 @@ def _normalise_device(device) -> torch.device:
                                                          or torch.device(device).index is None)):
         _DEVICE_MEMO[device] = dev
     return dev
-
-
-def spec_for_checked(recipe_obj) -> _Spec:
-    spec = _SPECS.get(type(recipe_obj))
-    return spec if spec is not None else _spec_for(recipe_obj)
 
 
 def _check_args(dtype, split_alignment) -> None:

@@ -11,7 +11,9 @@ Order of preference (first row whose conditions hold wins):
 | torch   | CUDA SM >= 9.0, bf16, K and N multiples of 8, ``torch._grouped_mm`` present |
 | loop    | everything else (fp16/fp32, old torch, odd strides); refused while capturing a CUDA graph |
 
-The decode threshold comes from the H200 measurements in docs/kernels.md.
+The decode threshold comes from the H200 measurements in docs/kernels.md: on the two decode
+shapes measured there the loop lost to torch._grouped_mm, so the row is off (0) until a shape
+where it wins is measured; the knob stays so that finding needs a one-line change.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 __all__ = ["BACKENDS", "DECODE_ROWS_PER_EXPERT", "Problem", "choose_backend", "why_not"]
 
 BACKENDS = ("cutlass", "torch", "loop")
-DECODE_ROWS_PER_EXPERT = 8
+DECODE_ROWS_PER_EXPERT = 0  # H200 sweep: the loop never beat torch._grouped_mm (docs/kernels.md)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,6 +175,8 @@ class _GroupConsensus:
         self.verified = collections.OrderedDict()  # digest -> key, identical on every rank
         self.last_key = None
         self.last_digest = None
+        self.last_pair = None  # [digest, -digest] of last_key, copied into box for each all_reduce
+        self.box = torch.empty(2, dtype=torch.int64)
 
     def _cpu_group(self, group, timeout_s: float):
         backend = str(dist.get_backend(group)).lower()
@@ -189,11 +191,11 @@ class _GroupConsensus:
         )
 
     def digest(self, key: str) -> int:
-        if key is self.last_key:  # str(recipe) is cached, so steady state hits this identity check
-            return self.last_digest
-        digest = recipe_digest(key)
-        self.last_key, self.last_digest = key, digest
-        return digest
+        if key is not self.last_key:  # str(recipe) is cached, so the steady state skips the hashing
+            digest = recipe_digest(key)
+            self.last_pair = torch.tensor([digest, -digest], dtype=torch.int64)
+            self.last_key, self.last_digest = key, digest
+        return self.last_digest
 
     def remember(self, digest: int, key: str) -> None:
         self.verified[digest] = key
@@ -209,9 +211,14 @@ class _Registry:
         self._lock = threading.Lock()
         self._states = {}
 
-    def get(self, group, timeout_s: float) -> _GroupConsensus:
+    def lookup(self, group) -> Optional[_GroupConsensus]:
+        """The state of a group seen before (lock-free: a dict read), else None."""
         state = self._states.get(id(group))
-        if state is not None and state.group is group:
+        return state if state is not None and state.group is group else None
+
+    def get(self, group, timeout_s: float) -> _GroupConsensus:
+        state = self.lookup(group)
+        if state is not None:
             return state
         with self._lock:
             state = self._states.get(id(group))
@@ -254,11 +261,14 @@ def _consensus_error(state, phase, timeout_s, started, cause) -> ConsensusError:
     )
 
 
-def _all_reduce_digest(state, digest: int, timeout_s: float, started: float) -> tuple:
-    t = torch.tensor([digest, -digest], dtype=torch.int64)
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=state.cpu_group, async_op=True)
+def _all_reduce_digest(state, timeout_s: float, started: float) -> tuple:
+    """(max, min) of the ranks' digests of their last keys."""
+    box = state.box
+    box.copy_(state.last_pair)
+    work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=state.cpu_group, async_op=True)
     _wait(work, state, "the digest all_reduce", timeout_s, started)
-    return int(t[0]), -int(t[1])
+    high, neg_low = box.tolist()
+    return high, -neg_low
 
 
 def _all_gather_text(state, text: str, timeout_s: float, started: float) -> list:
@@ -313,17 +323,19 @@ def agree_recipe_key(recipe: Optional[Recipe], group, *, timeout=None) -> Option
 
     Called by ``te_dist.autocast(group=...)`` at entry; see the module docstring for the protocol.
     """
-    timeout_s = _check_timeout(timeout)
+    timeout_s = DEFAULT_TIMEOUT_S if timeout is None else _check_timeout(timeout)
     key = _local_key(recipe)
-    group = _resolve_group(group)
-    if group is None or dist.get_world_size(group) == 1:
-        return None if recipe is None else key
+    state = None if group is None else _REGISTRY.lookup(group)  # steady state: skip the group checks
+    if state is None:
+        group = _resolve_group(group)
+        if group is None or dist.get_world_size(group) == 1:
+            return None if recipe is None else key
+        state = _REGISTRY.get(group, timeout_s)
     started = time.monotonic()
-    state = _REGISTRY.get(group, timeout_s)
-    digest = state.digest(key)
-    high, low = _all_reduce_digest(state, digest, timeout_s, started)
+    state.digest(key)
+    high, low = _all_reduce_digest(state, timeout_s, started)
     if high == low:
-        if state.verified.get(high) is key or state.verified.get(high) == key:
+        if high in state.verified:  # decided from the digest alone: the same answer on every rank
             state.verified.move_to_end(high)
             return None if recipe is None else key
         # First time this key is seen on this group: compare the exact strings once (digest collisions).

@@ -104,35 +104,38 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *grad_extra_outputs):
         fuser, plan, first_bwd, op_ctxs, param_counts = ctx.fuser_state
+        ctx.fuser_state = None  # free saved tensors early
         ops = fuser._ops
         num_ops = len(ops)
         grad_params = [None] * num_ops
-        grad_extra = [()] * num_ops
+        grad_extra = [None] * num_ops
         out_slices = fuser._extra_output_slices
+        no_extra = fuser._no_extra_inputs
+        has_extra_outputs = fuser._num_extra_outputs > 0
         for backward, idx in plan.backward_exec:
-            dy, gparams, gextra = backward(
-                [op_ctxs[i] for i in idx], dy, [grad_extra_outputs[out_slices[i]] for i in idx]
-            )
+            ctxs = [op_ctxs[i] for i in idx]
+            if has_extra_outputs:
+                dy, gparams, gextra = backward(ctxs, dy, [grad_extra_outputs[out_slices[i]] for i in idx])
+            else:
+                dy, gparams, gextra = backward(ctxs, dy, no_extra[:len(idx)])
             for j, i in enumerate(idx):
                 grad_params[i] = gparams[j]
                 grad_extra[i] = gextra[j]
-        ctx.fuser_state = None  # free saved tensors early
-        grads_extra_inputs = []
-        for i, op in enumerate(ops):
-            n = op.num_extra_inputs
-            if n:
-                g = grad_extra[i]
-                grads_extra_inputs.extend(g if g else (None,) * n)
-        grads_params = []
+        grads = [None, dy if first_bwd == 0 else None]
+        if fuser._num_extra_inputs:
+            for i, op in enumerate(ops):
+                n = op.num_extra_inputs
+                if n:
+                    g = grad_extra[i]
+                    grads.extend(g if g else (None,) * n)
         for i, n in zip(range(first_bwd, num_ops), param_counts):
             g = grad_params[i]
             if g:
                 assert len(g) == n, f"{type(ops[i]).__name__} returned {len(g)} parameter grads for {n} parameters"
-                grads_params.extend(g)
+                grads.extend(g)
             else:
-                grads_params.extend((None,) * n)
-        dx = dy if first_bwd == 0 else None
-        return (None, dx, *grads_extra_inputs, *grads_params)
+                grads.extend((None,) * n)
+        return tuple(grads)
 
 
 class OperationFuser(torch.nn.Module):
@@ -221,7 +224,9 @@ class OperationFuser(torch.nn.Module):
         ops = self._ops
         first_bwd = key[1]
         fwd_rules = registry.for_direction("forward")
-        forward = _fuse(ops, 0, first_bwd, fwd_rules, recipe) + _fuse(ops, first_bwd, len(ops), fwd_rules, recipe)
+        # Forward fusions may straddle the backward boundary: every basic op's context says whether
+        # that op saves for backward, and fused ops honour it per op.
+        forward = _fuse(ops, 0, len(ops), fwd_rules, recipe)
         backward = _fuse(ops, first_bwd, len(ops), registry.for_direction("backward"), recipe)
         for name, steps, start in (("forward", forward, 0), ("backward", backward, first_bwd)):
             covered = [i for step in steps for i in step.indices]

@@ -20,6 +20,7 @@ from .api import QUANTIZER_TYPES, fake_quantize, make_quantizer, quantize
 from .blockwise import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from .compile import set_compile_enabled
 from .gemm import emulated_gemm, emulated_grouped_gemm
+from .native import native_fp8_gemm_supported, native_fp8_grouped_gemm_supported, scaled_gemm, scaled_grouped_gemm
 from .per_tensor import CurrentScalingQuantizer, DelayedScalingQuantizer
 from .quantizer import Quantizer
 from .tensors import (
@@ -38,6 +39,10 @@ __all__ = [
     "fake_quantize",
     "emulated_gemm",
     "emulated_grouped_gemm",
+    "scaled_gemm",
+    "scaled_grouped_gemm",
+    "native_fp8_gemm_supported",
+    "native_fp8_grouped_gemm_supported",
     "set_compile_enabled",
     "QUANTIZER_TYPES",
     "Quantizer",

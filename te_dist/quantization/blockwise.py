@@ -95,8 +95,8 @@ class MXFP8Quantizer(_BlockQuantizer):
         self.margin = recipe.margin
 
     def _cast_copy(self, x_copy, transposed, hadamard):
-        data, scale = dispatch(cast_mxfp8, x_copy, 32, self.fp8_dtype, self.fmt_max, self.emax_elem, self.margin)
-        return BlockScaledData(data, scale, 1, 32, transposed=transposed)
+        data, codes = dispatch(cast_mxfp8, x_copy, 32, self.fp8_dtype, self.fmt_max, self.emax_elem, self.margin)
+        return BlockScaledData(data, codes.view(torch.float8_e8m0fnu), 1, 32, transposed=transposed)
 
 
 class NVFP4Quantizer(_BlockQuantizer):
@@ -127,9 +127,8 @@ class NVFP4Quantizer(_BlockQuantizer):
 
     def _cast_copy(self, x_copy, transposed, hadamard):
         br, bc = self.block_shape
-        x_copy = x_copy.to(torch.float32)
         if hadamard:
-            x_copy = apply_rht(x_copy)
+            x_copy = apply_rht(x_copy.to(torch.float32))
         # The tensor scale comes from the copy's own amax: a Hadamard transform can raise it up to 4x.
         s_enc = nvfp4_global_scale(compute_amax(x_copy))
         noise = None

@@ -16,8 +16,9 @@ import torch
 from .e2m1 import pack_e2m1, round_to_e2m1_codes, stochastic_round_to_e2m1_codes
 from .scaling import (
     block_amax,
+    compute_amax,
     block_view,
-    e8m0_from_exponent,
+    e8m0_codes,
     expand_block_scale,
     mx_shared_exponent,
     nvfp4_block_scales,
@@ -25,12 +26,44 @@ from .scaling import (
     pow2_from_exponent,
 )
 
-__all__ = ["cast_fp8_per_tensor", "cast_fp8_blocks", "cast_mxfp8", "cast_nvfp4", "dequantize_blocks"]
+__all__ = [
+    "cast_fp8_per_tensor",
+    "current_scaling_quantize",
+    "delayed_scale_update",
+    "delayed_scaling_step",
+    "cast_fp8_blocks",
+    "cast_mxfp8",
+    "cast_nvfp4",
+    "dequantize_blocks",
+]
 
 
 def cast_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float) -> torch.Tensor:
     """FP8 data = saturate(x * scale) rounded to nearest even; NaN stays NaN."""
     return (x.to(torch.float32) * scale).clamp(-fmt_max, fmt_max).to(fp8_dtype)
+
+
+def current_scaling_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool):
+    """amax -> scale -> cast in one function (two kernels once compiled). Returns (data, scale_inv)."""
+    scale = per_tensor_scale(compute_amax(x), fmt_max, power_2=power_2)
+    return cast_fp8_per_tensor(x, scale, fp8_dtype, fmt_max), 1.0 / scale
+
+
+def delayed_scale_update(amax, history, scale, fmt_max: float, margin: int, algo: str):
+    """Roll amax into the history (index 0 = newest) and derive the next scale ("max" / "most_recent");
+    a zero or non-finite history amax keeps ``scale``. Returns (history, scale, scale_inv)."""
+    history = torch.cat((amax.reshape(1).to(history.dtype), history[:-1]))
+    chosen = history.amax() if algo == "max" else history[0]
+    new_scale = per_tensor_scale(chosen, fmt_max, margin=margin, fallback=scale)
+    return history, new_scale, 1.0 / new_scale
+
+
+def delayed_scaling_step(x, scale, history, fp8_dtype: torch.dtype, fmt_max: float, margin: int, algo: str):
+    """One DelayedScaling call without amax reduction: cast with ``scale``, then update from x's amax.
+    Returns (data, history, scale, scale_inv)."""
+    data = cast_fp8_per_tensor(x, scale, fp8_dtype, fmt_max)
+    history, new_scale, new_scale_inv = delayed_scale_update(compute_amax(x), history, scale, fmt_max, margin, algo)
+    return data, history, new_scale, new_scale_inv
 
 
 def cast_fp8_blocks(
@@ -44,13 +77,15 @@ def cast_fp8_blocks(
 
 
 def cast_mxfp8(x: torch.Tensor, block: int, fp8_dtype: torch.dtype, fmt_max: float, emax_elem: int, margin: int):
-    """OCP MX: 1 x block groups share ``2**X`` (E8M0), elements are ``x / 2**X`` in FP8. Returns (data, scale)."""
+    """OCP MX: 1 x block groups share ``2**X`` (E8M0), elements are ``x / 2**X`` in FP8.
+
+    Returns (data, scale codes as uint8; view them as ``torch.float8_e8m0fnu``)."""
     xb = block_view(x.to(torch.float32), 1, block)
     amax = block_amax(xb)
     exponent = mx_shared_exponent(amax, emax_elem, margin)
     multiplier = pow2_from_exponent(-exponent)  # exact 2**-X
     data = (xb * expand_block_scale(multiplier)).clamp(-fmt_max, fmt_max).to(fp8_dtype)
-    return data.reshape(x.shape), e8m0_from_exponent(exponent, amax)
+    return data.reshape(x.shape), e8m0_codes(exponent, amax)
 
 
 def cast_nvfp4(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import DelayedScaling, Float8CurrentScaling
-from .cast import cast_fp8_per_tensor
+from .cast import cast_fp8_per_tensor, current_scaling_quantize, delayed_scale_update, delayed_scaling_step
 from .compile import dispatch
 from .formats import FP8_MAX, format_for_role, fp8_dtype
 from .quantizer import Quantizer
@@ -63,8 +63,22 @@ class DelayedScalingQuantizer(Quantizer):
             self.scale = self.scale.to(device)
             self.scale_inv = self.scale_inv.to(device)
 
+    def _fusable(self) -> bool:
+        """Cast and update run as one compiled function unless a collective or a callable sits between."""
+        needs_reduction = self.reduce_amax and self.group is not None
+        return not needs_reduction and self.amax_compute_algo in ("max", "most_recent")
+
     def _quantize(self, x, rowwise, columnwise, hadamard):
         self._to_device(x.device)
+        if self._fusable():
+            data, history, scale, scale_inv = dispatch(
+                delayed_scaling_step, x, self.scale, self.amax_history, self.fp8_dtype, self.fmt_max, self.margin,
+                self.amax_compute_algo,
+            )
+            out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype)
+            self.amax_history, self.scale, self.scale_inv = history, scale, scale_inv
+            self.num_updates += 1
+            return out
         amax = compute_amax(x)
         data = dispatch(cast_fp8_per_tensor, x, self.scale, self.fp8_dtype, self.fmt_max)
         out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype)
@@ -95,9 +109,14 @@ class DelayedScalingQuantizer(Quantizer):
         amax = amax.to(device=self.amax_history.device, dtype=torch.float32).reshape(())
         if self.reduce_amax:
             amax = reduce_amax(amax, self.group)
-        history = torch.cat((amax.reshape(1), self.amax_history[:-1]))
-        scale = per_tensor_scale(self._history_amax(history), self.fmt_max, margin=self.margin, fallback=self.scale)
-        scale_inv = 1.0 / scale
+        if self.amax_compute_algo in ("max", "most_recent"):
+            history, scale, scale_inv = delayed_scale_update(
+                amax, self.amax_history, self.scale, self.fmt_max, self.margin, self.amax_compute_algo
+            )
+        else:
+            history = torch.cat((amax.reshape(1), self.amax_history[:-1]))
+            scale = per_tensor_scale(self._history_amax(history), self.fmt_max, margin=self.margin, fallback=self.scale)
+            scale_inv = 1.0 / scale
         self.amax_history, self.scale, self.scale_inv = history, scale, scale_inv
         self.num_updates += 1
 
@@ -115,6 +134,11 @@ class CurrentScalingQuantizer(Quantizer):
         self.use_power_2_scales = recipe.use_power_2_scales
 
     def _quantize(self, x, rowwise, columnwise, hadamard):
+        if self.group is None:
+            data, scale_inv = dispatch(
+                current_scaling_quantize, x, self.fp8_dtype, self.fmt_max, self.use_power_2_scales
+            )
+            return Float8Tensor(data, scale_inv, self.fmt, x.dtype)
         amax = reduce_amax(compute_amax(x), self.group)
         scale = per_tensor_scale(amax, self.fmt_max, power_2=self.use_power_2_scales)
         data = dispatch(cast_fp8_per_tensor, x, scale, self.fp8_dtype, self.fmt_max)

@@ -29,6 +29,7 @@ __all__ = [
     "per_tensor_scale",
     "round_down_pow2",
     "mx_shared_exponent",
+    "e8m0_codes",
     "e8m0_from_exponent",
     "e8m0_to_float",
     "pow2_from_exponent",
@@ -44,8 +45,10 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 0-dim tensor on x's device; NaN if x holds a NaN; 0 for an empty x."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    # One reduction kernel, no |x| temporary; the max of bf16/fp16 values is exact in float32.
-    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    # One reduction pass with no |x| temporary (vector_norm(inf) is ~100x slower on CPU);
+    # maximum() propagates NaN, and the max of bf16/fp16 values is exact in float32.
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi.abs(), lo.abs()).to(torch.float32)
 
 
 def block_view(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
@@ -107,11 +110,19 @@ def mx_shared_exponent(amax: torch.Tensor, emax_elem: int, margin: int = 0) -> t
     return x.clamp(-127, 127)
 
 
-def e8m0_from_exponent(exponent: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (biased exponent X + 127, 0xFF = NaN when the block amax is NaN) as float8_e8m0fnu."""
+def e8m0_codes(exponent: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes as uint8: biased exponent X + 127, 0xFF (NaN) where the block amax is NaN.
+
+    uint8 rather than float8_e8m0fnu because compiler backends cannot emit that dtype yet;
+    callers ``.view(torch.float8_e8m0fnu)`` outside compiled code.
+    """
     code = (exponent + 127).to(torch.uint8)
-    code = torch.where(torch.isnan(amax), 255, code).to(torch.uint8)
-    return code.view(torch.float8_e8m0fnu)
+    return torch.where(torch.isnan(amax), 255, code).to(torch.uint8)
+
+
+def e8m0_from_exponent(exponent: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """:func:`e8m0_codes` viewed as ``torch.float8_e8m0fnu``."""
+    return e8m0_codes(exponent, amax).view(torch.float8_e8m0fnu)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:

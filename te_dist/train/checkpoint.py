@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..autocast import autocast
+from . import recipe_state
 from .config import ConfigError
-from .parallel import Runtime, expert_parameter_names, global_expert_ids
+from .parallel import Runtime, dense_group, expert_parameter_names, global_expert_ids
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "checkpoint_dir", "read_meta", "check_compatible"]
 
@@ -104,6 +106,7 @@ def save_checkpoint(path, *, model, optimizer, runtime: Runtime, step: int, meta
     state[f"rng/cpu/rank{runtime.rank}"] = torch.get_rng_state()
     if runtime.device.type == "cuda":
         state[f"rng/cuda/rank{runtime.rank}"] = torch.cuda.get_rng_state(runtime.device)
+    state.update(recipe_state.state_dict(model, f"recipe/rank{runtime.rank}"))
     dcp.save(state, checkpoint_id=str(path))
     dist.barrier()
     if runtime.is_main:
@@ -115,11 +118,14 @@ def save_checkpoint(path, *, model, optimizer, runtime: Runtime, step: int, meta
     return path
 
 
-def load_checkpoint(path, *, model, optimizer, runtime: Runtime, model_config: dict) -> dict:
+def load_checkpoint(path, *, model, optimizer, runtime: Runtime, model_config: dict, recipe=None,
+                    recipe_key=None) -> dict:
     """Fill ``model`` and ``optimizer`` from ``path`` (collective); returns its meta dict.
 
     The model shape must match the checkpoint's; the EP size and the number of ranks may differ.
-    Per-rank RNG states are restored only when the number of ranks is unchanged.
+    Per-rank RNG states are restored only when the number of ranks is unchanged, recipe state
+    (amax histories) only when the ranks, the EP size and the recipe key are unchanged;
+    ``meta["restored_recipe_state"]`` says which happened.
     """
     path = Path(path)
     meta = check_compatible(path, model_config)
@@ -133,7 +139,24 @@ def load_checkpoint(path, *, model, optimizer, runtime: Runtime, model_config: d
         if runtime.device.type == "cuda":
             rng_keys.append((f"rng/cuda/rank{runtime.rank}", runtime.device))
             state[rng_keys[-1][0]] = torch.cuda.get_rng_state(runtime.device)
+    same_layout = meta.get("world_size") == runtime.world_size and meta.get("ep") == runtime.ep_size
+    restore_recipe = same_layout and recipe is not None and meta.get("recipe_key") == recipe_key
+    if restore_recipe:
+        # Build the quantizers under the same autocast the training step uses: they take their
+        # amax-reduction group from it.
+        with autocast(recipe=recipe, group=dense_group()):
+            recipe_state.prepare(model, recipe, recipe_key)
+        prefix = f"recipe/rank{runtime.rank}"
+        wanted = recipe_state.state_dict(model, prefix)
+        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        restore_recipe = set(wanted) <= saved_keys
+        # Every rank must agree, or ranks would quantize differently; all ranks see the same files.
+        if restore_recipe:
+            state.update(wanted)
+    meta["restored_recipe_state"] = restore_recipe
     dcp.load(state, checkpoint_id=str(path))
+    if restore_recipe:
+        recipe_state.load_state_dict(model, state, f"recipe/rank{runtime.rank}")
     with torch.no_grad():
         for target, key, index in bindings:
             (target[index] if index is not None else target).copy_(state[key])

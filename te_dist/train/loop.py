@@ -132,11 +132,13 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
     start_step, history = 0, {}
     if resume is not None:
         ckpt = find_checkpoint(resume)
-        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer, runtime=rt, model_config=asdict(m))
+        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer, runtime=rt, model_config=asdict(m),
+                               recipe=recipe, recipe_key=str(recipe) if recipe is not None else None)
         start_step = int(meta["step"])
         history = {int(k): v for k, v in meta.get("losses", {}).items()}
         _say(rt, f"[te-dist] resumed from {ckpt} at step {start_step} "
-                 f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={ep_size})")
+                 f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={ep_size}; "
+                 f"recipe state {'restored' if meta['restored_recipe_state'] else 'starts fresh'})")
 
     out_dir = Path(t.out_dir)
     metrics_path = out_dir / "metrics.jsonl"
@@ -190,7 +192,8 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
                      f"{tokens_per_step / dt:>9,.0f} tok/s | {time.perf_counter() - t_start:6.1f}s")
         if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
             history.update(losses)
-            meta = {"model": asdict(m), "recipe": cfg.recipe, "losses": {str(k): v for k, v in sorted(history.items())}}
+            meta = {"model": asdict(m), "recipe": cfg.recipe, "recipe_key": str(recipe) if recipe is not None else None,
+                    "losses": {str(k): v for k, v in sorted(history.items())}}
             last_ckpt = save_checkpoint(checkpoint_dir(out_dir, step), model=model, optimizer=optimizer,
                                         runtime=rt, step=step, meta=meta)
             _say(rt, f"[te-dist] checkpoint {last_ckpt}")

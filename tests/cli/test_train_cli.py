@@ -36,13 +36,15 @@ def test_loss_goes_down_with_a_recipe(run_cli, tmp_path):
 
 def test_resume_is_bit_exact_after_a_crash(run_cli, tmp_path):
     """A job killed at step 5 (rank 1 fails) and resumed from its step-3 checkpoint reproduces the
-    uninterrupted job's losses exactly."""
-    common = ("train", "--steps", 6, "--ckpt-every", 3)
+    uninterrupted job's losses exactly. DelayedScaling is the stateful recipe: its amax histories
+    must come back too."""
+    common = ("train", "--steps", 6, "--ckpt-every", 3, "--recipe", "delayed")
     run_cli(*common, "--out", "straight").check()
     crashed = run_cli(*common, "--out", "crashy", "--fail-rank", 1, "--fail-step", 5)
     assert crashed.returncode != 0
     resumed = run_cli(*common, "--out", "crashy", "--resume", "crashy").check()
     assert "resumed from crashy/checkpoints/step_000003 at step 3" in resumed.output
+    assert "recipe state restored" in resumed.output
     straight, again = _losses(tmp_path / "straight"), _losses(tmp_path / "crashy")
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     assert again == straight  # exact float equality, every step
@@ -84,8 +86,8 @@ def test_failing_rank_ends_the_job_with_its_error(run_cli):
     assert "te-dist train: the job failed" in result.output
 
 
-def test_worker_side_error_reaches_the_user(run_cli, tmp_path):
-    """An error only the ranks can see (a resumed checkpoint of another model shape) fails cleanly."""
+def test_resume_of_another_model_shape_fails(run_cli, tmp_path):
+    """Resuming a checkpoint of another model shape names the differing setting, before any rank starts."""
     run_cli("train", "--steps", 2, "--out", "small").check()
     (tmp_path / "wide.yaml").write_text("model:\n  hidden_size: 64\n")
     result = run_cli("train", "--config", "wide.yaml", "--steps", 4, "--resume", "small", timeout=60)

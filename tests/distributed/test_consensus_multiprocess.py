@@ -209,6 +209,9 @@ def test_grouped_mlp_fusion_keys_identical_on_every_rank(nproc):
     recipe_key, first_backward = keys[0][0]
     assert recipe_key.startswith("Float8CurrentScaling(") and "enable_fused_grouped_mlp=True" in recipe_key
     assert keys[0][1] == keys[0][0]  # steady state: same key on the second step
+    assert all(p["describe"] == res[0]["describe"] for p in res)  # the same plan on every rank
+    assert_mismatch_everywhere(res, [nproc - 1], f"enable_fused_grouped_mlp: True on rank 0, False on rank {nproc - 1}")
+    assert all(p["key_after_error"] == keys[0][1] for p in res)  # no rank ran a step with another key
 
 
 # --------------------------------------------------------------------------- NCCL (GPU hosts)

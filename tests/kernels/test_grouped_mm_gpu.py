@@ -22,7 +22,7 @@ ANCHOR_SHAPES = [
     ("small_m", 64, 128, 4096, 2048),
 ]
 RAGGED = [0, 1, 517, 0, 3, 1, 64, 200, 0, 1]
-CONFIGS = [0, 1]
+CONFIGS = sorted(cutlass_backend.kernels_module().CONFIGS)
 
 
 def _needs_sm90():

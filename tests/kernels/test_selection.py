@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from te_dist.backends.selection import DECODE_ROWS_PER_EXPERT, Problem, choose_backend, why_not
+from te_dist.backends.selection import Problem, choose_backend, why_not
 
 
 def _p(**kw):
@@ -42,8 +42,11 @@ def test_non_k_major_weight_skips_cutlass_forward_only():
     assert choose_backend(_p(direction="wgrad", weight_k_major=False), cutlass_built=True, torch_grouped=True) == "cutlass"
 
 
-def test_decode_shapes_use_loop_unless_capturing():
-    rows = DECODE_ROWS_PER_EXPERT * 8
+def test_decode_shapes_use_loop_unless_capturing(monkeypatch):
+    from te_dist.backends import selection
+
+    monkeypatch.setattr(selection, "DECODE_ROWS_PER_EXPERT", 8)
+    rows = 8 * 8
     assert choose_backend(_p(num_rows=rows), cutlass_built=False, torch_grouped=True) == "loop"
     assert choose_backend(_p(num_rows=rows, capturing=True), cutlass_built=False, torch_grouped=True) == "torch"
     assert choose_backend(_p(num_rows=rows + 1), cutlass_built=False, torch_grouped=True) == "torch"

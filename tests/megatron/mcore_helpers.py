@@ -70,14 +70,14 @@ def init_megatron(ep_size: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
                                 world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep_size)
     if torch.cuda.is_available():

@@ -8,6 +8,11 @@ import torch
 import mcore_helpers as H
 
 
+def _module_of(spec):
+    """The class a spec builds: ModuleSpec.module (0.16) or functools.partial.func (0.19)."""
+    return spec.func if isinstance(spec, functools.partial) else getattr(spec, "module", spec)
+
+
 def _experts_of(moe_spec):
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
@@ -50,15 +55,15 @@ def test_with_te_dist_experts_swaps_layer_block_and_partial_specs(megatron_world
     swapped = tm.with_te_dist_experts(layer, recipe="mxfp8")
     assert _experts_of(swapped.submodules.mlp).module is tm.GroupedExperts
     assert _experts_of(swapped.submodules.mlp).params["recipe"] == "mxfp8"
-    assert _experts_of(layer.submodules.mlp).module is SequentialMLP  # the input is not mutated
+    assert _module_of(_experts_of(layer.submodules.mlp)) is SequentialMLP  # the input is not mutated
 
     config = H.make_config(num_layers=3, moe_layer_freq=[0, 1, 1])
     block = tm.gpt_decoder_block_spec(config)
-    kinds = [getattr(s.submodules.mlp, "module", None) for s in block.layer_specs]
+    kinds = [_module_of(s.submodules.mlp) for s in block.layer_specs]
     assert kinds[1] is MoELayer and kinds[2] is MoELayer and kinds[0] is not MoELayer
     assert all(_experts_of(s.submodules.mlp).module is tm.GroupedExperts for s in block.layer_specs[1:])
     untouched = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    assert _experts_of(untouched.layer_specs[1].submodules.mlp).module is SequentialMLP
+    assert _module_of(_experts_of(untouched.layer_specs[1].submodules.mlp)) is SequentialMLP
 
     # 0.19 writes MoE specs as functools.partial(MoELayer, submodules=MoESubmodules(...)).
     partial_spec = functools.partial(MoELayer, submodules=MoESubmodules(experts=SequentialMLP))

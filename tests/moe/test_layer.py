@@ -132,3 +132,17 @@ def test_state_dict_missing_and_foreign_experts():
     sd["experts.7.fc1.weight"] = sd["experts.0.fc1.weight"]  # beyond num_experts: unexpected
     with pytest.raises(RuntimeError, match=r"experts\.7\.fc1\.weight"):
         _layer().load_state_dict(sd)
+
+
+def test_experts_run_through_fused_grouped_mlp_plan_keyed_by_recipe():
+    layer = _layer()
+    x = _x().requires_grad_(True)
+    layer(x).sum().backward()
+    plan = layer.mlp.plan
+    assert [type(step.op).__name__ for step in plan.forward_ops] == ["GroupedMLP"]
+    assert layer.mlp.fusion_key == (None, 0)
+    recipe = td.recipe.recipe_from_name("current")
+    with td.autocast(recipe=recipe):
+        y = layer(x)
+    assert layer.mlp.fusion_key == (str(recipe), 0)
+    assert torch.isfinite(y).all() and not torch.equal(y, layer(x))  # quantized numerics differ

@@ -21,7 +21,7 @@ def _assert_ok(result, nproc, scenarios, ep_sizes):
 
 
 @pytest.mark.multiprocess
-def test_ep2_equals_ep1_and_checkpoint_saved(tmp_path_factory):
+def test_ep2_ep4_equal_ep1_and_checkpoint_moves_between_ep_sizes(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("moe_ckpt_ep2")
     scenarios = ["equivalence", "sigmoid", "skewed", "one_expert", "empty"]
     result = run_torchrun(WORKER, 2, args=[",".join(scenarios) + f",save:{ckpt}"], timeout=240).check()
@@ -29,9 +29,11 @@ def test_ep2_equals_ep1_and_checkpoint_saved(tmp_path_factory):
     # skewed routing: rank 1 owns experts 4..7 and must have received nothing
     assert "rank=1 ep=2 scenario=skewed ok (routed 12, received 0 rows)" in result.log(1)
     assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt"]
-    # same process pool: load the EP=2 checkpoint at EP=4 (and EP=1 on every rank)
-    result = run_torchrun(WORKER, 4, args=[f"equivalence,skewed,empty,load:{ckpt}", "--ep-sizes", "4,2"], timeout=300).check()
-    _assert_ok(result, 4, ["equivalence", "equivalence-combine", "skewed", "empty"], [4, 2])
+    # 4 ranks: EP=4 and EP=2 (x EDP=2) equal EP=1; the EP=2 checkpoint loads at EP=4 and at EP=1
+    result = run_torchrun(WORKER, 4, args=[f"equivalence,skewed,empty,edp,load:{ckpt}", "--ep-sizes", "4,2"],
+                          timeout=300).check()
+    _assert_ok(result, 4, ["equivalence", "equivalence-combine", "skewed", "empty", "edp"], [4, 2])
+    assert "rank=1 ep=2 scenario=edp ok (edp ranks [1, 3])" in result.log(1)
     for rank in range(4):
         assert f"rank={rank} loaded EP=2 checkpoint at EP=4 ok" in result.log(rank)
         assert f"rank={rank} loaded EP=2 checkpoint at EP=1 ok" in result.log(rank)

@@ -150,3 +150,39 @@ def test_grouped_mlp_all_rows_on_one_expert_and_empty_input():
     y0 = fuser(empty, zero_splits, torch.zeros(0, requires_grad=True), zero_splits)
     assert y0.shape == (0, 8)
     y0.sum().backward()
+
+
+def test_partially_frozen_fusions_match_reference():
+    """Forward fusions straddle the backward boundary; gradients of the trainable part stay exact."""
+    torch.manual_seed(14)
+    lin1, bias, lin2 = ops.BasicLinear(8, 16), ops.Bias(16), ops.BasicLinear(16, 4)
+    with torch.no_grad():
+        bias.bias.normal_()
+    lin1.weight.requires_grad_(False)
+    fuser = ops.OperationFuser([lin1, bias, ops.GELU(), lin2])
+    x = torch.randn(5, 8)
+    fuser(x).sum().backward()
+    assert fuser.fusion_key == (None, 1)
+    assert type(fuser.plan.forward_ops[0].op).__name__ == "ForwardLinearBiasActivation"
+    b64, w2 = leaf64(bias.bias), leaf64(lin2.weight)
+    (torch.nn.functional.gelu(x.double() @ lin1.weight.double().t() + b64) @ w2.t()).sum().backward()
+    assert_close(bias.bias.grad, b64.grad, torch.float32, "db")
+    assert_close(lin2.weight.grad, w2.grad, torch.float32, "dw2")
+
+    mlp = _grouped_mlp(2, 8, 4, scaled=True, bias=True)
+    fc1, _, fc2 = mlp.basic_ops
+    fc1.weight.requires_grad_(False)
+    fc1.bias.requires_grad_(False)
+    splits = torch.tensor([3, 2])
+    probs = torch.rand(5, requires_grad=True)
+    mlp(x, splits, probs, splits).sum().backward()
+    assert mlp.fusion_key == (None, 1)
+    names = [type(s.op).__name__ for s in mlp.plan.forward_ops], [type(s.op).__name__ for s in mlp.plan.backward_ops]
+    assert names == (["GroupedMLP"], ["ScaledSwiGLU", "GroupedLinear"])
+    p64, w2_64, b2_64 = leaf64(probs), leaf64(fc2.weight), leaf64(fc2.bias)
+    h = ref_grouped_linear(x.double(), fc1.weight.double(), fc1.bias.double(), splits, None, torch.float32)
+    ref_grouped_linear(ref_swiglu(h) * p64[:, None], w2_64, b2_64, splits, None, torch.float32).sum().backward()
+    assert_close(probs.grad, p64.grad, torch.float32, "dprobs")
+    assert_close(fc2.weight.grad, w2_64.grad, torch.float32, "dw2")
+    assert_close(fc2.bias.grad, b2_64.grad, torch.float32, "db2")
+    assert fc1.weight.grad is None

@@ -14,6 +14,10 @@ def _cases(device):
     s = torch.tensor(3.0, device=device)
     return [
         (cast.cast_fp8_per_tensor, (s, torch.float8_e4m3fn, 448.0)),
+        (cast.current_scaling_quantize, (torch.float8_e4m3fn, 448.0, False)),
+        (cast.current_scaling_quantize, (torch.float8_e5m2, 57344.0, True)),
+        (cast.delayed_scaling_step, (s, torch.arange(8.0, device=device), torch.float8_e4m3fn, 448.0, 1, "max")),
+        (cast.delayed_scaling_step, (s, torch.arange(8.0, device=device), torch.float8_e5m2, 57344.0, 0, "most_recent")),
         (cast.cast_fp8_blocks, (1, 128, torch.float8_e4m3fn, 448.0, True)),
         (cast.cast_fp8_blocks, (64, 128, torch.float8_e5m2, 57344.0, False)),
         (cast.cast_mxfp8, (32, torch.float8_e4m3fn, 448.0, 8, 0)),
@@ -40,12 +44,24 @@ def test_cast_functions_trace_as_one_graph():
     torch._dynamo.reset()
 
 
+def _close(a, b):
+    """float32 outputs within 1e-6 (a compiled division may differ by an ulp); 1-byte outputs
+    identical except for at most 0.1% elements sitting on a rounding boundary."""
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    for u, v in zip(a, b):
+        if u.element_size() == 1:
+            assert (_bits(u) != _bits(v)).float().mean().item() <= 1e-3
+        else:
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=0)
+
+
 @pytest.mark.gpu
 def test_inductor_matches_eager_on_cuda(cuda_device):
     x = torch.randn(64, 128, device=cuda_device, dtype=torch.bfloat16) * 10
     for fn, args in _cases(cuda_device):
         compiled = torch.compile(fn, fullgraph=True)
-        assert _same(compiled(x, *args), fn(x, *args)), fn.__name__
+        _close(compiled(x, *args), fn(x, *args))
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch):

@@ -5,6 +5,11 @@ Why a small helper: BasicLinear, GroupedLinear and Quantize all need the same th
 reading of ``recipe.backward_override`` (None: quantize backward operands; "high_precision":
 backward GEMMs use the unquantized operands; "dequantized": backward reuses the dequantized
 forward operands and leaves gradients unquantized).
+
+Emulation note: every operand is fake-quantized along its last dim ("rowwise") once, in forward,
+and backward GEMMs reuse those copies. TransformerEngine quantizes wgrad operands along the token
+dim ("columnwise") instead; for per-tensor recipes the two are identical, for block recipes the
+block orientation of the wgrad operands differs (see docs/fusion.md, "Limitations").
 """
 
 from __future__ import annotations
@@ -17,31 +22,30 @@ _ROLES = ("input", "weight", "grad_output")
 class GemmQuantizers:
     """Quantizers for one op under one recipe (all None without a recipe)."""
 
-    __slots__ = ("input", "weight", "grad_output", "backward_override", "settings_key")
+    __slots__ = ("input", "weight", "grad_output", "backward_override", "settings_key", "active",
+                 "save_quantized_operands")
 
     def __init__(self, recipe, roles=_ROLES):
         self.input = self.weight = self.grad_output = None
         self.backward_override = None
         self.settings_key = None
+        self.active = recipe is not None  # plain attributes: read on every GEMM call
+        self.save_quantized_operands = True
         if recipe is None:
             return
+        from ...autocast import get_recipe_group
         from ...quantization import make_quantizer  # lazy: keeps `import te_dist.ops` light
 
         self.settings_key = str(recipe)
         self.backward_override = getattr(recipe, "backward_override", None)
+        # DelayedScaling reduces amax over the autocast group (the ranks that agreed on the recipe).
+        group = get_recipe_group() if getattr(recipe, "reduce_amax", False) else None
         for role in roles:
-            setattr(self, role, make_quantizer(recipe, role))
+            setattr(self, role, make_quantizer(recipe, role, group=group))
         if self.backward_override is not None:
             self.grad_output = None  # gradients stay in high precision
-
-    @property
-    def active(self) -> bool:
-        return self.settings_key is not None
-
-    @property
-    def save_quantized_operands(self) -> bool:
-        """Whether backward GEMMs reuse the fake-quantized forward operands."""
-        return self.backward_override != "high_precision"
+        # Whether backward GEMMs reuse the fake-quantized forward operands.
+        self.save_quantized_operands = self.backward_override != "high_precision"
 
 
 def fake_quantize_or_identity(x, quantizer):

@@ -23,7 +23,7 @@ class Bias(BasicOperation):
 
     @staticmethod
     def bias_grad(dy: torch.Tensor) -> torch.Tensor:
-        return dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dy.sum(0) if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1]).sum(0)
 
     def op_forward(self, ctx, x, extra_inputs, recipe):
         self.check_input(x)

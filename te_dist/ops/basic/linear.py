@@ -53,6 +53,8 @@ class BasicLinear(BasicOperation):
         self.tensor_parallel_mode = tensor_parallel_mode
         self.tensor_parallel_group = tensor_parallel_group
         self.tensor_parallel_size = tp_size
+        self._row_parallel = tensor_parallel_mode == "row" and tp_size > 1
+        self._column_parallel = tensor_parallel_mode == "column" and tp_size > 1
         self.weight = torch.nn.Parameter(torch.empty(local_out, local_in, device=device, dtype=dtype))
         bound = 1.0 / math.sqrt(in_features)  # nn.Linear's default init, on the global fan-in
         with torch.no_grad():
@@ -81,7 +83,7 @@ class BasicLinear(BasicOperation):
             wq = fake_quantize_or_identity(w, q.weight)
         else:
             xq, wq = x2, w
-        row = self.tensor_parallel_mode == "row" and self.tensor_parallel_size > 1
+        row = self._row_parallel
         if bias is not None and not row:
             y = torch.addmm(bias, xq, wq.t())
         else:
@@ -100,11 +102,12 @@ class BasicLinear(BasicOperation):
         saved_x, saved_w, x_shape, weight_requires_grad = ctx.saved
         ctx.saved = ()
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
-        dyq = fake_quantize_or_identity(dy2, self._quantizers.grad_output)
+        q = self._quantizers.grad_output
+        dyq = dy2 if q is None else fake_quantize_or_identity(dy2, q)
         dx = None
         if ctx.input_requires_grad:
             dx = torch.mm(dyq, saved_w)
-            if self.tensor_parallel_mode == "column":
+            if self._column_parallel:
                 dx = _comm.all_reduce_sum(dx, self.tensor_parallel_group)
             if len(x_shape) != 2:
                 dx = dx.reshape(x_shape)

@@ -12,8 +12,10 @@ user may attach at runtime; it is part of ``str(recipe)`` and therefore of the p
 
 from __future__ import annotations
 
+import torch
+
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
-from ..basic.swiglu import swiglu_forward
+from ..basic.swiglu import swiglu_backward, swiglu_forward
 from ..op import FusedOperation
 from ..rules import FusionRule
 
@@ -49,8 +51,22 @@ class GroupedMLP(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
         fc1, act, fc2 = self.basic_ops
         c1, c2, c3 = ctxs
-        da, dw2, db2 = fc2.grouped_backward(c3, dy)
-        dh, _, act_extra = act.op_backward(c2, da, ())
+        if isinstance(act, ScaledSwiGLU) and c3.saved[0] is not None and c3.saved[1] is not None:
+            # Row-scale forward: fc2 saved s = swiglu(h) and the probabilities, so the probability
+            # gradient reuses s instead of recomputing the activation.
+            h, probs, probs_shape, probs_rg = c2.saved
+            c2.saved = ()
+            s = c3.saved[0]
+            da, dw2, db2 = fc2.grouped_backward(c3, dy)
+            dprobs = None
+            if probs_rg:
+                acc = torch.promote_types(da.dtype, torch.float32)
+                dprobs = (da * s).sum(-1, dtype=acc).to(probs.dtype).reshape(probs_shape)
+            dh = swiglu_backward(da * probs.to(da.dtype).unsqueeze(-1), h, act.limit)
+            act_extra = (dprobs,)
+        else:
+            da, dw2, db2 = fc2.grouped_backward(c3, dy)
+            dh, _, act_extra = act.op_backward(c2, da, ())
         dx, dw1, db1 = fc1.grouped_backward(c1, dh)
         g1 = [dw1] if fc1.bias is None else [dw1, db1]
         g2 = [dw2] if fc2.bias is None else [dw2, db2]

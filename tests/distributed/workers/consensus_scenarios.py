@@ -196,7 +196,13 @@ def scenario_grouped_mlp(args, rank, world):
         assert fuser.fusion_key[0] == agreed, (fuser.fusion_key, agreed)
     all_keys = gather(fusion_keys)
     assert all(k == all_keys[0] for k in all_keys), all_keys
-    emit("grouped_mlp", fusion_keys=fusion_keys, describe=fuser.plan.describe())
+    describe = fuser.plan.describe()
+    # One rank turns the fused path off: every rank must refuse the step, none may run another plan.
+    if rank == world - 1:
+        recipe.enable_fused_grouped_mlp = False
+    err = expect_mismatch(lambda: td.autocast(recipe=recipe, group=dist.group.WORLD).__enter__())
+    after = list(fuser.fusion_key)
+    emit("grouped_mlp", fusion_keys=fusion_keys, describe=describe, error=err, key_after_error=after)
 
 
 def scenario_hang(args, rank, world):

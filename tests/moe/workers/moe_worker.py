@@ -9,7 +9,7 @@ built on every rank from the same seed and runs the tokens of the whole EP group
   * the EP layer's initial weights    == the reference's (EP-invariant init), bit for bit
 
 Scenarios (argv[1], comma-separated): equivalence, sigmoid, skewed, one_expert, empty,
-save:<dir>, load:<dir>. ``--ep-sizes`` picks the EP sizes to test inside this world (default:
+edp (EP inside a larger world: expert grads reduced over the EDP group), save:<dir>, load:<dir>. ``--ep-sizes`` picks the EP sizes to test inside this world (default:
 the world size). ``--backend nccl`` runs on cuda:LOCAL_RANK in bf16.
 """
 
@@ -111,6 +111,32 @@ def compare(groups, device, dtype, *, layer_kw=None, tokens_of=None, route_to=No
     return ep_layer
 
 
+def expert_data_parallel(groups, device, dtype):
+    """EP inside a larger data-parallel world: reducing the marked expert grads over the EDP group
+    and the rest over the world reproduces EP=1 on the whole world's batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep_layer = build(7, groups.ep_group, device, dtype, edp_group=groups.edp_group)
+    ref = build(7, None, device, dtype)
+    x, g, counts, starts = global_batch(world, device, dtype)
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.autograd.backward(ref(x_ref), g)
+    mine = slice(starts[rank], starts[rank] + counts[rank])
+    x_mine = x[mine].detach().clone().requires_grad_(True)
+    y = ep_layer(x_mine)
+    torch.autograd.backward(y, g[mine])
+    close(y, ref(x[mine]), dtype, "edp output")
+    expert_ids = {id(p) for p in ep_layer.parameters() if getattr(p, "allreduce", True) is False}
+    assert expert_ids == {id(p) for p in ep_layer.expert_parameters()}
+    for p in ep_layer.parameters():
+        dist.all_reduce(p.grad, group=groups.edp_group if id(p) in expert_ids else None)
+    close(ep_layer.router.weight.grad, ref.router.weight.grad, dtype, "edp router grad")
+    lo, hi = ep_layer.first_expert, ep_layer.first_expert + ep_layer.num_local_experts
+    for ep_op, ref_op, label in ((ep_layer.fc1, ref.fc1, "fc1"), (ep_layer.fc2, ref.fc2, "fc2")):
+        close(ep_op.weight.grad, ref_op.weight.grad[lo:hi], dtype, f"edp {label}.weight grad")
+        close(ep_op.bias.grad, ref_op.bias.grad[lo:hi], dtype, f"edp {label}.bias grad")
+    print(f"rank={rank} ep={groups.ep_size} scenario=edp ok (edp ranks {list(groups.edp_ranks)})")
+
+
 def run_scenario(scenario, args, device, dtype):
     world, rank = dist.get_world_size(), dist.get_rank()
     if scenario.startswith(("save:", "load:")):
@@ -131,6 +157,8 @@ def run_scenario(scenario, args, device, dtype):
             compare(groups, device, dtype, route_to=(0, 1), name=tag)
         elif scenario == "one_expert":
             compare(groups, device, dtype, layer_kw=dict(top_k=1), route_to=(E - 1,), name=tag)
+        elif scenario == "edp":
+            expert_data_parallel(groups, device, dtype)
         elif scenario == "empty":
             compare(groups, device, dtype, tokens_of=lambda r: 0 if r == 1 else T, name=tag)
         else:

@@ -1,0 +1,113 @@
+"""Quantize throughput per recipe, against a device-to-device copy measured in the same run.
+
+    python benchmarks/quantize.py                      # CUDA if present (8192x8192 bf16), else a tiny CPU run
+    python benchmarks/quantize.py --device cpu --rows 256 --cols 512
+    python benchmarks/quantize.py --eager              # without torch.compile (shows what fusion buys)
+
+GB/s counts the bytes a quantize must move at least once: the input read plus every output
+written (elements and scales). The copy baseline moves the input's bytes in and out
+(``dst.copy_(src)``), so ``vs copy`` is the fraction of practical memory bandwidth reached.
+Goal (issue 3): >= 50% of copy bandwidth for per-tensor and block formats on H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from te_dist import recipe as R
+from te_dist.quantization import Float8Tensor, make_quantizer, set_compile_enabled
+
+# (label, recipe factory, role, copies): one row each
+CASES = [
+    ("delayed (E4M3, per-tensor)", lambda: R.DelayedScaling(fp8_format=R.Format.E4M3, amax_history_len=1024), "input"),
+    ("current (E4M3, per-tensor)", lambda: R.Float8CurrentScaling(fp8_format=R.Format.E4M3), "input"),
+    ("current pow2 (E5M2 grad)", lambda: R.Float8CurrentScaling(use_power_2_scales=True), "grad_output"),
+    ("block 1x128 (input)", lambda: R.Float8BlockScaling(), "input"),
+    ("block 128x128 (weight)", lambda: R.Float8BlockScaling(), "weight"),
+    ("mxfp8 1x32", lambda: R.MXFP8BlockScaling(), "input"),
+    ("nvfp4 1x16 (input, rowwise)", lambda: R.NVFP4BlockScaling(), "input"),
+    ("nvfp4 16x16 (weight)", lambda: R.NVFP4BlockScaling(), "weight"),
+    ("nvfp4 1x16 SR (grad)", lambda: R.NVFP4BlockScaling(), "grad_output"),
+]
+
+
+def _output_bytes(q) -> int:
+    if isinstance(q, Float8Tensor):
+        return q.data.numel() * q.data.element_size() + 4
+    total = 0
+    for copy in (q.rowwise, q.columnwise):
+        if copy is not None:
+            total += copy.data.numel() * copy.data.element_size()
+            total += copy.scale_inv.numel() * copy.scale_inv.element_size()
+            total += 4 if copy.global_scale_inv is not None else 0
+    return total
+
+
+def _time(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--cols", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--eager", action="store_true", help="disable torch.compile of the cast functions")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rows = args.rows or (8192 if cuda else 256)
+    cols = args.cols or (8192 if cuda else 512)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 3)
+    iters = args.iters if args.iters is not None else (20 if cuda else 15)
+    dtype = getattr(torch, args.dtype)
+    set_compile_enabled(False if args.eager else None)
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device=device, dtype=dtype)
+    in_bytes = x.numel() * x.element_size()
+    dst = torch.empty_like(x)
+    copy_s = _time(lambda: dst.copy_(x), device, warmup, iters)
+    copy_gbs = 2 * in_bytes / copy_s / 1e9
+
+    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    mode = "eager" if args.eager or not cuda else "torch.compile"
+    print(f"device={name} torch={torch.__version__} x={rows}x{cols} {args.dtype} mode={mode} median of {iters}")
+    print(f"| case | time (us) | GB/s | vs copy |")
+    print(f"|---|---|---|---|")
+    print(f"| device-to-device copy | {copy_s * 1e6:.1f} | {copy_gbs:.3g} | 1.00 |")
+    for label, build, role in CASES:
+        quantizer = make_quantizer(build(), role)
+        out_bytes = _output_bytes(quantizer(x))
+        seconds = _time(lambda: quantizer(x), device, warmup, iters)
+        gbs = (in_bytes + out_bytes) / seconds / 1e9
+        print(f"| {label} | {seconds * 1e6:.1f} | {gbs:.3g} | {gbs / copy_gbs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""`te-dist env`: versions, backends and a support matrix that agrees with te_dist.support."""
+
+import json
+
+import pytest
+import torch
+
+from te_dist import support
+from te_dist.cli import SPLIT_ALIGNMENT, env_report, format_env_report
+from te_dist.recipe import RECIPE_NAMES, recipe_from_name
+
+
+def test_report_matches_the_support_predicates():
+    report = env_report()
+    assert report["versions"]["torch"] == torch.__version__
+    matrix = report["support"]["cpu"]
+    assert list(matrix) == list(RECIPE_NAMES)
+    for name, cells in matrix.items():
+        for dtype_name, cell in cells.items():
+            dtype = getattr(torch, dtype_name)
+            args = (recipe_from_name(name), dtype)
+            kwargs = dict(split_alignment=SPLIT_ALIGNMENT, device=torch.device("cpu"))
+            assert cell["module"] == support.is_module_grouped_tensor_supported(*args, **kwargs)
+            assert cell["op_fuser"] == support.is_op_fuser_grouped_tensor_supported(*args, **kwargs)
+    text = format_env_report(report)
+    assert all(f"    {name:<10}" in text for name in RECIPE_NAMES)
+
+
+def test_env_command_on_cpu(run_cli):
+    result = run_cli("env", timeout=120).check()
+    assert f"torch                  {torch.__version__}" in result.output
+    assert "grouped_mm backends on cpu" in result.output
+    as_json = json.loads(run_cli("env", "--json", timeout=120).check().output)
+    assert set(as_json["support"]) == {"cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))}
+
+
+@pytest.mark.gpu
+def test_env_lists_every_gpu():
+    report = env_report()
+    assert len(report["devices"]) == 1 + torch.cuda.device_count()
+    assert report["versions"]["nccl"] not in (None, "")
+    for i in range(torch.cuda.device_count()):
+        assert f"grouped_mm backends on cuda:{i}" in report["backends"]
+        assert set(report["support"][f"cuda:{i}"]) == set(RECIPE_NAMES)

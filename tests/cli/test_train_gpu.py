@@ -1,0 +1,29 @@
+"""`te-dist train` with NCCL, one rank per GPU (run on the device machine; skipped without CUDA)."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
+
+
+def _losses(out_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_one_gpu_rank(run_cli, tmp_path):
+    result = run_cli("train", "--nproc", 1, "--steps", 5, "--log-every", 1).check()
+    assert "1 ranks (nccl, cuda)" in result.output
+    losses = _losses(tmp_path / "te_dist_out")
+    assert losses[5] < losses[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_resume(run_cli, tmp_path):
+    common = ("train", "--nproc", 2, "--steps", 6, "--ckpt-every", 3)
+    run_cli(*common, "--out", "straight").check()
+    result = run_cli(*common, "--out", "resumed", "--resume", "straight/checkpoints/step_000003", "--ep", 1).check()
+    assert "2 ranks (nccl, cuda) | ep=1" in result.output
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    assert resumed[4] == pytest.approx(straight[4], rel=1e-4)

@@ -1,0 +1,93 @@
+"""GPU checks of the fusible ops (skipped without CUDA; the lead runs them on an H200)."""
+
+import copy
+
+import pytest
+import torch
+
+import te_dist
+from te_dist import ops
+
+pytestmark = pytest.mark.gpu
+
+
+def _mlp(E, H, F, dtype, device, bias=True):
+    torch.manual_seed(0)
+    fuser = ops.OperationFuser([
+        ops.GroupedLinear(E, H, 2 * F, bias=bias, dtype=dtype, device=device),
+        ops.ScaledSwiGLU(),
+        ops.GroupedLinear(E, F, H, bias=bias, dtype=dtype, device=device),
+    ])
+    if bias:
+        with torch.no_grad():
+            for i in (0, 2):
+                fuser.basic_ops[i].bias.normal_()
+    return fuser
+
+
+def _run(fuser, x, splits, probs, dy, recipe=None):
+    x = x.detach().requires_grad_(True)
+    probs = probs.detach().requires_grad_(True)
+    with te_dist.autocast(recipe=recipe):
+        y = fuser(x, splits, probs, splits)
+    y.backward(dy)
+    return [y, x.grad, probs.grad] + [p.grad for p in fuser.parameters()]
+
+
+def test_grouped_mlp_cuda_bf16_matches_cpu_fp32(cuda_device):
+    E, H, F = 4, 256, 128
+    cpu = _mlp(E, H, F, torch.float32, "cpu")
+    gpu = copy.deepcopy(cpu).to(device=cuda_device, dtype=torch.bfloat16)
+    splits = torch.tensor([96, 0, 160, 64])  # a zero-row expert included
+    T = int(splits.sum())
+    x, probs, dy = torch.randn(T, H), torch.rand(T), torch.randn(T, H)
+    ref = _run(cpu, x, splits, probs, dy)
+    out = _run(gpu, x.to(cuda_device, torch.bfloat16), splits.to(cuda_device), probs.to(cuda_device),
+               dy.to(cuda_device, torch.bfloat16))
+    assert type(gpu.plan.forward_ops[0].op).__name__ == "GroupedMLP"
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a.float().cpu(), b, rtol=5e-2, atol=2.5e-1)
+
+
+def test_grouped_mlp_device_split_sizes_do_not_sync(cuda_device):
+    E, H, F = 4, 256, 128
+    fuser = _mlp(E, H, F, torch.bfloat16, cuda_device, bias=False)
+    splits = torch.full((E,), 128, device=cuda_device, dtype=torch.int64)
+    T = 128 * E
+    x = torch.randn(T, H, device=cuda_device, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T, device=cuda_device, requires_grad=True)
+    fuser(x, splits, probs, splits).sum().backward()  # warm-up (plan build, backend load)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = fuser(x, splits, probs, splits)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_sequential_cuda_matches_cpu(cuda_device):
+    torch.manual_seed(1)
+    cpu = ops.Sequential(ops.BasicLinear(64, 128), ops.Bias(128), ops.GELU(), ops.BasicLinear(128, 64))
+    gpu = copy.deepcopy(cpu).to(cuda_device)
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(gpu(x.to(cuda_device)).cpu(), cpu(x), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
+def test_fused_matches_unfused_under_recipe_cuda(cuda_device, name):
+    from te_dist.recipe import recipe_from_name
+
+    E, H, F = 2, 128, 128
+    base = _mlp(E, H, F, torch.bfloat16, cuda_device)
+    splits = torch.tensor([128, 128], device=cuda_device)
+    T = 256
+    x = torch.randn(T, H, device=cuda_device, dtype=torch.bfloat16)
+    probs, dy = torch.rand(T, device=cuda_device), torch.randn(T, H, device=cuda_device, dtype=torch.bfloat16)
+    recipe = recipe_from_name(name)
+    fused = _run(copy.deepcopy(base), x, splits, probs, dy, recipe)
+    with ops.fusion_rules_scope(disable=("forward_grouped_mlp", "backward_grouped_mlp")):
+        unfused = _run(copy.deepcopy(base), x, splits, probs, dy, recipe)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=1e-1)
