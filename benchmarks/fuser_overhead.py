@@ -3,7 +3,11 @@
 Tiny tensors so Python overhead dominates; every figure is compared with the same computation
 written as plain torch modules, measured in the same run (ratios, since these machines are noisy).
 
-    python benchmarks/fuser_overhead.py [--iters N] [--repeats R] [--recipe NAME]
+    python benchmarks/fuser_overhead.py [--iters N] [--repeats R] [--recipe NAME] [--device cuda]
+
+With ``--device cuda`` the tensors live on the GPU in bfloat16 (split sizes too, as in the MoE layer)
+and the figures are the CPU time spent issuing the work (the GPU runs asynchronously; each repeat
+ends with a synchronize).
 
 Goals (issue 4): plan lookup <= 1 us per call; Sequential <= 1.5x plain torch; grouped MLP
 forward+backward <= 300 us of CPU time.
@@ -22,6 +26,14 @@ from te_dist import ops
 from te_dist.recipe import recipe_from_name
 
 
+FACTORY = {"device": "cpu", "dtype": torch.float32}  # set by main(); used by every tensor and module below
+
+
+def _sync():
+    if FACTORY["device"] != "cpu":
+        torch.cuda.synchronize()
+
+
 def bench(fn, iters: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean process CPU time per call, in microseconds.
 
@@ -29,19 +41,22 @@ def bench(fn, iters: int, repeats: int) -> float:
     inflate it far less than wall time (run with one torch thread so it equals the work done)."""
     for _ in range(max(3, iters // 10)):
         fn()
+    _sync()
     samples = []
     for _ in range(repeats):
         start = time.process_time()
         for _ in range(iters):
             fn()
+        _sync()
         samples.append((time.process_time() - start) / iters * 1e6)
     return statistics.median(samples)
 
 
 # ------------------------------------------------------------------ plan lookup
 def plan_lookup_rows(iters, repeats, recipe):
-    fuser = ops.OperationFuser([ops.BasicLinear(16, 16), ops.Bias(16), ops.GELU(), ops.BasicLinear(16, 16)])
-    x = torch.randn(4, 16)
+    fuser = ops.OperationFuser([ops.BasicLinear(16, 16, **FACTORY), ops.Bias(16, **FACTORY), ops.GELU(),
+                                ops.BasicLinear(16, 16, **FACTORY)])
+    x = torch.randn(4, 16, **FACTORY)
     with te_dist.autocast(recipe=recipe):
         fuser(x)
         key = fuser.fusion_key
@@ -65,9 +80,11 @@ def plan_lookup_rows(iters, repeats, recipe):
 # ------------------------------------------------------------------ 4-op Sequential
 def sequential_rows(iters, repeats, recipe, H=64, T=8):
     torch.manual_seed(0)
-    ours = ops.Sequential(ops.BasicLinear(H, H), ops.Bias(H), ops.GELU(), ops.BasicLinear(H, H))
-    plain = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H, bias=False))
-    x = torch.randn(T, H, requires_grad=True)
+    ours = ops.Sequential(ops.BasicLinear(H, H, **FACTORY), ops.Bias(H, **FACTORY), ops.GELU(),
+                          ops.BasicLinear(H, H, **FACTORY))
+    plain = torch.nn.Sequential(torch.nn.Linear(H, H, **FACTORY), torch.nn.GELU(),
+                                torch.nn.Linear(H, H, bias=False, **FACTORY))
+    x = torch.randn(T, H, requires_grad=True, **FACTORY)
 
     def run(model):
         def step():
@@ -96,26 +113,27 @@ class PlainExpertMLP(torch.nn.Module):
 
     def __init__(self, E, H, F):
         super().__init__()
-        self.w1 = torch.nn.Parameter(torch.randn(E, 2 * F, H) * H ** -0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(E, H, F) * F ** -0.5)
+        self.w1 = torch.nn.Parameter(torch.randn(E, 2 * F, H, **FACTORY) * H ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, F, **FACTORY) * F ** -0.5)
 
     def forward(self, x, split_list, probs):
         outs = []
         for e, xe in enumerate(x.split(split_list)):
             gate, up = torch.nn.functional.linear(xe, self.w1[e]).chunk(2, -1)
             outs.append(torch.nn.functional.silu(gate) * up)
-        a = torch.cat(outs) * probs[:, None]
+        a = torch.cat(outs) * probs[:, None].to(x.dtype)
         return torch.cat([torch.nn.functional.linear(ae, self.w2[e]) for e, ae in enumerate(a.split(split_list))])
 
 
 def grouped_mlp_rows(iters, repeats, recipe, E=4, H=64, F=64, T=32):
     torch.manual_seed(0)
-    fuser = ops.OperationFuser([ops.GroupedLinear(E, H, 2 * F), ops.ScaledSwiGLU(), ops.GroupedLinear(E, F, H)])
+    fuser = ops.OperationFuser([ops.GroupedLinear(E, H, 2 * F, **FACTORY), ops.ScaledSwiGLU(),
+                                ops.GroupedLinear(E, F, H, **FACTORY)])
     plain = PlainExpertMLP(E, H, F)
-    x = torch.randn(T, H, requires_grad=True)
-    probs = torch.rand(T, requires_grad=True)
+    x = torch.randn(T, H, requires_grad=True, **FACTORY)
+    probs = torch.rand(T, requires_grad=True, device=FACTORY["device"])
     split_list = [T // E] * E
-    splits = torch.tensor(split_list)
+    splits = torch.tensor(split_list, device=FACTORY["device"])
 
     def ours():
         fuser(x, splits, probs, splits).sum().backward()
@@ -129,7 +147,7 @@ def grouped_mlp_rows(iters, repeats, recipe, E=4, H=64, F=64, T=32):
     fc1, fc2 = fuser.basic_ops[0], fuser.basic_ops[2]
     w1, w2 = fc1.weight.detach().transpose(1, 2), fc2.weight.detach().transpose(1, 2)
     offsets = torch.cumsum(splits, 0, dtype=torch.int32)
-    xd, h, s, dy = x.detach(), torch.randn(T, 2 * F), torch.randn(T, F), torch.randn(T, H)
+    xd, h, s, dy = x.detach(), torch.randn(T, 2 * F, **FACTORY), torch.randn(T, F, **FACTORY), torch.randn(T, H, **FACTORY)
 
     def gemms():
         kernels.grouped_mm_forward(xd, w1, offsets, check_offsets=False)
@@ -154,17 +172,23 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--recipe", default="none", help="none | delayed | current | block | mxfp8 | nvfp4")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu (float32) | cuda (bfloat16)")
+    parser.add_argument("--tokens", type=int, default=None, help="grouped-MLP tokens (default 32 on cpu, 64 on cuda)")
     args = parser.parse_args()
+    if args.device != "cpu":
+        FACTORY.update(device=args.device, dtype=torch.bfloat16)
+    # On CUDA keep > 8 rows per expert so the kernel selector does not take the host-syncing loop.
+    tokens = args.tokens or (32 if args.device == "cpu" else 64)
     torch.set_num_threads(args.threads)
     recipe = recipe_from_name(args.recipe)
-    print(f"torch {torch.__version__}, threads={args.threads}, recipe={args.recipe}, "
+    print(f"torch {torch.__version__}, device={args.device}, dtype={FACTORY['dtype']}, threads={args.threads}, recipe={args.recipe}, "
           f"iters={args.iters}, repeats={args.repeats} (median of repeats)\n")
     print(f"{'measurement':<52} {'us/call':>10}")
     for name, t in plan_lookup_rows(args.iters, args.repeats, recipe):
         print(f"{name:<52} {t:>10.3f}")
     print()
     print(f"{'measurement':<52} {'te_dist us':>10} {'torch us':>10} {'ratio':>7}")
-    rows = sequential_rows(args.iters, args.repeats, recipe) + grouped_mlp_rows(args.iters, args.repeats, recipe)
+    rows = sequential_rows(args.iters, args.repeats, recipe) + grouped_mlp_rows(args.iters, args.repeats, recipe, T=tokens)
     for name, t_ours, t_plain in rows:
         if t_plain is None:
             print(f"{name:<52} {t_ours:>10.1f}")

@@ -9,8 +9,8 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
 
-Rule: see ``RULES`` (first match wins; M = average rows per expert for fwd/dgrad, the
-out-feature count for wgrad). Thresholds come from the H200 sweep in docs/kernels.md
+Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
+GEMM's M for fwd/dgrad and its K for wgrad). Thresholds come from the H200 sweep in docs/kernels.md
 (benchmarks/grouped_gemm.py times every config per shape and prints the winner).
 """
 
@@ -25,12 +25,15 @@ CONFIGS = {
     3: ("cooperative", 256, 128, (1, 2)),
 }
 
-# (direction or "*", max average rows per expert (inclusive) or None for any, config)
+# (direction or "*", max average rows per expert (inclusive) or None for any, config).
+# From the H200 sweep of 2026-11-29 (docs/kernels.md; run-to-run spread ~3%):
 RULES = (
-    ("wgrad", None, 0),
-    ("*", 32, 1),
-    ("*", 256, 2),
-    ("*", None, 0),
+    ("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
+    ("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
+    ("wgrad", None, 3),   # Mixtral (4096 rows per expert)
+    ("*", 32, 1),         # decode: 64-row tiles waste least
+    ("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
+    ("*", None, 0),       # large M: cooperative 128x256, cluster 2x1
 )
 
 

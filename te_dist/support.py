@@ -49,7 +49,7 @@ FP8_BLOCK_KERNELS = False
 
 class _Spec(NamedTuple):
     tag: str
-    read: Callable  # recipe -> the settings this check reads (hashable)
+    read: Callable  # recipe -> the settings this check reads (hashable; enums as their string value)
     uses_alignment: bool
 
 
@@ -59,14 +59,14 @@ def _no_settings(_recipe_obj):
 
 _SPECS = {
     type(None): _Spec("none", _no_settings, False),
-    _recipe.DelayedScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format"), True),
-    _recipe.Float8CurrentScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format"), True),
+    _recipe.DelayedScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_"), True),
+    _recipe.Float8CurrentScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_"), True),
     _recipe.Float8BlockScaling: _Spec(
         "fp8_block",
         operator.attrgetter("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"),
         True,
     ),
-    _recipe.MXFP8BlockScaling: _Spec("mxfp8", operator.attrgetter("fp8_format"), True),
+    _recipe.MXFP8BlockScaling: _Spec("mxfp8", operator.attrgetter("fp8_format._value_"), True),
     _recipe.NVFP4BlockScaling: _Spec("nvfp4", operator.attrgetter("disable_2d_quantization"), True),
 }
 
@@ -146,13 +146,13 @@ def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> bool:
     if dtype not in _LOW_PRECISION_ACT:
         return False
     if tag == "fp8_tensor":
-        return settings is not _recipe.Format.E5M2 and _aligned(split_alignment, 16)
+        return settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 16)
     if tag == "fp8_block":
         x_dim, _w_dim, grad_dim = settings
         return (cap[0] == 9 and FP8_BLOCK_KERNELS and x_dim == 1 and grad_dim == 1
                 and _aligned(split_alignment, 128))
     if tag == "mxfp8":
-        return cap >= (10, 0) and settings is not _recipe.Format.E5M2 and _aligned(split_alignment, 32)
+        return cap >= (10, 0) and settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 32)
     if tag == "nvfp4":
         # 16-row splits keep the 16x16 blocks of the wgrad operands inside one expert; the 1D
         # variant quantizes those operands columnwise in 32-row tiles instead.
@@ -189,9 +189,10 @@ def _make_predicate(name: str, rule: Callable, doc: str):
         dev = device_get(device)
         if dev is None:
             dev = _normalise_device(device)
-        if spec.uses_alignment:
-            return evaluate(spec.tag, spec.read(recipe), dtype, split_alignment, dev)
-        return evaluate(spec.tag, (), dtype, None, dev)
+        tag, read, uses_alignment = spec
+        if uses_alignment:
+            return evaluate(tag, read(recipe), dtype, split_alignment, dev)
+        return evaluate(tag, (), dtype, None, dev)
 
     def uncached(recipe, dtype, *, split_alignment=None, device=None) -> bool:
         spec = _spec_for(recipe)

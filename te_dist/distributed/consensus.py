@@ -24,12 +24,14 @@ avoids a device-to-host synchronisation per step.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import hashlib
 import json
 import threading
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -167,21 +169,28 @@ class _GroupConsensus:
     """Consensus state of one process group: its CPU group and the keys already verified on it."""
 
     def __init__(self, group, timeout_s: float):
-        self.group = group  # keeps the group alive so the registry's id() key cannot be reused
+        # A weak reference: holding the group would keep it alive past destroy_process_group(),
+        # and a gloo group destroyed during interpreter shutdown aborts the process.
+        self.group_ref = weakref.ref(group)
         self.global_ranks = list(dist.get_process_group_ranks(group))
         self.group_rank = dist.get_rank(group)
         self.size = len(self.global_ranks)
-        self.cpu_group = self._cpu_group(group, timeout_s)
+        self._side_group = self._make_side_group(group, timeout_s)  # None: the group itself is gloo
         self.verified = collections.OrderedDict()  # digest -> key, identical on every rank
         self.last_key = None
         self.last_digest = None
         self.last_pair = None  # [digest, -digest] of last_key, copied into box for each all_reduce
         self.box = torch.empty(2, dtype=torch.int64)
 
-    def _cpu_group(self, group, timeout_s: float):
+    @property
+    def cpu_group(self):
+        """The gloo group the consensus collectives run on."""
+        return self._side_group if self._side_group is not None else self.group_ref()
+
+    def _make_side_group(self, group, timeout_s: float):
         backend = str(dist.get_backend(group)).lower()
         if "gloo" in backend and not _FORCE_SIDE_GROUP:
-            return group
+            return None
         # Only this group's ranks take part; every rank of it reaches here at the same consensus call.
         return dist.new_group(
             ranks=self.global_ranks,
@@ -214,15 +223,17 @@ class _Registry:
     def lookup(self, group) -> Optional[_GroupConsensus]:
         """The state of a group seen before (lock-free: a dict read), else None."""
         state = self._states.get(id(group))
-        return state if state is not None and state.group is group else None
+        return state if state is not None and state.group_ref() is group else None
 
     def get(self, group, timeout_s: float) -> _GroupConsensus:
         state = self.lookup(group)
         if state is not None:
             return state
         with self._lock:
-            state = self._states.get(id(group))
-            if state is None or state.group is not group:
+            state = self.lookup(group)
+            if state is None:
+                # Drop states of groups that no longer exist (their ids may be reused).
+                self._states = {k: v for k, v in self._states.items() if v.group_ref() is not None}
                 state = _GroupConsensus(group, timeout_s)
                 self._states[id(group)] = state
             return state
@@ -233,6 +244,8 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+# Side groups are ours: release them while the interpreter is still whole (see _GroupConsensus).
+atexit.register(_REGISTRY.clear)
 
 
 def reset_consensus_state() -> None:
@@ -284,7 +297,7 @@ def _all_gather_text(state, text: str, timeout_s: float, started: float) -> list
     buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(state.size)]
     work = dist.all_gather(buffers, padded, group=state.cpu_group, async_op=True)
     _wait(work, state, "the string all_gather", timeout_s, started)
-    return [bytes(buf[:n].tolist()).decode("utf-8") for buf, n in zip(buffers, sizes)]
+    return [buf[:n].numpy().tobytes().decode("utf-8") for buf, n in zip(buffers, sizes)]
 
 
 # --------------------------------------------------------------------------- public entry points

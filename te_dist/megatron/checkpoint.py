@@ -6,11 +6,11 @@ tensor per projection holding all local experts; Megatron's checkpoint keys hold
 per projection with a leading expert axis. Expert-parallel rank r owns global experts
 ``r*E_local .. (r+1)*E_local - 1``.
 
-    ours (local, per rank)                 checkpoint key (global)                       SequentialMLP local expert e
-    linear_fc1.weight [E_local, 2F, H]     {prefix}experts.linear_fc1.weight [E, 2F, H]   local_experts.e.linear_fc1.weight [2F, H]
-    linear_fc1.bias   [E_local, 2F]        {prefix}experts.linear_fc1.bias   [E, 2F]      local_experts.e.linear_fc1.bias   [2F]
-    linear_fc2.weight [E_local, H, F]      {prefix}experts.linear_fc2.weight [E, H, F]    local_experts.e.linear_fc2.weight [H, F]
-    linear_fc2_bias   [E_local, H]         {prefix}experts.linear_fc2.bias   [E, H]       local_experts.e.linear_fc2.bias   [H]
+    ours (per rank)                    checkpoint key (global, E = all experts)       SequentialMLP (local_experts.e.)
+    linear_fc1.weight [E_local, 2F, H] {prefix}experts.linear_fc1.weight [E, 2F, H]   linear_fc1.weight [2F, H]
+    linear_fc1.bias   [E_local, 2F]    {prefix}experts.linear_fc1.bias   [E, 2F]      linear_fc1.bias   [2F]
+    linear_fc2.weight [E_local, H, F]  {prefix}experts.linear_fc2.weight [E, H, F]    linear_fc2.weight [H, F]
+    linear_fc2_bias   [E_local, H]     {prefix}experts.linear_fc2.bias   [E, H]       linear_fc2.bias   [H]
 
 Rows 0..F-1 of fc1 are the gate (SiLU input), rows F..2F-1 the linear ("up") half, in both.
 With a gated fc1 Megatron writes the two halves as separate shards (its SwiGLU factory); we write
@@ -25,12 +25,6 @@ from typing import Optional
 import torch
 
 __all__ = ["expert_tensor_factory", "expert_extra_state_objects"]
-
-
-def _sharded_tensor_cls():
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    return ShardedTensor
 
 
 def expert_tensor_factory(
@@ -50,13 +44,12 @@ def expert_tensor_factory(
     factory does for a tensor-parallel size of 1. With ``extra_state_key`` the factory also writes
     the (empty) per-expert ``_extra_state`` objects of that linear; loading ignores them.
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     num_local = data.shape[0]
     num_global = num_local * ep_size
     expert_axis = len(sharded_offsets)
     prepend = expert_axis + 1  # the expert axis is prepended to each [..] expert slice
-    ShardedTensor = _sharded_tensor_cls()
 
     @torch.no_grad()
     def build(key, t, replica_id, flattened_range):

@@ -3,7 +3,8 @@
 Why: Megatron users switch experts by changing a spec. This module has Megatron's experts
 constructor and forward, and runs all local experts as one te_dist fused op sequence
 
-    x_TH --GroupedLinear(fc1, [E, 2F, H])--> h_T2F --ScaledSwiGLU(probs_T)--> a_TF --GroupedLinear(fc2, [E, H, F])--> y_TH
+    x_TH --GroupedLinear(fc1 [E, 2F, H])--> h_T2F --ScaledSwiGLU(probs_T)--> a_TF
+         --GroupedLinear(fc2 [E, H, F])--> y_TH
 
 under the spec's recipe (``te_dist.autocast``), where Megatron's ``SequentialMLP`` loops over
 experts. It computes the same function as ``SequentialMLP`` built from the same config: the
@@ -111,7 +112,8 @@ class GroupedExperts(MegatronModule):
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
         self.recipe = resolved
-        self._recipe_disabled = recipe == "none"  # explicit "none" also overrides an outer te_dist.autocast
+        # An explicit "none" also overrides an outer te_dist.autocast; "config" without fp8/fp4 inherits it.
+        self._recipe_disabled = isinstance(recipe, str) and recipe == "none"
         self._recipe_group = ep_group if (recipe_group == "ep" and ep_size > 1) else None
 
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size

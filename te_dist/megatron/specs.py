@@ -27,7 +27,7 @@ __all__ = ["experts_spec", "with_te_dist_experts", "gpt_layer_spec", "gpt_decode
 _OPTIONS = ("recipe_group",)
 
 
-def experts_spec(recipe=RECIPE_FROM_CONFIG, **options) -> ModuleSpec:
+def experts_spec(recipe=None, **options) -> ModuleSpec:
     """``MoESubmodules(experts=experts_spec(recipe=...))``: te_dist grouped experts.
 
     ``recipe``: a ``te_dist.recipe.Recipe``, a recipe name (``"none"``, ``"delayed"``, ``"current"``,
@@ -81,7 +81,7 @@ def _replace_experts(obj, experts):
     return obj, 0
 
 
-def with_te_dist_experts(spec, recipe=RECIPE_FROM_CONFIG, **options):
+def with_te_dist_experts(spec, recipe=None, **options):
     """Return a copy of a Megatron MoE/layer/block spec whose MoE experts are te_dist's.
 
     Accepts a ``ModuleSpec``, a ``functools.partial`` (0.19 MoE specs), ``TransformerBlockSubmodules``
@@ -96,7 +96,7 @@ def with_te_dist_experts(spec, recipe=RECIPE_FROM_CONFIG, **options):
     return new_spec
 
 
-def gpt_layer_spec(recipe=RECIPE_FROM_CONFIG, *, normalization=None, qk_layernorm=False, **options) -> ModuleSpec:
+def gpt_layer_spec(recipe=None, *, normalization=None, qk_layernorm=False, **options) -> ModuleSpec:
     """Megatron's local (no TransformerEngine) GPT MoE layer spec, with te_dist experts."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -105,7 +105,7 @@ def gpt_layer_spec(recipe=RECIPE_FROM_CONFIG, *, normalization=None, qk_layernor
     return with_te_dist_experts(base, recipe, **options)
 
 
-def gpt_decoder_block_spec(config, *, use_transformer_engine=False, recipe=RECIPE_FROM_CONFIG, **options):
+def gpt_decoder_block_spec(config, *, use_transformer_engine=False, recipe=None, **options):
     """Megatron's GPT decoder-block spec for ``config`` (dense and MoE layers), with te_dist experts."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

@@ -103,6 +103,11 @@ class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *grad_extra_outputs):
+        if ctx.fuser_state is None:
+            raise RuntimeError(
+                "backward ran twice through the same OperationFuser call; its saved tensors are freed after the "
+                "first backward (retain_graph=True is not supported), run the forward again"
+            )
         fuser, plan, first_bwd, op_ctxs, param_counts = ctx.fuser_state
         ctx.fuser_state = None  # free saved tensors early
         ops = fuser._ops

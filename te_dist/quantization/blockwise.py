@@ -101,7 +101,8 @@ class MXFP8Quantizer(_BlockQuantizer):
 
 class NVFP4Quantizer(_BlockQuantizer):
     """``generator``: optional torch.Generator (on the data's device) for stochastic rounding;
-    without one the global RNG is used, so ``torch.manual_seed`` makes results reproducible."""
+    without one the global RNG is used, so ``torch.manual_seed`` makes results reproducible (a
+    compiled cast draws its noise inside the kernel: same distribution, different stream than eager)."""
 
     recipe_type = NVFP4BlockScaling
     tensor_type = NVFP4Tensor
@@ -132,9 +133,9 @@ class NVFP4Quantizer(_BlockQuantizer):
         # The tensor scale comes from the copy's own amax: a Hadamard transform can raise it up to 4x.
         s_enc = nvfp4_global_scale(compute_amax(x_copy))
         noise = None
-        if self.stochastic_rounding:
+        if self.stochastic_rounding and self.generator is not None:
             noise = torch.rand(x_copy.shape, device=x_copy.device, generator=self.generator)
-        packed, scale = dispatch(cast_nvfp4, x_copy, br, bc, s_enc, noise)
+        packed, scale = dispatch(cast_nvfp4, x_copy, br, bc, s_enc, noise, self.stochastic_rounding)
         return BlockScaledData(
             packed, scale, br, bc, transposed=transposed, hadamard=hadamard, global_scale_inv=1.0 / s_enc
         )

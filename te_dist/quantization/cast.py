@@ -38,6 +38,12 @@ __all__ = [
 ]
 
 
+def _dense_float(x: torch.Tensor) -> torch.Tensor:
+    """float32, row-major: a columnwise copy arrives as a transposed view, and blocking a
+    non-contiguous tensor is many times slower in eager mode (compiled, this fuses away)."""
+    return x.to(dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
 def cast_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float) -> torch.Tensor:
     """FP8 data = saturate(x * scale) rounded to nearest even; NaN stays NaN."""
     return (x.to(torch.float32) * scale).clamp(-fmt_max, fmt_max).to(fp8_dtype)
@@ -70,7 +76,7 @@ def cast_fp8_blocks(
     x: torch.Tensor, block_rows: int, block_cols: int, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool
 ):
     """FP8 with one float32 scale per (block_rows x block_cols) block. Returns (data, scale_inv)."""
-    xb = block_view(x.to(torch.float32), block_rows, block_cols)
+    xb = block_view(_dense_float(x), block_rows, block_cols)
     scale = per_tensor_scale(block_amax(xb), fmt_max, power_2=power_2)
     data = (xb * expand_block_scale(scale)).clamp(-fmt_max, fmt_max).to(fp8_dtype)
     return data.reshape(x.shape), 1.0 / scale
@@ -80,7 +86,7 @@ def cast_mxfp8(x: torch.Tensor, block: int, fp8_dtype: torch.dtype, fmt_max: flo
     """OCP MX: 1 x block groups share ``2**X`` (E8M0), elements are ``x / 2**X`` in FP8.
 
     Returns (data, scale codes as uint8; view them as ``torch.float8_e8m0fnu``)."""
-    xb = block_view(x.to(torch.float32), 1, block)
+    xb = block_view(_dense_float(x), 1, block)
     amax = block_amax(xb)
     exponent = mx_shared_exponent(amax, emax_elem, margin)
     multiplier = pow2_from_exponent(-exponent)  # exact 2**-X
@@ -89,18 +95,27 @@ def cast_mxfp8(x: torch.Tensor, block: int, fp8_dtype: torch.dtype, fmt_max: flo
 
 
 def cast_nvfp4(
-    x: torch.Tensor, block_rows: int, block_cols: int, s_enc: torch.Tensor, noise: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    s_enc: torch.Tensor,
+    noise: Optional[torch.Tensor] = None,
+    stochastic: bool = False,
 ):
     """NVFP4: E4M3 scale per block (1x16 or 16x16), E2M1 elements packed two per byte.
 
-    ``noise`` (uniform [0, 1), x's shape) switches to stochastic rounding. Returns (packed, scale_e4m3).
+    ``stochastic`` switches to stochastic rounding with uniform [0, 1) ``noise`` of x's shape; without
+    ``noise`` it is drawn here from the global RNG, so a compiled version generates it inside the
+    fused kernel instead of reading a float32 noise tensor. Returns (packed, scale_e4m3).
     """
-    xb = block_view(x.to(torch.float32), block_rows, block_cols)
+    xb = block_view(_dense_float(x), block_rows, block_cols)
     scale_e4m3, factor = nvfp4_block_scales(block_amax(xb), s_enc)
     scaled = (xb * expand_block_scale(factor)).reshape(x.shape)
-    if noise is None:
+    if not stochastic:
         codes = round_to_e2m1_codes(scaled)
     else:
+        if noise is None:
+            noise = torch.rand(x.shape, dtype=torch.float32, device=x.device)
         codes = stochastic_round_to_e2m1_codes(scaled, noise)
     return pack_e2m1(codes), scale_e4m3
 

@@ -3,14 +3,21 @@
 Why: written eagerly, a quantize is 4-8 elementwise passes over memory; ``torch.compile``
 turns each cast function into one fused kernel (plus one reduction for per-tensor amax), which is
 what the >= 50%-of-copy-bandwidth goal needs. Compilation is lazy (first CUDA call), never at
-import, and if it fails (no Triton, unsupported op) we fall back to eager once, with a warning.
+import, and if it fails (no Triton, unsupported op) that configuration runs eagerly, with a warning.
+
+One compiled callable per (function, static configuration): block sizes, formats and the input
+dtype are baked into the graph. Each gets its own copy of the function's code object, so
+Dynamo's per-code recompile limit (8) counts shape variations of one configuration only, not
+every format a model uses (with ``fullgraph=True`` hitting that limit raises instead of
+falling back).
 
 ``set_compile_enabled(False)`` forces eager everywhere (benchmarks compare both);
-``set_compile_enabled(True)`` also compiles on CPU (tests use it to check the functions trace).
+``set_compile_enabled(True)`` also compiles on CPU.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Callable, Optional
 
@@ -37,22 +44,31 @@ def compile_enabled(device: torch.device) -> bool:
     return enabled
 
 
-def _get_compiled(fn: Callable) -> Callable:
-    compiled = _compiled.get(fn)
+def _static_key(fn: Callable, x: torch.Tensor, args: tuple) -> tuple:
+    static = tuple(a if not isinstance(a, torch.Tensor) else (a.dtype, a.dim()) for a in args)
+    return (fn, x.dtype, x.dim(), x.device.type) + static
+
+
+def _get_compiled(fn: Callable, key: tuple) -> Callable:
+    compiled = _compiled.get(key)
     if compiled is None:
+        private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         # dynamic=None: specialise on the first shape, go dynamic if shapes vary (token counts do).
-        compiled = torch.compile(fn, fullgraph=True, dynamic=None)
-        _compiled[fn] = compiled
+        compiled = torch.compile(private, fullgraph=True, dynamic=None)
+        _compiled[key] = compiled
     return compiled
 
 
-def dispatch(fn: Callable, x: torch.Tensor, *args, **kwargs):
-    """Call ``fn(x, *args, **kwargs)``, compiled when enabled for x's device."""
-    if fn in _failed or not compile_enabled(x.device):
-        return fn(x, *args, **kwargs)
+def dispatch(fn: Callable, x: torch.Tensor, *args):
+    """Call ``fn(x, *args)``, compiled when enabled for x's device."""
+    if not compile_enabled(x.device):
+        return fn(x, *args)
+    key = _static_key(fn, x, args)
+    if key in _failed:
+        return fn(x, *args)
     try:
-        return _get_compiled(fn)(x, *args, **kwargs)
-    except Exception as exc:  # compile problems must not break training: warn once, run eager
-        _failed.add(fn)
+        return _get_compiled(fn, key)(x, *args)
+    except Exception as exc:  # compile problems must not break training: warn once per configuration, run eager
+        _failed.add(key)
         warnings.warn(f"torch.compile of te_dist.quantization {fn.__name__} failed ({exc!r:.300}); running eagerly")
-        return fn(x, *args, **kwargs)
+        return fn(x, *args)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .scaling import pow2_from_exponent
+
 __all__ = [
     "E2M1_VALUES",
     "round_to_e2m1_codes",
@@ -75,7 +77,7 @@ def _code_magnitudes(code: torch.Tensor) -> torch.Tensor:
     c = code.to(torch.int32)
     e = c >> 1
     m = (c & 1).to(torch.float32)
-    normal = torch.ldexp(1.0 + 0.5 * m, e - 1)  # e>=1: (1 + m/2) * 2**(e-1)
+    normal = (1.0 + 0.5 * m) * pow2_from_exponent(e - 1)  # e>=1: (1 + m/2) * 2**(e-1), exact
     return torch.where(e == 0, 0.5 * m, normal)  # e==0: subnormal m/2
 
 

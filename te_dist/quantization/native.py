@@ -34,18 +34,25 @@ def _capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
 
 
+def _cuda_device(device) -> Optional[torch.device]:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def native_fp8_gemm_supported(device) -> bool:
     """torch._scaled_mm exists and the device is CUDA with compute capability >= 8.9."""
-    device = torch.device(device)
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+    device = _cuda_device(device)
+    if device is None or not hasattr(torch, "_scaled_mm"):
         return False
     return _capability(device) >= (8, 9)
 
 
 def native_fp8_grouped_gemm_supported(device) -> bool:
     """torch._scaled_grouped_mm exists and the device is SM90 or SM100 class."""
-    device = torch.device(device)
-    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+    device = _cuda_device(device)
+    if device is None or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     return _capability(device)[0] in (9, 10)
 

@@ -66,7 +66,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Synthetic Markov-chain text: ``branching`` likely successors per token, so the loss can fall."""
+    """Synthetic Markov-chain text: ``branching`` possible successors per token, so the loss can fall."""
 
     seq_len: int = 32
     global_batch_size: int = 8  # sequences per step, summed over all ranks
@@ -134,8 +134,8 @@ class JobConfig:
         _positive("data.seq_len", d.seq_len, minimum=2)
         _positive("data.global_batch_size", d.global_batch_size)
         _positive("data.branching", d.branching)
-        if d.branching > m.vocab_size:
-            raise ConfigError(f"data.branching={d.branching} exceeds model.vocab_size={m.vocab_size}")
+        if d.branching >= m.vocab_size:
+            raise ConfigError(f"data.branching={d.branching} must be < model.vocab_size={m.vocab_size}")
         _positive("train.steps", t.steps)
         if not t.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")

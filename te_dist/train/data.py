@@ -1,6 +1,6 @@
 """Synthetic text with learnable structure: token sequences from a fixed random Markov chain.
 
-Why this data: every token has only ``branching`` likely successors, so a model that learns
+Why this data: every token has only ``branching`` possible successors, so a model that learns
 the chain drives the loss from ``ln(vocab)`` towards the chain's entropy rate; the run shows
 real learning without a download. Why batches are a pure function of ``(seed, step)``: the
 global batch of a step is the same whatever the number of ranks or the EP size, and a resumed
@@ -19,40 +19,38 @@ __all__ = ["MarkovData"]
 
 
 class MarkovData:
-    """Batches of a random first-order Markov chain over ``vocab_size`` tokens."""
+    """Batches of a random first-order Markov chain over ``vocab_size`` tokens.
+
+    The chain: a hidden walk ``z[t+1] = (z[t] + step[c_t]) mod V`` where the choice ``c_t`` takes
+    one of ``branching`` distinct offsets with fixed, uneven probabilities, seen through a random
+    permutation (``token = perm[z]``). Every token thus has ``branching`` successors that look
+    random, the entropy rate is exactly that of the choice, and a whole batch is sampled with one
+    cumulative sum (no loop over positions: long sequences on fast GPUs must not wait for data).
+    """
 
     def __init__(self, vocab_size: int, seq_len: int, global_batch_size: int, *, branching: int, seed: int):
-        if branching > vocab_size:
-            raise ValueError(f"{branching=} exceeds {vocab_size=}")
+        if not 1 <= branching < vocab_size:
+            raise ValueError(f"{branching=} must be in [1, {vocab_size=})")
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = seed
         gen = torch.Generator().manual_seed(seed)
-        # Each token: `branching` distinct successors with uneven weights (sparse: vocabularies
-        # of LLM size must not need a V x V table).
-        self.successors_VB = torch.stack(
-            [torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)]
-        ) if vocab_size <= 4096 else torch.randint(vocab_size, (vocab_size, branching), generator=gen)
-        weights_VB = torch.rand(vocab_size, branching, generator=gen, dtype=torch.float64) + 0.5
-        self.probs_VB = weights_VB / weights_VB.sum(1, keepdim=True)
-        self._cdf_VB = self.probs_VB.cumsum(1)
-        self._cdf_VB[:, -1] = 1.0  # guard against rounding below 1
+        self.perm_V = torch.randperm(vocab_size, generator=gen)
+        self.offsets_C = torch.randperm(vocab_size - 1, generator=gen)[:branching] + 1  # distinct, non-zero
+        weights_C = torch.rand(branching, generator=gen, dtype=torch.float64) + 0.5
+        self.probs_C = weights_C / weights_C.sum()
+        self._cdf_C = self.probs_C.cumsum(0)
+        self._cdf_C[-1] = 1.0  # guard against rounding below 1
+        inverse_V = torch.empty_like(self.perm_V)
+        inverse_V[self.perm_V] = torch.arange(vocab_size)
+        # successors_VC[y] = the tokens that may follow token y
+        self.successors_VC = self.perm_V[(inverse_V[:, None] + self.offsets_C[None, :]) % vocab_size]
 
     def entropy_rate(self) -> float:
         """The best achievable mean loss (nats/token) for a model that knows the chain."""
-        V = self.vocab_size
-        probs_VV = torch.zeros(V, V, dtype=torch.float64) if V <= 4096 else None
-        if probs_VV is None:  # large vocabularies: successors may repeat; the per-row bound is close enough
-            p = self.probs_VB
-            return float(-(p * p.log()).sum(1).mean())
-        probs_VV.index_put_((torch.arange(V).repeat_interleave(self.probs_VB.shape[1]), self.successors_VB.flatten()),
-                            self.probs_VB.flatten(), accumulate=True)
-        stationary = torch.full((V,), 1.0 / V, dtype=torch.float64)
-        for _ in range(500):
-            stationary = stationary @ probs_VV
-        row_entropy = -(torch.where(probs_VV > 0, probs_VV * probs_VV.log(), torch.zeros_like(probs_VV))).sum(1)
-        return float((stationary * row_entropy).sum())
+        p = self.probs_C
+        return float(-(p * p.log()).sum())
 
     def uniform_loss(self) -> float:
         return math.log(self.vocab_size)
@@ -61,15 +59,11 @@ class MarkovData:
         """Token ids [B, S+1] (int64) of training step ``step`` (1-based), identical on every rank."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         B, S = self.global_batch_size, self.seq_len
-        tokens_BS = torch.empty(B, S + 1, dtype=torch.int64)
-        tokens_BS[:, 0] = torch.randint(self.vocab_size, (B,), generator=gen)
-        u_SB = torch.rand(S, B, generator=gen, dtype=torch.float64)
-        for pos in range(S):
-            cur_B = tokens_BS[:, pos]
-            choice_B = torch.searchsorted(self._cdf_VB[cur_B], u_SB[pos].unsqueeze(1), right=True).squeeze(1)
-            choice_B.clamp_(max=self.successors_VB.shape[1] - 1)
-            tokens_BS[:, pos + 1] = self.successors_VB[cur_B, choice_B]
-        return tokens_BS
+        start_B = torch.randint(self.vocab_size, (B, 1), generator=gen)
+        u_BS = torch.rand(B, S, generator=gen, dtype=torch.float64)
+        choice_BS = torch.searchsorted(self._cdf_C, u_BS, right=True).clamp_(max=len(self.offsets_C) - 1)
+        walk_BS = torch.cat([start_B, start_B + self.offsets_C[choice_BS].cumsum(1)], dim=1) % self.vocab_size
+        return self.perm_V[walk_BS]
 
     def local_batch(self, step: int, rank: int, world_size: int) -> tuple:
         """(inputs [b, S], targets [b, S]) for ``rank``: its contiguous share of the global batch."""

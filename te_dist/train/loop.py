@@ -103,42 +103,80 @@ def _append_metrics(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[FaultInjection] = None) -> TrainResult:
-    """Run the job on this rank (collective; call on every rank of the torchrun job)."""
-    cfg.validate()
+@dataclass
+class _Job:
+    """Everything one rank builds before its first step."""
+
+    runtime: Runtime
+    recipe: object
+    agreed_key: Optional[str]
+    data: MarkovData
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    reducer: GradientReducer
+    ep_size: int
+
+
+def _build(cfg: JobConfig) -> _Job:
     t, m, d = cfg.train, cfg.model, cfg.data
     if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ep_size, per_rank = cfg.layout(world_size)
+    ep_size, _ = cfg.layout(int(os.environ.get("WORLD_SIZE", "1")))
     recipe = resolve_recipe(cfg.recipe)
-    runtime = init_runtime(device=t.device, ep_size=ep_size)
-    rt = runtime
-    group = dense_group()
-
+    rt = init_runtime(device=t.device, ep_size=ep_size)
     agreed_key = None
     if recipe is not None:
         from ..distributed import sync_recipe
 
-        agreed_key = sync_recipe(recipe, group=group)
-
+        agreed_key = sync_recipe(recipe, group=dense_group())  # raises on every rank if ranks disagree
     data = MarkovData(m.vocab_size, d.seq_len, d.global_batch_size, branching=d.branching, seed=d.seed)
     model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=t.weight_decay, foreach=False)
-    reducer = GradientReducer(model, rt)
-    num_params = sum(p.numel() for p in model.parameters())
+    return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size)
 
-    start_step, history = 0, {}
-    if resume is not None:
-        ckpt = find_checkpoint(resume)
-        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer, runtime=rt, model_config=asdict(m),
-                               recipe=recipe, recipe_key=str(recipe) if recipe is not None else None)
-        start_step = int(meta["step"])
-        history = {int(k): v for k, v in meta.get("losses", {}).items()}
-        _say(rt, f"[te-dist] resumed from {ckpt} at step {start_step} "
-                 f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={ep_size}; "
-                 f"recipe state {'restored' if meta['restored_recipe_state'] else 'starts fresh'})")
+
+def _step(job: _Job, step: int, lr: float) -> float:
+    """One optimizer step on every rank; returns the global mean loss (collective)."""
+    rt, model = job.runtime, job.model
+    for group in job.optimizer.param_groups:
+        group["lr"] = lr
+    x_BS, y_BS = (b.to(rt.device) for b in job.data.local_batch(step, rt.rank, rt.world_size))
+    with autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
+        loss = model.loss(x_BS, y_BS)
+    # A non-finite local loss still enters every collective below; the all-reduced loss then
+    # tells every rank, and all of them stop at the same step.
+    loss_for_log = loss.detach().float().clone()
+    loss.backward()
+    job.reducer.reduce()
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_for_log)
+    global_loss = loss_for_log.item() / rt.world_size
+    if not math.isfinite(global_loss):
+        raise FloatingPointError(f"loss is {global_loss} at step {step}; lower train.lr or check the recipe")
+    return global_loss
+
+
+def _resume(job: _Job, path, cfg: JobConfig) -> tuple:
+    """(start step, loss history) after loading the newest checkpoint under ``path``."""
+    rt, recipe = job.runtime, job.recipe
+    ckpt = find_checkpoint(path)
+    meta = load_checkpoint(ckpt, model=job.model, optimizer=job.optimizer, runtime=rt, model_config=asdict(cfg.model),
+                           recipe=recipe, recipe_key=str(recipe) if recipe is not None else None)
+    _say(rt, f"[te-dist] resumed from {ckpt} at step {meta['step']} "
+             f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={job.ep_size}; "
+             f"recipe state {'restored' if meta['restored_recipe_state'] else 'starts fresh'})")
+    return int(meta["step"]), {int(k): v for k, v in meta.get("losses", {}).items()}
+
+
+def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[FaultInjection] = None) -> TrainResult:
+    """Run the job on this rank (collective; call on every rank of the torchrun job)."""
+    cfg.validate()
+    t, m, d = cfg.train, cfg.model, cfg.data
+    job = _build(cfg)
+    rt = job.runtime
+    start_step, history = _resume(job, resume, cfg) if resume is not None else (0, {})
 
     out_dir = Path(t.out_dir)
     metrics_path = out_dir / "metrics.jsonl"
@@ -146,64 +184,44 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
         out_dir.mkdir(parents=True, exist_ok=True)
         _start_metrics(metrics_path, keep_until=start_step if resume is not None else None, history=history)
     tokens_per_step = d.global_batch_size * d.seq_len
-    _say(rt, (f"[te-dist] {rt.world_size} ranks ({rt.backend}, {rt.device.type}) | ep={ep_size} edp={rt.groups.edp_size} | "
-              f"{num_params:,} params/rank | {m.num_layers} layers, {m.num_experts} experts top-{m.top_k} | "
-              f"{tokens_per_step} tokens/step | steps {start_step + 1}..{t.steps}"))
-    _say(rt, f"[te-dist] agreed recipe key: {agreed_key}")
-    _say(rt, f"[te-dist] data: Markov chain, uniform loss {data.uniform_loss():.4f}, best possible loss "
-             f"(entropy rate) {data.entropy_rate():.4f}")
+    num_params = sum(p.numel() for p in job.model.parameters())
+    _say(rt, (f"[te-dist] {rt.world_size} ranks ({rt.backend}, {rt.device.type}) | ep={job.ep_size} "
+              f"edp={rt.groups.edp_size} | {num_params:,} params/rank | {m.num_layers} layers, {m.num_experts} "
+              f"experts top-{m.top_k} | {tokens_per_step} tokens/step | steps {start_step + 1}..{t.steps}"))
+    _say(rt, f"[te-dist] agreed recipe key: {job.agreed_key}")
+    _say(rt, f"[te-dist] data: Markov chain, uniform loss {job.data.uniform_loss():.4f}, best possible loss "
+             f"(entropy rate) {job.data.entropy_rate():.4f}")
 
-    speeds, losses = [], {}
-    last_ckpt = None
+    speeds, losses, last_ckpt = [], {}, None
     t_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         t0 = time.perf_counter()
         if fault is not None and fault.step == step and fault.rank == rt.rank:
             raise RuntimeError(f"injected failure on rank {rt.rank} at step {step} (--fail-rank/--fail-step)")
         lr = lr_at(step, cfg)
-        for group_ in optimizer.param_groups:
-            group_["lr"] = lr
-        x_BS, y_BS = (b.to(rt.device) for b in data.local_batch(step, rt.rank, rt.world_size))
-        with autocast(recipe=recipe, group=group if recipe is not None else None):
-            loss = model.loss(x_BS, y_BS)
-        if not torch.isfinite(loss):
-            # Every rank must still enter the collectives below; the all-reduced loss tells all of them.
-            loss_for_log = torch.full((), float("nan"), device=rt.device)
-        else:
-            loss_for_log = loss.detach().float().clone()
-        loss.backward()
-        reducer.reduce()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_for_log)
-        global_loss = loss_for_log.item() / rt.world_size
-        if not math.isfinite(global_loss):
-            raise FloatingPointError(f"loss is {global_loss} at step {step}; lower train.lr or check the recipe")
+        losses[step] = loss = _step(job, step, lr)
         dt = time.perf_counter() - t0
-        losses[step] = global_loss
-        if step > start_step + 1 or t.steps == start_step + 1:
+        if step > start_step + 1 or t.steps == start_step + 1:  # the first step pays for warm-up
             speeds.append(tokens_per_step / dt)
         if rt.is_main:
-            _append_metrics(metrics_path, {"step": step, "loss": global_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt})
+            _append_metrics(metrics_path, {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt})
         if step == start_step + 1:
-            _say(rt, _fuser_report(model))
+            _say(rt, _fuser_report(job.model))
         if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
-            _say(rt, f"step {step:>5}/{t.steps} [{_bar(step, t.steps)}] loss {global_loss:.4f} | lr {lr:.2e} | "
+            _say(rt, f"step {step:>5}/{t.steps} [{_bar(step, t.steps)}] loss {loss:.4f} | lr {lr:.2e} | "
                      f"{tokens_per_step / dt:>9,.0f} tok/s | {time.perf_counter() - t_start:6.1f}s")
         if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
             history.update(losses)
-            meta = {"model": asdict(m), "recipe": cfg.recipe, "recipe_key": str(recipe) if recipe is not None else None,
+            meta = {"model": asdict(m), "recipe": cfg.recipe, "recipe_key": job.agreed_key,
                     "losses": {str(k): v for k, v in sorted(history.items())}}
-            last_ckpt = save_checkpoint(checkpoint_dir(out_dir, step), model=model, optimizer=optimizer,
+            last_ckpt = save_checkpoint(checkpoint_dir(out_dir, step), model=job.model, optimizer=job.optimizer,
                                         runtime=rt, step=step, meta=meta)
             _say(rt, f"[te-dist] checkpoint {last_ckpt}")
-    wall = time.perf_counter() - t_start
 
-    result = TrainResult(start_step + 1, t.steps, losses,
-                         sum(speeds) / len(speeds) if speeds else float("nan"), wall,
-                         str(last_ckpt) if last_ckpt else None)
+    result = TrainResult(start_step + 1, t.steps, losses, sum(speeds) / len(speeds) if speeds else float("nan"),
+                         time.perf_counter() - t_start, str(last_ckpt) if last_ckpt else None)
     if rt.is_main:
-        _print_summary(result, data, rt, ep_size, agreed_key)
+        _print_summary(result, job.data, rt, job.ep_size, job.agreed_key)
     return result
 
 

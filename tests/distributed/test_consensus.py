@@ -138,3 +138,24 @@ def test_error_types_are_runtime_errors():
     # Callers that catch RuntimeError around a training step also catch consensus failures.
     assert issubclass(RecipeMismatchError, RuntimeError) and issubclass(ConsensusError, RuntimeError)
     assert agree_recipe_key(None, None) is None
+
+
+def test_consensus_state_does_not_keep_a_destroyed_group_alive(tmp_path):
+    """A gloo group kept alive past destroy_process_group() is torn down at interpreter exit and aborts."""
+    import gc
+    import weakref
+
+    from te_dist.distributed import consensus
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        state = consensus._REGISTRY.get(group, 5.0)
+        assert consensus._REGISTRY.lookup(group) is state
+        ref = weakref.ref(group)
+        del group
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert ref() is None
+    reset_consensus_state()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "apply_cpu_workarounds", "undo_cpu_workarounds", "init_megatron", "destroy_megatron", "make_config",
-    "build_moe_layer", "copy_experts_weights", "copy_moe_layer", "free_port",
+    "build_moe_layer", "copy_experts_weights", "copy_moe_layer", "free_port", "device",
 ]
 
 _SAVED = {}
@@ -57,6 +57,11 @@ def undo_cpu_workarounds() -> None:
         moe_utils.__dict__.pop("te_general_gemm", None)
     else:
         moe_utils.te_general_gemm = previous
+
+
+def device() -> torch.device:
+    """Where Megatron puts modules in this process: the current GPU if there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def free_port() -> int:
@@ -120,8 +125,7 @@ def build_moe_layer(config, experts: str, **experts_options):
     elif experts != "sequential":
         raise ValueError(f"experts must be 'te_dist' or 'sequential', got {experts!r}")
     layer = spec(config=config)  # ModuleSpec (0.16) and functools.partial (0.19) are both callable
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    return layer.to(device)
+    return layer.to(device())
 
 
 @torch.no_grad()

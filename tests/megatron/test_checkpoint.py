@@ -50,6 +50,7 @@ def test_sharded_layout_equals_sequential_mlp(megatron_world1, bias):
 
 
 def _save(layer, directory):
+    import psutil  # noqa: F401  Megatron's torch_dist writer needs it; without it the save hangs, not fails
     from megatron.core import dist_checkpointing
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,7 @@ def _load_into(layer, directory):
 
 def test_checkpoint_round_trip_with_sequential_mlp(megatron_world1, tmp_path):
     config = H.make_config()
-    x = torch.randn(6, 2, config.hidden_size)
+    x = torch.randn(6, 2, config.hidden_size, device=H.device())
     torch.manual_seed(1)
     seq = H.build_moe_layer(config, "sequential")
     torch.manual_seed(2)

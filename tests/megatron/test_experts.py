@@ -26,8 +26,8 @@ def _fwd_bwd(layer, x, dy):
 def test_moe_layer_matches_sequential_mlp(megatron_world1):
     config = H.make_config()
     seq, ours = _pair(config)
-    x = torch.randn(6, 2, config.hidden_size)
-    dy = torch.randn(6, 2, config.hidden_size)
+    x = torch.randn(6, 2, config.hidden_size, device=H.device())
+    dy = torch.randn_like(x)
     y_ref, dx_ref = _fwd_bwd(seq, x, dy)
     y, dx = _fwd_bwd(ours, x, dy)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
@@ -45,8 +45,8 @@ def test_experts_module_zero_token_experts_and_cpu_or_device_counts(megatron_wor
     config = H.make_config(num_moe_experts=4)
     seq, ours = _pair(config)
     tokens_per_expert = torch.tensor([3, 0, 5, 0])
-    x = torch.randn(8, config.hidden_size)
-    probs = torch.rand(8)
+    x = torch.randn(8, config.hidden_size, device=H.device())
+    probs = torch.rand(8, device=H.device())
     y_ref, _ = seq.experts(x, tokens_per_expert, probs)
     for counts in (tokens_per_expert, tokens_per_expert.to(torch.int32)):
         y, bias = ours.experts(x, counts, probs)
@@ -68,8 +68,8 @@ def test_expert_bias_is_scaled_by_probs_like_sequential_mlp(megatron_world1):
             expert.linear_fc2.bias.normal_()
     H.copy_experts_weights(seq.experts, ours.experts)
     counts = torch.tensor([2, 3, 0, 1])
-    x = torch.randn(6, config.hidden_size)
-    probs = torch.rand(6)
+    x = torch.randn(6, config.hidden_size, device=H.device())
+    probs = torch.rand(6, device=H.device())
     with torch.no_grad():  # Megatron 0.16's local MLP cannot backprop with bias + probs (in-place on a view)
         y_ref, _ = seq.experts(x, counts, probs)
     y, _ = ours.experts(x, counts, probs)
@@ -99,8 +99,8 @@ def test_probs_on_input_and_clamped_swiglu_match_sequential(megatron_world1):
                       {"activation_func_clamp_value": 0.5}):
         config = H.make_config(**overrides)
         seq, ours = _pair(config)
-        x = torch.randn(5, 1, config.hidden_size) * 3
-        dy = torch.randn(5, 1, config.hidden_size)
+        x = torch.randn(5, 1, config.hidden_size, device=H.device()) * 3
+        dy = torch.randn_like(x)
         y_ref, dx_ref = _fwd_bwd(seq, x, dy)
         y, dx = _fwd_bwd(ours, x, dy)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{overrides}: {m}")
@@ -152,8 +152,8 @@ def test_unsupported_configs_raise_before_building(megatron_world1, overrides, m
 def test_bad_inputs_raise_clear_errors(megatron_world1):
     config = H.make_config()
     ours = H.build_moe_layer(config, "te_dist")
-    x = torch.randn(6, config.hidden_size)
-    probs = torch.rand(6)
+    x = torch.randn(6, config.hidden_size, device=H.device())
+    probs = torch.rand(6, device=H.device())
     with pytest.raises(ValueError, match="sums to 5"):
         ours.experts(x, torch.tensor([1, 1, 1, 2]), probs)
     with pytest.raises(ValueError, match=r"shape \(4,\)"):
@@ -175,7 +175,7 @@ def test_recipe_reaches_the_fuser_and_quantizes(megatron_world1):
 
     config = H.make_config()
     seq, ours = _pair(config, recipe="current")
-    x = torch.randn(6, 2, config.hidden_size)
+    x = torch.randn(6, 2, config.hidden_size, device=H.device())
     with torch.no_grad():
         y_ref, _ = seq(x)
         y, _ = ours(x)

@@ -62,7 +62,8 @@ def test_gpu_transformer_layer_forward_backward(megatron_world1):
     config = _bf16_config()
     layer = build_module(tm.gpt_layer_spec(), config=config, layer_number=1).cuda()
     x = torch.randn(32, 2, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y, _ = layer(x, attention_mask=None)
+    mask = torch.triu(torch.ones(2, 1, 32, 32, dtype=torch.bool, device="cuda"), diagonal=1)
+    y, _ = layer(x, attention_mask=mask)
     y.float().square().mean().backward()
     assert torch.isfinite(x.grad.float()).all()
     assert layer.mlp.experts.linear_fc1.weight.grad.abs().sum() > 0

@@ -94,7 +94,7 @@ def _build_transformer_layer(spec, config):
     from megatron.core.transformer.spec_utils import build_module
 
     layer = build_module(spec, config=config, layer_number=1)
-    return layer.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    return layer.to(H.device())
 
 
 def test_transformer_layer_with_our_experts_matches_sequential(megatron_world1):
@@ -114,8 +114,8 @@ def test_transformer_layer_with_our_experts_matches_sequential(megatron_world1):
     H.copy_experts_weights(ref.mlp.experts, ours.mlp.experts)
 
     seq, batch = 5, 2
-    x = torch.randn(seq, batch, config.hidden_size)
-    mask = torch.triu(torch.ones(batch, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    x = torch.randn(seq, batch, config.hidden_size, device=H.device())
+    mask = torch.triu(torch.ones(batch, 1, seq, seq, dtype=torch.bool, device=H.device()), diagonal=1)
     outs = []
     for layer in (ref, ours):
         xi = x.clone().requires_grad_(True)
@@ -128,3 +128,36 @@ def test_transformer_layer_with_our_experts_matches_sequential(megatron_world1):
     torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dqkv, dqkv_ref, rtol=1e-5, atol=1e-5)
     assert ours.mlp.experts.linear_fc1.weight.grad is not None
+
+
+def test_gpt_model_with_decoder_block_spec_matches_sequential(megatron_world1):
+    """A 2-layer GPTModel (dense layer, then MoE layer) built from our block spec: same loss and grads."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    import te_dist.megatron as tm
+
+    config = H.make_config(num_layers=2, moe_layer_freq=[0, 1])
+    models = []
+    for spec in (get_gpt_decoder_block_spec(config, use_transformer_engine=False), tm.gpt_decoder_block_spec(config)):
+        torch.manual_seed(5)
+        models.append(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16,
+                               position_embedding_type="rope").to(H.device()))
+    ref, ours = models
+    state = ours.state_dict()
+    state.update({k: v for k, v in ref.state_dict().items() if ".experts." not in k and k in state})
+    ours.load_state_dict(state)
+    H.copy_experts_weights(ref.decoder.layers[1].mlp.experts, ours.decoder.layers[1].mlp.experts)
+    assert isinstance(ours.decoder.layers[1].mlp.experts, tm.GroupedExperts)
+
+    ids = torch.randint(0, 64, (2, 8), device=H.device())
+    positions = torch.arange(8, device=H.device()).repeat(2, 1)
+    mask = torch.triu(torch.ones(2, 1, 8, 8, dtype=torch.bool, device=H.device()), diagonal=1)
+    losses = []
+    for model in (ref, ours):
+        loss = model(ids, positions, mask, labels=ids)
+        loss.mean().backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.embedding.word_embeddings.weight.grad, ref.embedding.word_embeddings.weight.grad,
+                               rtol=1e-4, atol=1e-6)

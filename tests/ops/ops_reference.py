@@ -23,9 +23,6 @@ def make_recipe(name):
     return recipe_from_name(name, **overrides)
 
 
-def recipe_params():
-    return [pytest.param(name, id=f"recipe={name}") for name in RECIPE_NAMES]
-
 
 def fq(x, recipe, role):
     """Fake-quantize like the op does (no-op without recipe); returns float64."""

@@ -94,15 +94,17 @@ def test_quantize_op(recipe_name):
         assert not torch.equal(y, x), "a recipe must actually quantize"
 
 
+@pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bias(dtype):
+def test_bias(dtype, recipe_name):
     torch.manual_seed(3)
+    recipe = make_recipe(recipe_name)  # no GEMM operand: the recipe must not change anything
     op = ops.Bias(6, dtype=dtype)
     with torch.no_grad():
         op.bias.normal_()
     x = torch.randn(2, 3, 6, dtype=dtype, requires_grad=True)
     dy = torch.randn(2, 3, 6, dtype=dtype)
-    y = run_op(op, x, (), None, dy)
+    y = run_op(op, x, (), recipe, dy)
     x64, b64 = leaf64(x), leaf64(op.bias)
     (x64 + b64).backward(dy.double())
     assert_close(y, x64 + b64, dtype, "y")
@@ -122,13 +124,15 @@ def test_bias(dtype):
     ],
     ids=["gelu", "gelu_tanh", "relu", "swiglu", "swiglu_limit"],
 )
-def test_elementwise(make_op, ref, dtype):
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_elementwise(make_op, ref, dtype, recipe_name):
     torch.manual_seed(4)
+    recipe = make_recipe(recipe_name)  # no GEMM operand: the recipe must not change anything
     op = make_op()
     x = torch.randn(5, 8, dtype=dtype, requires_grad=True)
     y_shape = ref(x.detach().double()).shape
     dy = torch.randn(y_shape, dtype=dtype)
-    y = run_op(op, x, (), None, dy)
+    y = run_op(op, x, (), recipe, dy)
     x64 = leaf64(x)
     y64 = ref(x64)
     y64.backward(dy.double())
@@ -136,15 +140,17 @@ def test_elementwise(make_op, ref, dtype):
     assert_close(x.grad, x64.grad, dtype, "dx")
 
 
+@pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("limit", [None, 0.7])
-def test_scaled_swiglu(dtype, limit):
+def test_scaled_swiglu(dtype, limit, recipe_name):
     torch.manual_seed(5)
+    recipe = make_recipe(recipe_name)
     op = ops.ScaledSwiGLU(limit=limit)
     x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
     probs = torch.rand(6, dtype=torch.float32, requires_grad=True)  # router probs stay fp32
     dy = torch.randn(6, 4, dtype=dtype)
-    y = run_op(op, x, (probs,), None, dy)
+    y = run_op(op, x, (probs,), recipe, dy)
     x64, p64 = leaf64(x), leaf64(probs)
     y64 = ref_swiglu(x64, limit) * p64[:, None]
     y64.backward(dy.double())
@@ -183,3 +189,13 @@ def test_linear_rejects_wrong_shape_and_dtype():
         op(torch.randn(2, 5))
     with pytest.raises(TypeError, match="does not match weight dtype"):
         op(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+def test_import_is_light():
+    """`import te_dist.ops` must not pull in the kernels (GPU probing) or quantization modules."""
+    import subprocess
+    import sys
+
+    code = "import sys, te_dist.ops; print(sorted(m for m in ('te_dist.kernels', 'te_dist.quantization') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

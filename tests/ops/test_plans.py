@@ -285,3 +285,11 @@ def test_standalone_op_and_errors():
         ops.OperationFuser([lin, lin])
     with pytest.raises(ValueError, match="empty"):
         ops.OperationFuser([])
+
+
+def test_second_backward_through_same_call_is_a_clear_error():
+    fuser = ops.OperationFuser([ops.BasicLinear(4, 4), ops.GELU()])
+    y = fuser(torch.randn(2, 4, requires_grad=True)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.backward()

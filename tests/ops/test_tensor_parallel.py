@@ -1,4 +1,5 @@
-"""Tensor-parallel BasicLinear and the communication ops under torchrun (2 ranks, gloo)."""
+"""Tensor-parallel BasicLinear, the communication ops and DelayedScaling amax reduction under torchrun
+(2 ranks, gloo)."""
 
 from pathlib import Path
 
@@ -11,7 +12,8 @@ WORKER = Path(__file__).parent / "workers" / "tp_linear.py"
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_linear_and_comm_ops():
-    result = run_torchrun(WORKER, 2, args=("column", "row", "mlp", "comm"), timeout=240).check()
+    names = ("column", "row", "mlp", "comm", "amax")
+    result = run_torchrun(WORKER, 2, args=names, timeout=240).check()
     for rank in (0, 1):
-        for name in ("column", "row", "mlp", "comm"):
+        for name in names:
             assert f"rank {rank}: {name} OK" in result.log(rank), result.report()

@@ -203,3 +203,18 @@ def test_nvfp4_nan_is_visible(device):
     x[0, 20] = float("nan")
     out = make_quantizer(R.NVFP4BlockScaling(), "input")(x).dequantize().cpu()
     assert torch.isnan(out[0, 16:]).all()
+
+
+def test_nvfp4_stochastic_rounding_with_own_generator(device):
+    g = torch.randn(16, 64, device=device)
+    recipe = R.NVFP4BlockScaling()
+
+    def run(seed):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        quantizer = make_quantizer(recipe, "grad_output", generator=gen)
+        return quantizer(g).rowwise.data, quantizer(g).rowwise.data
+
+    first, second = run(3)
+    again, _ = run(3)
+    assert torch.equal(first, again)  # same generator seed, same rounding
+    assert not torch.equal(first, second)  # the generator advances

@@ -22,7 +22,7 @@ def _cases(device):
         (cast.cast_fp8_blocks, (64, 128, torch.float8_e5m2, 57344.0, False)),
         (cast.cast_mxfp8, (32, torch.float8_e4m3fn, 448.0, 8, 0)),
         (cast.cast_nvfp4, (16, 16, s, None)),
-        (cast.cast_nvfp4, (1, 16, s, noise)),
+        (cast.cast_nvfp4, (1, 16, s, noise, True)),
     ]
 
 
@@ -89,3 +89,59 @@ def test_set_compile_enabled_validates():
         set_compile_enabled("yes")
     assert qcompile.compile_enabled(torch.device("cpu")) is False
     assert qcompile.compile_enabled(torch.device("cuda")) is True
+
+
+def test_each_configuration_has_its_own_compile_cache(monkeypatch):
+    """More configurations than Dynamo's per-code recompile limit (8) must all stay compiled."""
+    real_compile = torch.compile
+    calls = []
+
+    def cheap_compile(fn, **kwargs):
+        calls.append(fn)
+        return real_compile(fn, backend="eager", fullgraph=kwargs.get("fullgraph", False))
+
+    monkeypatch.setattr(qcompile, "_compiled", {})
+    monkeypatch.setattr(qcompile, "_failed", set())
+    monkeypatch.setattr(torch, "compile", cheap_compile)
+    set_compile_enabled(True)
+    try:
+        x = torch.randn(4, 128)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback to eager would warn
+            for margin in range(12):
+                quantizer = make_quantizer(R.MXFP8BlockScaling(margin=margin), "input")
+                q = quantizer(x)
+                assert q.rowwise.scale_inv.dtype == torch.float8_e8m0fnu
+        assert len(calls) == 12 and len({id(fn.__code__) for fn in calls}) == 12
+        assert not qcompile._failed
+    finally:
+        set_compile_enabled(None)
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "block", "mxfp8", "nvfp4"])
+def test_quantizers_through_dispatch_match_eager(monkeypatch, name):
+    real_compile = torch.compile
+    monkeypatch.setattr(qcompile, "_compiled", {})
+    monkeypatch.setattr(qcompile, "_failed", set())
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", fullgraph=True))
+    recipe = R.recipe_from_name(name)
+    x = torch.randn(128, 128, dtype=torch.bfloat16)
+    try:
+        results = []
+        for enabled in (True, False):
+            set_compile_enabled(enabled)
+            torch.manual_seed(0)
+            outs = []
+            for role in ("input", "weight", "grad_output"):
+                quantizer = make_quantizer(recipe, role)
+                outs += [quantizer(x, columnwise=True).dequantize(), quantizer(x).dequantize()]
+            results.append(outs)
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+        assert not qcompile._failed
+    finally:
+        set_compile_enabled(None)
+        torch._dynamo.reset()

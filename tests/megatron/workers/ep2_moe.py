@@ -54,6 +54,7 @@ def main(out_dir: Path, dispatcher: str, recipe: str) -> None:
                                        rtol=1e-4, atol=1e-5)
 
     if recipe == "none":
+        import psutil  # noqa: F401  Megatron's torch_dist writer needs it; without it the save hangs
         from megatron.core import dist_checkpointing
 
         ckpt = out_dir / "ckpt"

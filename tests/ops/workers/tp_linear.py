@@ -126,10 +126,35 @@ def check_comm_ops():
     close(x.grad, dys[RANK], "all_reduce dx")
 
 
+def check_amax_reduction():
+    """DelayedScaling(reduce_amax=True) under autocast(group=...): ops build quantizers that reduce amax
+    over the group, so ranks with different inputs end up with the same scale; without a group they differ."""
+    import te_dist
+    from te_dist import recipe as R
+
+    def input_scale(group):
+        recipe = R.DelayedScaling(amax_history_len=4)
+        lin = ops.BasicLinear(16, 16)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(RANK)) * (RANK + 1)
+        with te_dist.autocast(recipe=recipe, group=group):
+            lin(x)
+            lin(x)  # the second call quantizes with the scale derived from the (reduced) history
+        scale = lin.quantizers.input.scale.reshape(1)
+        gathered = [torch.zeros_like(scale) for _ in range(WORLD)]
+        dist.all_gather(gathered, scale)
+        return torch.cat(gathered)
+
+    reduced = input_scale(dist.group.WORLD)
+    assert torch.all(reduced == reduced[0]), f"rank {RANK}: scales differ across ranks with a group: {reduced}"
+    local = input_scale(None)
+    assert not torch.all(local == local[0]), f"rank {RANK}: scales should differ without a group: {local}"
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
-    checks = {"column": check_column, "row": check_row, "mlp": check_mlp, "comm": check_comm_ops}
+    checks = {"column": check_column, "row": check_row, "mlp": check_mlp, "comm": check_comm_ops,
+              "amax": check_amax_reduction}
     for name in sys.argv[1:] or checks:
         checks[name]()
         print(f"rank {RANK}: {name} OK", flush=True)
