@@ -181,14 +181,20 @@ def _make_predicate(name: str, rule: Callable, doc: str):
 
     spec_get = _SPECS.get
     device_get = _DEVICE_MEMO.get
+    device_cls = torch.device
 
     def predicate(recipe, dtype, *, split_alignment=None, device=None) -> bool:
         spec = spec_get(recipe.__class__)
         if spec is None:
             spec = _spec_for(recipe)
-        dev = device_get(device)
-        if dev is None:
-            dev = _normalise_device(device)
+        # An indexed torch.device is already normalised (reading .index is cheap; .type and
+        # hashing a torch.device are not), so only other forms go through the memo.
+        if device.__class__ is device_cls and device.index is not None:
+            dev = device
+        else:
+            dev = device_get(device)
+            if dev is None:
+                dev = _normalise_device(device)
         tag, read, uses_alignment = spec
         if uses_alignment:
             return evaluate(tag, read(recipe), dtype, split_alignment, dev)

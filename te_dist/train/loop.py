@@ -81,7 +81,8 @@ def _fuser_report(model) -> str:
         if isinstance(module, OperationFuser):
             plan = getattr(module, "plan", None)
             described = plan.describe() if plan is not None else "(no plan yet)"
-            return f"fusion key: {module.fusion_key!r}\nfusion plan of {name}:\n{described}"
+            body = "\n".join("  " + line for line in described.splitlines())
+            return f"[te-dist] fusion key: {module.fusion_key!r}\n[te-dist] fusion plan of {name}:\n{body}"
     return "fusion plan: the model holds no OperationFuser"
 
 
