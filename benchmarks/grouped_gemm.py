@@ -79,7 +79,6 @@ def main():
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     dense = bench(lambda: a @ a, 5, 10)  # also brings the clocks up before the first measured shape
     print(f"# dense bf16 8192^3 a @ a: {2 * 8192 ** 3 / dense / 1e9:.0f} TFLOP/s")
-    del a
     results = {"forward": [], "backward": [], "epilogue": []}
 
     cases = [(n, E, [m] * E, K, N) for n, E, m, K, N in SHAPES]
@@ -113,7 +112,6 @@ def main():
         print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} {pick:<10}"
               f"{best_name:<6}{tf['auto'] / best3:10.3f}{ratio:10.3f}")
         results["forward"].append({"shape": name, "tflops": tf, "pick": pick})
-        del x, w, off
         torch.cuda.empty_cache()
     gm = math.exp(sum(map(math.log, geo)) / len(geo))
     print(f"geomean cutlass(heuristic)/torch over the six ANCHORS shapes: {gm:.3f}")
@@ -139,7 +137,6 @@ def main():
                 cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
                 print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f} {best_name:<6}")
                 results["backward"].append({"shape": name, "direction": direction, "tflops": tf})
-                del x, w, off, dy
                 torch.cuda.empty_cache()
 
     print("\n## fused bias + row-scale epilogue (ms; ratio = unfused / fused)")
@@ -154,7 +151,6 @@ def main():
         tor_sep = bench(lambda: torch_backend.forward(x, w, off, bias, scale), W, I)
         print(f"{name:<16}{fused:9.3f}{cut_sep:9.3f}{tor_sep:10.3f}{cut_sep / fused:11.3f}{tor_sep / fused:13.3f}")
         results["epilogue"].append({"shape": name, "fused_ms": fused, "cutlass_sep_ms": cut_sep, "torch_sep_ms": tor_sep})
-        del x, w, off
         torch.cuda.empty_cache()
 
     if args.json:

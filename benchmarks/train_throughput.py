@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_variant(recipe: str, ep: int, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="te_dist_bench_") as out:
         cmd = [sys.executable, "-m", "te_dist.cli", "train", "--nproc", str(args.nproc), "--steps", str(args.steps),
-               "--recipe", recipe, "--ep", str(ep), "--out", out, "--ckpt-every", "0", "--log-every", str(args.steps)]
+               "--recipe", recipe, "--ep", str(ep), "--out", out, "--no-checkpoint", "--log-every", str(args.steps)]
         if args.config:
             cmd += ["--config", args.config]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))

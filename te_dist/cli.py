@@ -57,6 +57,10 @@ def _train(ns: argparse.Namespace) -> int:
         cfg.validate(world_size=nproc)
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device='cuda' but no GPU is visible (torch.cuda.is_available() is False)")
+        uses_gpus = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+        if uses_gpus and nproc > torch.cuda.device_count():
+            raise ConfigError(f"--nproc {nproc} needs one GPU per rank, but {torch.cuda.device_count()} are visible; "
+                              f"use --nproc {torch.cuda.device_count()} or --device cpu")
         if ns.resume is not None:
             check_compatible(find_checkpoint(ns.resume), dataclasses.asdict(cfg.model))
         if ns.fail_rank is not None and not 0 <= ns.fail_rank < nproc:

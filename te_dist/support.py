@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import threading
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch

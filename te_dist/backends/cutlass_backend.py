@@ -99,6 +99,7 @@ def _guard(fallback):
                     return fn(*args, **kwargs)
                 except kernels_module().BuildError as exc:
                     disable(str(exc))
+            kwargs.pop("config", None)  # a tile config means nothing to the fallback
             return fallback(*args, **kwargs)
 
         return inner

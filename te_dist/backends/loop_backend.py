@@ -10,8 +10,6 @@ input dtype (fp32 accumulate inside cuBLAS) and applies the epilogue in float32.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 __all__ = ["forward", "dgrad", "wgrad"]

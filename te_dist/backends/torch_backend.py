@@ -18,22 +18,27 @@ def is_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's TMA path needs 16-byte aligned bases; a sliced view may not be.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:
     out_dtype = out_dtype or x_TK.dtype
-    acc_TN = torch._grouped_mm(x_TK, w_EKN, offs=offsets_E)
+    acc_TN = torch._grouped_mm(_aligned(x_TK), _aligned(w_EKN), offs=offsets_E)
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype)
 
 
 def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Tensor:
     out_dtype = out_dtype or dy_TN.dtype
-    acc_TK = torch._grouped_mm(dy_TN, w_EKN.transpose(1, 2), offs=offsets_E)
+    acc_TK = torch._grouped_mm(_aligned(dy_TN), _aligned(w_EKN).transpose(1, 2), offs=offsets_E)
     return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype)
 
 
 def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tensor:
     """dw[e] = (dy_e^T @ x_e) as [E, N, K]; returned transposed as [E, K, N]."""
     out_dtype = out_dtype or x_TK.dtype
-    dw_ENK = torch._grouped_mm(dy_TN.t(), x_TK, offs=offsets_E)
+    dw_ENK = torch._grouped_mm(_aligned(dy_TN).t(), _aligned(x_TK), offs=offsets_E)
     if dw_ENK.dtype != out_dtype:
         dw_ENK = dw_ENK.to(out_dtype)
     return dw_ENK.transpose(1, 2)

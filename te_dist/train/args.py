@@ -26,6 +26,7 @@ _OVERRIDES = {
     "log_every": "train.log_every",
     "device": "train.device",
     "seed": "train.seed",
+    "checkpoint": "train.checkpoint",
 }
 
 
@@ -39,6 +40,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="output dir for checkpoints and metrics.jsonl (default te_dist_out)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
     parser.add_argument("--ckpt-every", type=int, dest="ckpt_every", help="checkpoint every K steps (0: only at the end)")
+    parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_const", const=False,
+                        help="write no checkpoint at all (benchmarks)")
     parser.add_argument("--log-every", type=int, dest="log_every", help="print progress every K steps")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="auto: one GPU per rank when GPUs exist")
     parser.add_argument("--seed", type=int, help="model initialisation seed")
@@ -63,6 +66,8 @@ def worker_argv(ns: argparse.Namespace) -> list:
     argv = []
     for dest in ("config", *_OVERRIDES, "resume", "fail_rank", "fail_step"):
         value = getattr(ns, dest, None)
-        if value is not None:
+        if dest == "checkpoint":
+            argv += ["--no-checkpoint"] if value is False else []
+        elif value is not None:
             argv += [f"--{dest.replace('_', '-')}", str(value)]
     return argv

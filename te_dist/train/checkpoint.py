@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -53,7 +51,10 @@ def find_checkpoint(path) -> Path:
 
 
 def _state_for(model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime, *, for_load: bool) -> tuple:
-    """(state dict of tensors to save or fill, list of (param, key, slice index or None, field))."""
+    """(state dict of tensors to save or fill, bindings: (live tensor, key, local expert index or None)).
+
+    For a load, missing AdamW state is created first so the checkpoint's values have a home.
+    """
     experts = set(expert_parameter_names(model))
     state, bindings = {}, []
     for name, p in model.named_parameters():
@@ -130,8 +131,6 @@ def load_checkpoint(path, *, model, optimizer, runtime: Runtime, model_config: d
     path = Path(path)
     meta = check_compatible(path, model_config)
     state, bindings = _state_for(model, optimizer, runtime, for_load=True)
-    if meta.get("step", 0) > 0 and not any(k.startswith("optim/") for k in state):
-        raise ConfigError(f"checkpoint {path}: the optimizer has no state to fill")  # internal safety net
     rng_keys = []
     if meta.get("world_size") == runtime.world_size:
         rng_keys.append((f"rng/cpu/rank{runtime.rank}", None))
@@ -149,8 +148,7 @@ def load_checkpoint(path, *, model, optimizer, runtime: Runtime, model_config: d
         prefix = f"recipe/rank{runtime.rank}"
         wanted = recipe_state.state_dict(model, prefix)
         saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        restore_recipe = set(wanted) <= saved_keys
-        # Every rank must agree, or ranks would quantize differently; all ranks see the same files.
+        restore_recipe = set(wanted) <= saved_keys  # written by this same layout, so present for every rank
         if restore_recipe:
             state.update(wanted)
     meta["restored_recipe_state"] = restore_recipe
@@ -167,9 +165,3 @@ def load_checkpoint(path, *, model, optimizer, runtime: Runtime, model_config: d
             torch.cuda.set_rng_state(state[key], device)
     return meta
 
-
-def latest_step(path) -> Optional[int]:
-    try:
-        return read_meta(find_checkpoint(path)).get("step")
-    except ConfigError:
-        return None

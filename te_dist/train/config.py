@@ -11,7 +11,7 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
                num_experts, top_k, activation, expert_bias, aux_loss_coeff, dtype}
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
-               ckpt_every, out_dir, device, threads}
+               ckpt_every, checkpoint, out_dir, device, threads}
     parallel: {ep}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
 """
@@ -52,10 +52,10 @@ class ModelConfig:
     """A small decoder: embedding, ``num_layers`` x (RMSNorm, causal attention, RMSNorm, MoE), LM head."""
 
     vocab_size: int = 64
-    hidden_size: int = 32
-    ffn_hidden_size: int = 32
+    hidden_size: int = 128  # a multiple of 128: every recipe's scaling blocks tile it
+    ffn_hidden_size: int = 128
     num_layers: int = 2
-    num_heads: int = 2
+    num_heads: int = 4
     num_experts: int = 4
     top_k: int = 2
     activation: str = "swiglu"
@@ -84,6 +84,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 6
     ckpt_every: int = 30  # 0: only at the end
+    checkpoint: bool = True  # False: no checkpoints at all (benchmarks)
     out_dir: str = "te_dist_out"
     device: str = "auto"  # auto: one CUDA device per rank when GPUs exist, else CPU
     threads: int = 1  # torch intra-op threads per rank on CPU (fixed, so results are reproducible)
@@ -151,7 +152,15 @@ class JobConfig:
         _choice("train.device", t.device, DEVICES)
         if self.parallel.ep is not None:
             _positive("parallel.ep", self.parallel.ep)
-        resolve_recipe(self.recipe)  # raises ConfigError for an unknown name or setting
+        recipe = resolve_recipe(self.recipe)  # raises ConfigError for an unknown name or setting
+        block = _RECIPE_BLOCK.get(type(recipe).__name__)
+        if block is not None:
+            for key in ("hidden_size", "ffn_hidden_size"):
+                if getattr(m, key) % block:
+                    raise ConfigError(
+                        f"model.{key}={getattr(m, key)} is not a multiple of {block}, which the "
+                        f"{type(recipe).__name__} recipe's scaling blocks need (or pick another recipe)"
+                    )
         if world_size is not None:
             self.layout(world_size)
         return self
@@ -172,6 +181,9 @@ class JobConfig:
 
 
 # ---------------------------------------------------------------------- helpers
+
+# Block-scaled recipes quantize the GEMMs' K and N dims in blocks of this many elements.
+_RECIPE_BLOCK = {"Float8BlockScaling": 128, "MXFP8BlockScaling": 32, "NVFP4BlockScaling": 16}
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig}
 

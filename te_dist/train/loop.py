@@ -133,7 +133,8 @@ def _build(cfg: JobConfig) -> _Job:
     data = MarkovData(m.vocab_size, d.seq_len, d.global_batch_size, branching=d.branching, seed=d.seed)
     model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=t.weight_decay, foreach=False)
+                                  weight_decay=t.weight_decay,
+                                  foreach=rt.device.type == "cuda")  # CPU: the plain loop, as in every CPU run
     return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size)
 
 
@@ -211,7 +212,7 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
         if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
             _say(rt, f"step {step:>5}/{t.steps} [{_bar(step, t.steps)}] loss {loss:.4f} | lr {lr:.2e} | "
                      f"{tokens_per_step / dt:>9,.0f} tok/s | {time.perf_counter() - t_start:6.1f}s")
-        if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+        if t.checkpoint and ((t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps):
             history.update(losses)
             meta = {"model": asdict(m), "recipe": cfg.recipe, "recipe_key": job.agreed_key,
                     "losses": {str(k): v for k, v in sorted(history.items())}}

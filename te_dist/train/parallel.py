@@ -131,15 +131,21 @@ class GradientReducer:
         params = list(params)
         if not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if group_size > 1:
-            dist.all_reduce(flat, group=group)
-        flat.div_(self.runtime.world_size)
+        for p in params:
+            if p.grad is None:  # e.g. an expert that received no token: still take part, with zeros
+                p.grad = torch.zeros_like(p)
+        scale = 1.0 / self.runtime.world_size
+        if group_size == 1:
+            for p in params:
+                p.grad.mul_(scale)
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # one collective, not one per tensor
+        dist.all_reduce(flat, group=group)
+        flat.mul_(scale)
         offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
 
     def reduce(self) -> None:

@@ -41,13 +41,15 @@ def test_overrides_win_over_file(tmp_path):
     [
         ({"model": {"hiden_size": 8}}, r"unknown key\(s\) \['hiden_size'\] in config section 'model'"),
         ({"modle": {}}, r"unknown top-level config key\(s\) \['modle'\]"),
-        ({"model": {"num_heads": 3}}, r"model.hidden_size=32 is not divisible by model.num_heads=3"),
+        ({"model": {"num_heads": 3}}, r"model.hidden_size=128 is not divisible by model.num_heads=3"),
         ({"model": {"top_k": 9}}, r"model.top_k=9 exceeds model.num_experts=4"),
         ({"model": {"dtype": "float8"}}, r"model.dtype must be one of"),
         ({"model": {"num_layers": "two"}}, r"model.num_layers must be an int, got str 'two'"),
         ({"train": {"lr": "fast"}}, r"train.lr must be a number, got 'fast'"),
         ({"train": {"steps": 0}}, r"train.steps must be >= 1, got 0"),
         ({"recipe": "fp7"}, r"recipe must be one of"),
+        ({"recipe": "block", "model": {"hidden_size": 64}}, r"model.hidden_size=64 is not a multiple of 128, which the Float8BlockScaling"),
+        ({"recipe": "mxfp8", "model": {"ffn_hidden_size": 48}}, r"model.ffn_hidden_size=48 is not a multiple of 32"),
         ({"recipe": {"type": "Float8CurrentScaling", "fp8_format": "E2M1"}}, r"recipe: .*fp8_format must be one of"),
         ({"recipe": {"type": "Float8CurrentScaling", "fp8_format": "E9M9"}}, r"recipe: fp8_format: unknown format"),
         ({"recipe": {"type": "Nope"}}, r"unknown recipe type 'Nope'"),
@@ -56,6 +58,20 @@ def test_overrides_win_over_file(tmp_path):
 def test_bad_values_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict(data).validate()
+
+
+def test_worker_argv_round_trips_the_flags():
+    import argparse
+
+    from te_dist.train.args import add_train_arguments, config_from_args, worker_argv
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    given = parser.parse_args(["--steps", "5", "--recipe", "delayed", "--ep", "1", "--no-checkpoint", "--lr", "0.002"])
+    again = parser.parse_args(worker_argv(given))
+    assert vars(again) == vars(given)
+    cfg = config_from_args(again)
+    assert (cfg.train.steps, cfg.recipe, cfg.parallel.ep, cfg.train.checkpoint, cfg.train.lr) == (5, "delayed", 1, False, 0.002)
 
 
 def test_yaml_float_without_dot_is_accepted(tmp_path):

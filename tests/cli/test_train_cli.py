@@ -93,7 +93,19 @@ def test_failing_rank_ends_the_job_with_its_error(run_cli):
 def test_resume_of_another_model_shape_fails(run_cli, tmp_path):
     """Resuming a checkpoint of another model shape names the differing setting, before any rank starts."""
     run_cli("train", "--steps", 2, "--out", "small").check()
-    (tmp_path / "wide.yaml").write_text("model:\n  hidden_size: 64\n")
-    result = run_cli("train", "--config", "wide.yaml", "--steps", 4, "--resume", "small", timeout=60)
+    (tmp_path / "narrow.yaml").write_text("model:\n  hidden_size: 64\n")
+    result = run_cli("train", "--config", "narrow.yaml", "--steps", 4, "--resume", "small", timeout=60)
     assert result.returncode == 2
-    assert "model.hidden_size: checkpoint 32 vs config 64" in result.output
+    assert "model.hidden_size: checkpoint 128 vs config 64" in result.output
+
+
+def test_plain_torchrun_entry(tmp_path):
+    """launchers/train.py under a plain torchrun (what the shell and Slurm launchers run)."""
+    from harness import REPO_ROOT, run_torchrun
+
+    config = REPO_ROOT / "launchers" / "configs" / "tiny_cpu.yaml"
+    result = run_torchrun(REPO_ROOT / "launchers" / "train.py", 2, timeout=180,
+                          args=["--config", config, "--steps", 2, "--out", tmp_path / "out"]).check()
+    assert "te-dist train summary" in result.log(0)
+    assert "te-dist train summary" not in result.log(1)  # rank 0 reports for the job
+    assert sorted(_losses(tmp_path / "out")) == [1, 2]

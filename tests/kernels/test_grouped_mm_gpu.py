@@ -123,7 +123,8 @@ def test_ragged_zero_and_single_token_experts(config, out_dtype, with_bias, with
     dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
     dx = cutlass_backend.dgrad(dy, w, off, scale, out_dtype, config=config)
     _close(dx, _ref_fwd(dy, w.transpose(1, 2), splits, None, scale), out_dtype)
-    # wgrad: fill the output with garbage first to prove zero-token experts are written as 0
+    # wgrad: experts without rows must come back exactly zero (dw is torch.empty inside, so an
+    # unwritten expert would hold stale memory)
     dw = cutlass_backend.wgrad(x, dy, off, E, out_dtype, config=config)
     ref = _ref_wgrad(x, dy, splits)
     _close(dw, ref, out_dtype)
