@@ -70,6 +70,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_created_process_group = False
+
+
 def init_megatron(ep_size: int = 1) -> None:
     """Initialise torch.distributed (if needed: world size 1, gloo/nccl) and Megatron's parallel_state."""
     import torch.distributed as dist
@@ -77,7 +80,9 @@ def init_megatron(ep_size: int = 1) -> None:
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    global _created_process_group
     if not dist.is_initialized():
+        _created_process_group = True  # ours to tear down, so later tests start without a group
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -92,9 +97,14 @@ def init_megatron(ep_size: int = 1) -> None:
 
 
 def destroy_megatron() -> None:
+    global _created_process_group
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    if _created_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _created_process_group = False
 
 
 def make_config(**overrides):
