@@ -34,7 +34,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Job flags (all but ``--nproc``, which only the launcher reads). Flags override the config file."""
     parser.add_argument("--config", metavar="FILE", help="YAML job config (see launchers/configs/)")
     parser.add_argument("--steps", type=int, help="total training steps (a resumed run continues up to this step)")
-    parser.add_argument("--recipe", choices=RECIPE_NAMES, help="quantization recipe by name (overrides the config's)")
+    parser.add_argument("--recipe", choices=RECIPE_NAMES, help="quantization recipe by name (default: the config's, else 'current')")
     parser.add_argument("--ep", type=int, help="expert-parallel size (default: all ranks)")
     parser.add_argument("--resume", metavar="DIR", help="continue from a checkpoint: a step dir, or an out dir (latest)")
     parser.add_argument("--out", metavar="DIR", help="output dir for checkpoints and metrics.jsonl (default te_dist_out)")

@@ -34,7 +34,9 @@ __all__ = [
     "JobConfig",
     "ConfigError",
     "load_config",
+    "config_from_dict",
     "resolve_recipe",
+    "DEFAULT_RECIPE",
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")

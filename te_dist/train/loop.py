@@ -160,6 +160,12 @@ def _step(job: _Job, step: int, lr: float) -> float:
     return global_loss
 
 
+def _recipe_state_word(recipe, meta: dict) -> str:
+    if recipe is None:
+        return "none (no recipe)"
+    return "restored" if meta["restored_recipe_state"] else "starts fresh (other ranks, EP size or recipe)"
+
+
 def _resume(job: _Job, path, cfg: JobConfig) -> tuple:
     """(start step, loss history) after loading the newest checkpoint under ``path``."""
     rt, recipe = job.runtime, job.recipe
@@ -168,7 +174,7 @@ def _resume(job: _Job, path, cfg: JobConfig) -> tuple:
                            recipe=recipe, recipe_key=str(recipe) if recipe is not None else None)
     _say(rt, f"[te-dist] resumed from {ckpt} at step {meta['step']} "
              f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={job.ep_size}; "
-             f"recipe state {'restored' if meta['restored_recipe_state'] else 'starts fresh'})")
+             f"recipe state {_recipe_state_word(recipe, meta)})")
     return int(meta["step"]), {int(k): v for k, v in meta.get("losses", {}).items()}
 
 

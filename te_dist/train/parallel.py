@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Runtime", "init_runtime", "expert_parameter_names", "GradientReducer", "global_expert_ids"]
+__all__ = ["Runtime", "init_runtime", "expert_parameter_names", "GradientReducer", "global_expert_ids", "dense_group"]
 
 
 @dataclass
