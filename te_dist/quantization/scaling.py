@@ -131,8 +131,12 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
-    """Exact ``2.0 ** exponent`` for int32 exponents, built from bits; clamped to normal floats [-126, 127]."""
-    return ((exponent.clamp(-126, 127) + 127) << 23).to(torch.int32).view(torch.float32)
+    """Exact ``2.0 ** exponent`` for integer exponents, clamped to normal floats [-126, 127].
+
+    exp2 of an integer-valued float is exact. (Building the float from exponent bits was exact too,
+    but Inductor on CUDA, torch 2.11, emitted an int64 -> float32 bitcast for it and failed to compile.)
+    """
+    return torch.exp2(exponent.clamp(-126, 127).to(torch.float32))
 
 
 def nvfp4_global_scale(amax: torch.Tensor, e4m3_max: float = 448.0, e2m1_max: float = 6.0) -> torch.Tensor:

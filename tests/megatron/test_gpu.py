@@ -60,7 +60,8 @@ def test_gpu_transformer_layer_forward_backward(megatron_world1):
     import te_dist.megatron as tm
 
     config = _bf16_config()
-    layer = build_module(tm.gpt_layer_spec(), config=config, layer_number=1).cuda()
+    # bf16 like Megatron's Float16Module: the Torch-norm fallback (no Apex) builds fp32 norm weights.
+    layer = build_module(tm.gpt_layer_spec(), config=config, layer_number=1).cuda().bfloat16()
     x = torch.randn(32, 2, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.triu(torch.ones(2, 1, 32, 32, dtype=torch.bool, device="cuda"), diagonal=1)
     y, _ = layer(x, attention_mask=mask)

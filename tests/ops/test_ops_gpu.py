@@ -46,7 +46,10 @@ def test_grouped_mlp_cuda_bf16_matches_cpu_fp32(cuda_device):
                dy.to(cuda_device, torch.bfloat16))
     assert type(gpu.plan.forward_ops[0].op).__name__ == "GroupedMLP"
     for a, b in zip(out, ref):
-        torch.testing.assert_close(a.float().cpu(), b, rtol=5e-2, atol=2.5e-1)
+        # bf16 against fp32: a norm-wise relative error (an elementwise bound trips on cancellations).
+        a = a.float().cpu()
+        assert torch.isfinite(a).all()
+        assert (a - b).norm() / b.norm() < 1e-2
 
 
 def test_grouped_mlp_device_split_sizes_do_not_sync(cuda_device):

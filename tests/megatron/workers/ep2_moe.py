@@ -66,7 +66,8 @@ def main(out_dir: Path, dispatcher: str, recipe: str) -> None:
     dist.barrier()
     print(f"rank {rank}: ep2 {dispatcher} recipe={recipe} OK", flush=True)
     H.destroy_megatron()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # megatron-core 0.19's teardown may already have destroyed it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

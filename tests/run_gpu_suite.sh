@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every GPU test of the project in one device call (2×H200 for the NCCL tests).
+# Usage from the repo root, with the wheels in .whl/ (nvidia-cutlass, megatron-core for Python 3.12)
+# and, optionally, a kernel cache in .kcache/:   bash tests/run_gpu_suite.sh
+# Three pytest processes run side by side: quantization (torch.compile-heavy) on the second GPU,
+# the other single-GPU tests on the first, and the multi-GPU (NCCL) tests on both. Logs go to $OUT.
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
+{ nvidia-smi -L; python3 -c "import torch, megatron.core as m; print(torch.__version__, torch.cuda.device_count(), 'mcore', m.__version__)"; } > "$OUT/gpu_env.txt" 2>&1
+LIMIT=${LIMIT:-480}
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 300 -m gpu"
+CUDA_VISIBLE_DEVICES=1 timeout "$LIMIT" $PYTEST tests/quantization > "$OUT/gpu_quant.txt" 2>&1 &
+CUDA_VISIBLE_DEVICES=0 timeout "$LIMIT" $PYTEST tests/kernels tests/ops tests/test_support.py tests/cli/test_env.py \
+  tests/megatron/test_gpu.py -k "not ep2" > "$OUT/gpu_single.txt" 2>&1 &
+( timeout "$LIMIT" $PYTEST tests/distributed tests/moe tests/cli/test_train_gpu.py
+  timeout 200 $PYTEST tests/megatron/test_gpu.py -k ep2 ) > "$OUT/gpu_multi.txt" 2>&1 &
+wait
+for f in "$OUT"/gpu_*.txt; do echo "== $f"; tail -n 25 "$f"; done
