@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of docs/benchmarks.md in one device call on 2×H200 (plus a re-run of the GPU
+# tests named in RETEST). Usage from the repo root, wheels in .whl/ (nvidia-cutlass, megatron-core
+# for Python 3.12), optional kernel cache in .kcache/:   bash benchmarks/run_h200x2.sh
+# Phase 1 runs single-GPU work side by side (the re-tests use both GPUs briefly; benchmarks on GPU 0); phase 2 the
+# two-GPU (NCCL) benchmarks alone. Logs go to $OUT, at most 8 files.
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/bench_env.txt" 2>&1
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+
+# Phase 1
+if [ -n "${RETEST:-}" ]; then
+  timeout 230 python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu $RETEST \
+    > "$OUT/retest.txt" 2>&1 &
+fi
+( CUDA_VISIBLE_DEVICES=0 timeout 130 python3 benchmarks/quantize.py > "$OUT/bench_quantize.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/megatron_experts.py --preset deepseek --dispatcher alltoall \
+    > "$OUT/bench_megatron.txt" 2>&1 )
+wait
+# Phase 2
+timeout 150 $TORCHRUN benchmarks/moe_layer.py --backend nccl > "$OUT/bench_moe.txt" 2>&1
+timeout 70 python3 benchmarks/consensus_overhead.py --backend nccl --steps 300 >> "$OUT/bench_moe.txt" 2>&1
+timeout 110 python3 benchmarks/train_throughput.py --nproc 2 --config launchers/configs/mixtral_like.yaml --steps 12 \
+  --variants none:2 none:1 > "$OUT/bench_train.txt" 2>&1
+for f in "$OUT"/*.txt; do echo "== $f"; tail -n 30 "$f"; done
