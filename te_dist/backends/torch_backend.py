@@ -19,8 +19,18 @@ def is_available() -> bool:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # torch._grouped_mm's TMA path needs 16-byte aligned bases; a sliced view may not be.
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    """``t`` itself when torch._grouped_mm accepts its layout, else a contiguous copy.
+
+    Its TMA path needs a 16-byte aligned base and one unit stride among the last two dims with the
+    other a multiple of 16 bytes; sliced views and expanded gradients (``y.sum().backward()`` gives
+    zero strides) do not qualify and would be rejected with "Invalid strides/sizes".
+    """
+    step = 16 // t.element_size()
+    row, col = t.stride(-2), t.stride(-1)
+    layout_ok = (col == 1 and row % step == 0 and row >= t.size(-1)) or (row == 1 and col % step == 0 and col >= t.size(-2))
+    if t.data_ptr() % 16 == 0 and layout_ok:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:

@@ -172,3 +172,21 @@ def test_available_backends_cpu():
     x, w = torch.randn(4, 8), _weight(2, 8, 8)
     assert kernels.select_backend("fwd", x, w) == "loop"
     assert kernels.select_backend("fwd", x, w, backend="torch") == "torch"
+
+
+def test_torch_backend_accepts_expanded_gradients():
+    """``y.sum().backward()`` hands dgrad/wgrad a zero-stride gradient; torch._grouped_mm rejects
+    that layout, so the backend must copy it (seen as a failure on H200 before the fix)."""
+    import te_dist.kernels as K
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)
+    grads = {}
+    for backend in ("torch", "loop"):
+        x.grad = w.grad = None
+        K.grouped_mm(x, w.transpose(1, 2), offs, backend=backend).sum().backward()
+        grads[backend] = (x.grad.clone(), w.grad.clone())
+    for a, b in zip(grads["torch"], grads["loop"]):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)

@@ -44,14 +44,26 @@ def test_cast_functions_trace_as_one_graph():
     torch._dynamo.reset()
 
 
+def _one_step_apart(u, v):
+    """Each differing byte is one code step away: an FP8 neighbour (byte +-1) or, for packed FP4,
+    both nibbles within one step. Neighbouring codes are adjacent grid values of the same sign."""
+    a, b = _bits(u).int(), _bits(v).int()
+    byte_step = (a - b).abs() <= 1
+    nibble_step = ((a & 0xF) - (b & 0xF)).abs().le(1) & ((a >> 4) - (b >> 4)).abs().le(1)
+    return bool((byte_step | nibble_step).all())
+
+
 def _close(a, b):
-    """float32 outputs within 1e-6 (a compiled division may differ by an ulp); 1-byte outputs
-    identical except for at most 0.1% elements sitting on a rounding boundary."""
+    """float32 outputs within 1e-6 (a compiled division may differ by an ulp). 1-byte outputs:
+    at most 0.5% of codes differ, each by one grid step. E2M1 ties are common (bf16 inputs over
+    E4M3 block scales land exactly on grid midpoints), and an ulp of difference in the compiled
+    division flips their ties-to-even rounding (seen on H200: 0.12-0.22% of NVFP4 16x16 codes)."""
     a = a if isinstance(a, tuple) else (a,)
     b = b if isinstance(b, tuple) else (b,)
     for u, v in zip(a, b):
         if u.element_size() == 1:
-            assert (_bits(u) != _bits(v)).float().mean().item() <= 1e-3
+            assert (_bits(u) != _bits(v)).float().mean().item() <= 5e-3
+            assert _one_step_apart(u, v)
         else:
             torch.testing.assert_close(u, v, rtol=1e-6, atol=0)
 
