@@ -5,13 +5,7 @@
 # Phase 1 runs single-GPU work side by side (the re-tests use both GPUs briefly; benchmarks on GPU 0); phase 2 the
 # two-GPU (NCCL) benchmarks alone. Logs go to $OUT, at most 8 files.
 set -u
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD:$PYTHONPATH TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
+source tests/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/bench_env.txt" 2>&1
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 

@@ -5,13 +5,7 @@
 # Three pytest processes run side by side: quantization (torch.compile-heavy) on the second GPU,
 # the other single-GPU tests on the first, and the multi-GPU (NCCL) tests on both. Logs go to $OUT.
 set -u
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD:$PYTHONPATH TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
+source tests/device_env.sh
 { nvidia-smi -L; python3 -c "import torch, megatron.core as m; print(torch.__version__, torch.cuda.device_count(), 'mcore', m.__version__)"; } > "$OUT/gpu_env.txt" 2>&1
 LIMIT=${LIMIT:-480}
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 300 -m gpu"
