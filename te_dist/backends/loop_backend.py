@@ -32,8 +32,12 @@ def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=No
     y_TN = torch.empty(T, N, device=x_TK.device, dtype=out_dtype)
     if T == 0:
         return y_TN
+    plain = x_TK.dtype == cdt == out_dtype and w_EKN.dtype == cdt and bias_EN is None and row_scale_T is None
     for e, (s, t) in enumerate(_bounds(offsets_E)):
         if t == s:
+            continue
+        if plain:  # no casts, no epilogue: write straight into the output rows (CPU overhead path)
+            torch.mm(x_TK[s:t], w_EKN[e], out=y_TN[s:t])
             continue
         acc = torch.mm(x_TK[s:t].to(cdt), w_EKN[e].to(cdt)).float()
         if row_scale_T is not None:
@@ -52,8 +56,12 @@ def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Te
     dx_TK = torch.empty(T, K, device=dy_TN.device, dtype=out_dtype)
     if T == 0:
         return dx_TK
+    plain = dy_TN.dtype == cdt == out_dtype and w_EKN.dtype == cdt and row_scale_T is None
     for e, (s, t) in enumerate(_bounds(offsets_E)):
         if t == s:
+            continue
+        if plain:
+            torch.mm(dy_TN[s:t], w_EKN[e].t(), out=dx_TK[s:t])
             continue
         acc = torch.mm(dy_TN[s:t].to(cdt), w_EKN[e].to(cdt).t()).float()
         if row_scale_T is not None:
@@ -68,8 +76,12 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tens
     K, N = x_TK.shape[1], dy_TN.shape[1]
     cdt = _compute_dtype(x_TK)
     dw_ENK = torch.zeros(num_groups, N, K, device=x_TK.device, dtype=out_dtype)
+    plain = x_TK.dtype == dy_TN.dtype == cdt == out_dtype
     for e, (s, t) in enumerate(_bounds(offsets_E)):
         if t == s:
+            continue
+        if plain:
+            torch.mm(dy_TN[s:t].t(), x_TK[s:t], out=dw_ENK[e])
             continue
         dw_ENK[e] = torch.mm(dy_TN[s:t].to(cdt).t(), x_TK[s:t].to(cdt)).to(out_dtype)
     return dw_ENK.transpose(1, 2)
