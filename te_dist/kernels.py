@@ -105,6 +105,9 @@ class _Dispatch:
     @staticmethod
     def forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend):
         out_dtype = out_dtype or x_TK.dtype
+        if backend is None and x_TK.device.type == "cpu":
+            # The selection table's CPU row ("loop"), without building a Problem on the hot path.
+            return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
         E, K, N = w_EKN.shape
         p = _problem("fwd", x_TK, K, N, E, x_TK.dtype, out_dtype, _weight_k_major(w_EKN))
         name = _select(p, x_TK.device, backend)
@@ -113,6 +116,8 @@ class _Dispatch:
     @staticmethod
     def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend):
         out_dtype = out_dtype or dy_TN.dtype
+        if backend is None and dy_TN.device.type == "cpu":
+            return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
         E, K, N = w_EKN.shape
         # dgrad contracts over N and writes K columns.
         p = _problem("dgrad", dy_TN, N, K, E, dy_TN.dtype, out_dtype, _weight_k_major(w_EKN))
@@ -122,6 +127,8 @@ class _Dispatch:
     @staticmethod
     def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend):
         out_dtype = out_dtype or x_TK.dtype
+        if backend is None and x_TK.device.type == "cpu":
+            return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
         p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, x_TK.dtype, out_dtype, True)
         name = _select(p, x_TK.device, backend)
         return _impl(name).wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)

@@ -61,6 +61,40 @@ def _collect_rank_logs(log_dir: Path, nproc: int) -> dict:
     return logs
 
 
+def _descendants(pid: int) -> list:
+    """All live descendants of ``pid`` (Linux /proc). torchrun starts its workers in sessions of
+    their own, so killing torchrun's process group alone would leave hung workers behind."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun, its process group and every worker it started."""
+    victims = _descendants(pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_torchrun(script, nproc: int, *, args=(), timeout: float = 180, env=None) -> TorchrunResult:
     """Launch ``torchrun --standalone --nproc-per-node nproc script *args`` and wait at most ``timeout`` s."""
     script = Path(script)
@@ -89,7 +123,7 @@ def run_torchrun(script, nproc: int, *, args=(), timeout: float = 180, env=None)
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             out, _ = proc.communicate()
         return TorchrunResult(
             returncode=proc.returncode,

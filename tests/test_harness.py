@@ -1,5 +1,7 @@
 """The multi-process harness itself: per-rank logs, failure propagation, hang timeout."""
 
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,6 @@ def test_failing_rank_fails_with_its_error():
 def test_hang_is_killed_at_timeout():
     result = run_torchrun(WORKER, 2, args=["hang"], timeout=20)
     assert result.timed_out and not result.ok
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"{WORKER.name} hang"], capture_output=True, text=True).stdout
+    assert leftovers.strip() == "", f"hung workers survived the timeout: pids {leftovers.split()}"
