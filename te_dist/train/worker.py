@@ -8,6 +8,7 @@ stops the other ranks as soon as one exits non-zero, so a failing rank ends the 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Optional, Sequence
 
@@ -35,6 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise
     # Only on success: after a failure, peers may sit in a collective that a destroy would wait on.
     if dist.is_initialized():
+        # Free cyclic garbage (modules, quantizers) that may still reference process groups while
+        # those groups can be destroyed cleanly; at interpreter shutdown a gloo group's destructor aborts.
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
