@@ -110,7 +110,8 @@ def run_torchrun(script, nproc: int, *, args=(), timeout: float = 180, env=None)
         ]
         child_env = dict(os.environ)
         child_env.setdefault("OMP_NUM_THREADS", "1")
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+        tests_dir = str(REPO_ROOT / "tests")  # shared worker helpers (worker_env.py)
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), tests_dir, child_env.get("PYTHONPATH")]))
         child_env["PYTHONUNBUFFERED"] = "1"
         if env:
             child_env.update({k: str(v) for k, v in env.items()})

@@ -94,15 +94,20 @@ def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check
         _check_same_device("bias_EN", bias_EN, "x_TK", x_TK)
         if tuple(bias_EN.shape) != (E, N):
             raise ValueError(f"bias_EN must have shape {(E, N)}, received {tuple(bias_EN.shape)}")
+    _check_row_scale_and_out_dtype(row_scale_T, "x_TK", x_TK, out_dtype)
+    _maybe_check_values(offsets_E, x_TK.shape[0], check_offsets)
+
+
+def _check_row_scale_and_out_dtype(row_scale_T, rows_name, rows, out_dtype) -> None:
+    """The optional per-row scale ([T] floats beside ``rows``) and the output dtype."""
     if row_scale_T is not None:
         _check_tensor("row_scale_T", row_scale_T, 1)
         _check_float("row_scale_T", row_scale_T)
-        _check_same_device("row_scale_T", row_scale_T, "x_TK", x_TK)
-        if row_scale_T.shape[0] != x_TK.shape[0]:
-            raise ValueError(f"row_scale_T must have T={x_TK.shape[0]} entries, received {row_scale_T.shape[0]}")
+        _check_same_device("row_scale_T", row_scale_T, rows_name, rows)
+        if row_scale_T.shape[0] != rows.shape[0]:
+            raise ValueError(f"row_scale_T must have T={rows.shape[0]} entries, received {row_scale_T.shape[0]}")
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"out_dtype must be None or one of {SUPPORTED_DTYPES}, received {out_dtype}")
-    _maybe_check_values(offsets_E, x_TK.shape[0], check_offsets)
 
 
 def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None) -> None:
@@ -116,13 +121,7 @@ def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=N
     if dy_TN.shape[1] != N:
         raise ValueError(f"dy_TN has N={dy_TN.shape[1]} columns but w_EKN expects N={N}")
     _check_offsets(offsets_E, E, "dy_TN", dy_TN)
-    if row_scale_T is not None:
-        _check_tensor("row_scale_T", row_scale_T, 1)
-        _check_same_device("row_scale_T", row_scale_T, "dy_TN", dy_TN)
-        if row_scale_T.shape[0] != dy_TN.shape[0]:
-            raise ValueError(f"row_scale_T must have T={dy_TN.shape[0]} entries, received {row_scale_T.shape[0]}")
-    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out_dtype must be None or one of {SUPPORTED_DTYPES}, received {out_dtype}")
+    _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", dy_TN, out_dtype)
     _maybe_check_values(offsets_E, dy_TN.shape[0], check_offsets)
 
 
@@ -138,6 +137,5 @@ def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=Non
     if not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be a non-negative int, received {num_groups!r}")
     _check_offsets(offsets_E, num_groups, "x_TK", x_TK)
-    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out_dtype must be None or one of {SUPPORTED_DTYPES}, received {out_dtype}")
+    _check_row_scale_and_out_dtype(None, "x_TK", x_TK, out_dtype)
     _maybe_check_values(offsets_E, x_TK.shape[0], check_offsets)

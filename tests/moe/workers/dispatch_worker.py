@@ -9,10 +9,10 @@ rank must raise RoutingError, none may hang). ``--backend nccl`` runs on cuda:LO
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
+from worker_env import init_worker
 
 from te_dist.moe import AllToAllDispatcher, RoutingError
 
@@ -81,13 +81,7 @@ def main():
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--num-experts", type=int, default=8)
     args = parser.parse_args()
-    if args.backend == "nccl":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device, dtype = torch.device("cuda", local_rank), torch.float32
-    else:
-        device, dtype = torch.device("cpu"), torch.float64
-    dist.init_process_group(args.backend)
+    device, dtype = init_worker(args.backend, cpu_dtype=torch.float64, gpu_dtype=torch.float32)
     try:
         for scenario in args.scenarios.split(","):
             run(scenario, args, device, dtype)

@@ -14,11 +14,11 @@ the world size). ``--backend nccl`` runs on cuda:LOCAL_RANK in bf16.
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from worker_env import init_worker
 
 import te_dist as td
 from te_dist.distributed import init_expert_parallel_groups
@@ -202,13 +202,7 @@ def main():
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--ep-sizes", type=lambda s: [int(v) for v in s.split(",")], default=None)
     args = parser.parse_args()
-    if args.backend == "nccl":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device, dtype = torch.device("cuda", local_rank), torch.bfloat16
-    else:
-        device, dtype = torch.device("cpu"), torch.float32
-    dist.init_process_group(args.backend)
+    device, dtype = init_worker(args.backend, cpu_dtype=torch.float32, gpu_dtype=torch.bfloat16)
     try:
         for scenario in args.scenarios.split(","):
             run_scenario(scenario, args, device, dtype)
