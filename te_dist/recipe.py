@@ -194,6 +194,11 @@ def _resolve_qualified_name(path: str):
 # --------------------------------------------------------------------------- base class
 
 _STR_CACHE = "_str_cache"
+# Memos derived from the public settings: every public attribute write or delete resets them to
+# None (after the write), and pickling drops them. ``_support_key`` holds the settings that
+# te_dist.support's predicates read (filled there), so a cached support answer never outlives a
+# settings change.
+_MEMOS = (_STR_CACHE, "_support_key")
 
 
 class Recipe:
@@ -207,6 +212,7 @@ class Recipe:
 
     _SETTINGS: tuple = ()
     NAME: str = ""
+    _support_key = None  # memo (see _MEMOS); the class default covers objects unpickled from old state
 
     def __init__(self, **kwargs):
         cls_name = type(self).__name__
@@ -219,7 +225,7 @@ class Recipe:
         for name, value in values.items():
             declared[name].check(cls_name, name, value)
         self._check_combination(values)
-        object.__setattr__(self, _STR_CACHE, None)
+        self._reset_memos()
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._derive()
@@ -272,7 +278,7 @@ class Recipe:
             proposed[name] = value
             self._check_combination(proposed)  # raises before anything is written
         object.__setattr__(self, name, value)
-        object.__setattr__(self, _STR_CACHE, None)
+        self._reset_memos()
         if setting is not None:
             self._derive()
 
@@ -281,7 +287,11 @@ class Recipe:
             raise AttributeError(f"cannot delete declared setting {type(self).__name__}.{name}; assign a value instead")
         object.__delattr__(self, name)
         if not name.startswith("_"):
-            object.__setattr__(self, _STR_CACHE, None)
+            self._reset_memos()
+
+    def _reset_memos(self) -> None:
+        for memo in _MEMOS:
+            object.__setattr__(self, memo, None)
 
     @classmethod
     def _setting(cls, name: str) -> Optional[Setting]:
@@ -299,7 +309,8 @@ class Recipe:
     # -- copying and serialisation ---------------------------------------------------------
     def __getstate__(self):
         state = dict(self.__dict__)
-        state[_STR_CACHE] = None
+        for memo in _MEMOS:
+            state[memo] = None
         return state
 
     def __setstate__(self, state):

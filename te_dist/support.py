@@ -19,14 +19,25 @@ path keeps grouped semantics there):
 | NVFP4BlockScaling | disable_2d_quantization | cap >= 10.0, dtype bf16, split_alignment % 16 == 0 (2D blocks) or % 32 == 0 (1D, ``disable_2d_quantization=True``) |
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
-``split_alignment=None`` means "unknown" and fails every rule that reads it.
+``split_alignment=None`` means "unknown" and fails every rule that reads it. Every recipe rule
+reads it; the None rule does not (one entry per dtype and device).
+
+Why a hit is fast (about 0.1 us, see docs/benchmarks.md): the recipe memoises the settings the
+checks read as one interned key object (``recipe._support_key``, reset by the recipe on every
+public attribute write, see te_dist/recipe.py), so a hit is one Python call plus one C
+``functools.lru_cache`` lookup keyed by (settings key, dtype, split_alignment, device as passed).
+The device is hashed by torch in C; it is never normalised on a hit. Forms that name the *current*
+device (None, "cuda", ``torch.device("cuda")``, an int) are never stored: they are resolved on
+every call and answered from the entry of the resolved indexed device.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import operator
+import threading
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -37,6 +48,7 @@ __all__ = [
     "is_module_grouped_tensor_supported",
     "is_op_fuser_grouped_tensor_supported",
     "FP8_BLOCK_KERNELS",
+    "CacheInfo",
     "set_capability_lookup",
     "capability_lookup",
     "resolve_device",
@@ -44,6 +56,8 @@ __all__ = [
 
 # Flip when cutlass_kernels gains block-scaled FP8 grouped GEMMs (issue 5 leaves them out).
 FP8_BLOCK_KERNELS = False
+
+CacheInfo = collections.namedtuple("CacheInfo", ["hits", "misses", "maxsize", "currsize"])
 
 
 class _Spec(NamedTuple):
@@ -68,6 +82,8 @@ _SPECS = {
     _recipe.MXFP8BlockScaling: _Spec("mxfp8", operator.attrgetter("fp8_format._value_"), True),
     _recipe.NVFP4BlockScaling: _Spec("nvfp4", operator.attrgetter("disable_2d_quantization"), True),
 }
+# The cached path keys every recipe's entry on split_alignment and None's on nothing else.
+assert all(spec.uses_alignment == (cls is not type(None)) for cls, spec in _SPECS.items())
 
 
 def _spec_for(recipe_obj) -> _Spec:
@@ -78,6 +94,45 @@ def _spec_for(recipe_obj) -> _Spec:
     raise TypeError(
         f"recipe must be None or a te_dist.recipe.Recipe of a known class, received {type(recipe_obj).__name__}"
     )
+
+
+# --------------------------------------------------------------------------- settings keys
+
+
+class _SettingsKey:
+    """The settings one rule reads, interned: equal settings share one object, so a cache key
+    hashes and compares it by identity (cheaper than hashing the settings on every hit)."""
+
+    __slots__ = ("tag", "settings")
+
+    def __init__(self, tag: str, settings):
+        self.tag = tag
+        self.settings = settings
+
+    def __repr__(self) -> str:
+        return f"_SettingsKey({self.tag!r}, {self.settings!r})"
+
+
+_KEYS: dict = {}
+_NONE_KEY = _SettingsKey("none", ())
+
+
+def _settings_key(recipe_obj) -> _SettingsKey:
+    """The interned key of the settings ``recipe_obj``'s rule reads (no memo involved)."""
+    spec = _spec_for(recipe_obj)
+    settings = spec.read(recipe_obj)
+    return _KEYS.setdefault((spec.tag, settings), _SettingsKey(spec.tag, settings))  # atomic
+
+
+def _memoised_key(recipe_obj) -> _SettingsKey:
+    """Compute the settings key and memoise it on the recipe (which resets it on any write)."""
+    key = _settings_key(recipe_obj)
+    object.__setattr__(recipe_obj, "_support_key", key)
+    # A write racing with us lands its value before it resets the memo; if it landed between our
+    # read and our store, the settings differ now and we drop the stale memo ourselves.
+    if _spec_for(recipe_obj).read(recipe_obj) != key.settings:
+        object.__setattr__(recipe_obj, "_support_key", None)
+    return key
 
 
 # --------------------------------------------------------------------------- devices
@@ -111,16 +166,33 @@ def set_capability_lookup(fn: Callable):
         _clear_all()
 
 
+def _as_device(device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"device must be None, a torch.device, str or int, received {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device={device!r} does not name a device: {exc}") from None
+
+
+def _names_current_device(device) -> bool:
+    """True for forms whose meaning follows the current device (never cached as passed). Ints
+    count too: 0 == 0.0 == False as cache keys, so storing them would let a float or a bool hit."""
+    if device is None or isinstance(device, int):
+        return True
+    device = _as_device(device)
+    return device.type == "cuda" and device.index is None
+
+
 def resolve_device(device) -> torch.device:
     """Normalise ``device`` to an indexed torch.device; None means the current device (a lookup)."""
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    if not isinstance(device, torch.device):
-        if not isinstance(device, (str, int)):
-            raise TypeError(f"device must be None, a torch.device, str or int, received {type(device).__name__}")
-        device = torch.device(device)
+    device = _as_device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -166,38 +238,60 @@ def _op_fuser_rule(tag, settings, dtype, split_alignment, cap) -> bool:
     return _module_rule(tag, settings, dtype, split_alignment, cap)
 
 
+def _check_args(dtype, split_alignment) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, received {type(dtype).__name__}")
+    if split_alignment is not None and (not isinstance(split_alignment, int) or split_alignment <= 0):
+        raise ValueError(f"split_alignment must be None or a positive int, received {split_alignment!r}")
+
+
 # --------------------------------------------------------------------------- cached predicates
 
 
+class _Answer(Exception):
+    """Raised by a cache miss whose device form names the current device: carries the answer
+    out of the lru_cache without storing the raw form (lru_cache never stores exceptions)."""
+
+    def __init__(self, answer: bool):
+        super().__init__(answer)
+        self.answer = answer
+
+
 def _make_predicate(name: str, rule: Callable, doc: str):
-    """Build a predicate whose hits cost: one dict get for the recipe class, one for the device,
-    one settings read (C attrgetter) and one C ``lru_cache`` lookup (thread-safe, exact stats)."""
+    """Build a predicate whose hit costs one Python call, one memo read and one C lru_cache lookup."""
+    resolved_lock = threading.Lock()
+    num_resolved = 0  # raw misses of current-device forms: each also did a lookup of its own
+
+    def compute(key: _SettingsKey, dtype, split_alignment, device) -> bool:
+        nonlocal num_resolved
+        _check_args(dtype, split_alignment)
+        if _names_current_device(device):
+            with resolved_lock:
+                num_resolved += 1
+            dev = resolve_device(device)
+            hit = lookup(key, dtype, split_alignment, dev) if key is not _NONE_KEY else lookup_none(dtype, dev)
+            raise _Answer(hit)
+        return rule(key.tag, key.settings, dtype, split_alignment, _capability_lookup(_as_device(device)))
+
+    lookup = functools.lru_cache(maxsize=None)(compute)  # (settings key, dtype, alignment, device)
 
     @functools.lru_cache(maxsize=None)
-    def evaluate(tag, settings, dtype, split_alignment, device) -> bool:
-        _check_args(dtype, split_alignment)
-        return rule(tag, settings, dtype, split_alignment, _capability_lookup(device))
-
-    spec_get = _SPECS.get
-    device_get = _DEVICE_MEMO.get
-    device_cls = torch.device
+    def lookup_none(dtype, device) -> bool:  # recipe None reads no setting nor the alignment
+        return compute(_NONE_KEY, dtype, None, device)
 
     def predicate(recipe, dtype, *, split_alignment=None, device=None) -> bool:
-        spec = spec_get(recipe.__class__)
-        if spec is None:
-            spec = _spec_for(recipe)
-        # An indexed torch.device is already normalised (reading .index is cheap; .type and
-        # hashing a torch.device are not), so only other forms go through the memo.
-        if device.__class__ is device_cls and device.index is not None:
-            dev = device
-        else:
-            dev = device_get(device)
-            if dev is None:
-                dev = _normalise_device(device)
-        tag, read, uses_alignment = spec
-        if uses_alignment:
-            return evaluate(tag, read(recipe), dtype, split_alignment, dev)
-        return evaluate(tag, (), dtype, None, dev)
+        try:
+            if recipe is None:
+                return lookup_none(dtype, device)
+            key = recipe._support_key
+            if key is None:  # first call, or a setting was written since
+                key = _memoised_key(recipe)
+            return lookup(key, dtype, split_alignment, device)
+        except _Answer as current_device_answer:
+            return current_device_answer.answer
+        except (AttributeError, TypeError):
+            # not a recipe, or an unhashable argument: the uncached path raises the precise error
+            return uncached(recipe, dtype, split_alignment=split_alignment, device=device)
 
     def uncached(recipe, dtype, *, split_alignment=None, device=None) -> bool:
         spec = _spec_for(recipe)
@@ -206,37 +300,26 @@ def _make_predicate(name: str, rule: Callable, doc: str):
         return rule(spec.tag, spec.read(recipe), dtype, split_alignment if spec.uses_alignment else None,
                     _capability_lookup(dev))
 
+    def cache_info() -> CacheInfo:
+        """Hits and misses count each call once; currsize counts (settings, dtype, alignment, device) entries."""
+        with resolved_lock:
+            a, b = lookup.cache_info(), lookup_none.cache_info()
+            return CacheInfo(a.hits + b.hits, a.misses + b.misses - num_resolved, None, a.currsize + b.currsize)
+
+    def cache_clear() -> None:
+        nonlocal num_resolved
+        with resolved_lock:
+            lookup.cache_clear()
+            lookup_none.cache_clear()
+            num_resolved = 0
+
     predicate.__name__ = predicate.__qualname__ = name
     predicate.__doc__ = doc
     predicate.__wrapped__ = uncached
-    predicate.cache_info = evaluate.cache_info
-    predicate.cache_clear = evaluate.cache_clear
-    _ALL.append(evaluate.cache_clear)
+    predicate.cache_info = cache_info
+    predicate.cache_clear = cache_clear
+    _ALL.append(cache_clear)
     return predicate
-
-
-# Indexed devices map to themselves (a C-hashed dict hit instead of reading device.type, which
-# builds a new string per call). Unindexed "cuda" and None are resolved on every call.
-_DEVICE_MEMO: dict = {}
-
-
-def _normalise_device(device) -> torch.device:
-    try:
-        hash(device)
-    except TypeError:
-        raise TypeError(f"device must be None, a torch.device, str or int, received {type(device).__name__}") from None
-    dev = resolve_device(device)
-    if device is not None and not (dev.type == "cuda" and (not isinstance(device, (torch.device, str, int))
-                                                         or torch.device(device).index is None)):
-        _DEVICE_MEMO[device] = dev
-    return dev
-
-
-def _check_args(dtype, split_alignment) -> None:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, received {type(dtype).__name__}")
-    if split_alignment is not None and (not isinstance(split_alignment, int) or split_alignment <= 0):
-        raise ValueError(f"split_alignment must be None or a positive int, received {split_alignment!r}")
 
 
 _ALL: list = []

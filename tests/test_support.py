@@ -1,5 +1,7 @@
 """Support predicates: device-keyed answers, caching, thread safety (capability lookup injected)."""
 
+import copy
+import pickle
 import threading
 
 import pytest
@@ -164,6 +166,139 @@ def test_thread_safety(fake_gpus):
     info = S.is_module_grouped_tensor_supported.cache_info()
     assert info.hits + info.misses == 4 * 200 * len(expected)
     assert info.currsize == len(expected)
+
+
+def test_writing_a_read_setting_gives_a_fresh_key(fake_gpus):
+    f = S.is_module_grouped_tensor_supported
+    f.cache_clear()
+    r = R.Float8CurrentScaling()
+    assert f(r, torch.bfloat16, split_alignment=16, device=HOPPER) is True
+    first = r._support_key
+    assert first is not None  # memoised by the call
+    r.fp8_format = R.Format.E5M2  # the recipe resets the memo on the write
+    assert r._support_key is None
+    assert f(r, torch.bfloat16, split_alignment=16, device=HOPPER) is False
+    assert r._support_key is not first and r._support_key.settings == "E5M2"
+    assert (f.cache_info().misses, f.cache_info().currsize) == (2, 2)
+    r.fp8_format = R.Format.HYBRID  # back to the first settings: the first entry answers again
+    assert f(r, torch.bfloat16, split_alignment=16, device=HOPPER) is True
+    assert r._support_key is first and f.cache_info().hits == 1
+
+
+def test_writes_the_check_does_not_read_keep_the_entry(fake_gpus):
+    f = S.is_module_grouped_tensor_supported
+    f.cache_clear()
+    r = R.DelayedScaling()
+    f(r, torch.bfloat16, split_alignment=16, device=HOPPER)
+    key = r._support_key
+    r.margin = 2  # not read by the rule: memo recomputed, same interned key, a cache hit
+    r.enable_cutedsl_fused_grouped_mlp = True  # attached public attribute: memo reset too
+    assert r._support_key is None
+    assert f(r, torch.bfloat16, split_alignment=16, device=HOPPER) is True
+    assert r._support_key is key
+    del r.enable_cutedsl_fused_grouped_mlp
+    assert r._support_key is None
+    assert (f.cache_info().hits, f.cache_info().misses) == (1, 1)
+
+
+def test_copies_and_pickles_drop_the_memo(fake_gpus):
+    f = S.is_module_grouped_tensor_supported
+    r = R.NVFP4BlockScaling()
+    f(r, torch.bfloat16, split_alignment=16, device=BLACKWELL)
+    for clone in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r))):
+        assert clone._support_key is None
+        clone.disable_2d_quantization = True
+        assert f(clone, torch.bfloat16, split_alignment=16, device=BLACKWELL) is False
+    assert f(r, torch.bfloat16, split_alignment=16, device=BLACKWELL) is True  # original untouched
+    legacy = R.MXFP8BlockScaling()
+    del legacy.__dict__["_support_key"]  # an object restored from state saved before the memo existed
+    assert f(legacy, torch.bfloat16, split_alignment=32, device=BLACKWELL) is True
+
+
+def test_write_racing_with_the_memo_store_leaves_no_stale_memo(fake_gpus, monkeypatch):
+    """A write landing between the settings read and the memo store must not leave the old key."""
+    f = S.is_module_grouped_tensor_supported
+    r = R.MXFP8BlockScaling()
+    calls = []
+
+    def read_then_race(recipe):
+        value = recipe.fp8_format.value
+        if not calls:
+            recipe.fp8_format = R.Format.E5M2  # the "other thread"'s write
+        calls.append(value)
+        return value
+
+    monkeypatch.setitem(S._SPECS, R.MXFP8BlockScaling, S._Spec("mxfp8", read_then_race, True))
+    assert f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL) is True  # answered for the read
+    assert r._support_key is None  # the stale memo was dropped
+    assert f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL) is False  # E5M2 now
+
+
+def test_concurrent_writer_ends_consistent(fake_gpus):
+    f = S.is_module_grouped_tensor_supported
+    r = R.MXFP8BlockScaling()
+    stop = threading.Event()
+
+    def read():
+        while not stop.is_set():
+            f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for i in range(300):
+        r.fp8_format = R.Format.E5M2 if i % 2 == 0 else R.Format.E4M3
+    r.fp8_format = R.Format.E5M2
+    stop.set()
+    for t in readers:
+        t.join()
+    assert f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL) is False
+    r.fp8_format = R.Format.E4M3
+    assert f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL) is True
+
+
+def test_current_device_forms_resolve_every_call_and_count_once(fake_gpus, monkeypatch):
+    f = S.is_module_grouped_tensor_supported
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    f.cache_clear()
+    mx = R.MXFP8BlockScaling()
+    for device in (None, "cuda", torch.device("cuda"), None, "cuda"):
+        assert f(mx, torch.bfloat16, split_alignment=32, device=device) is True
+    assert f(None, torch.bfloat16, device=None) is True
+    info = f.cache_info()
+    # one hit or miss per call; only the resolved cuda:1 entries are stored (MXFP8 and None)
+    assert (info.hits, info.misses, info.currsize) == (4, 2, 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert f(mx, torch.bfloat16, split_alignment=32, device=None) is False
+    assert f(None, torch.bfloat16, device="cuda") is True
+
+
+def test_device_forms_are_answered_for_the_device_they_name(fake_gpus):
+    f = S.is_module_grouped_tensor_supported
+    mx = R.MXFP8BlockScaling()
+    for _ in range(2):  # miss, then hit
+        assert f(mx, torch.bfloat16, split_alignment=32, device="cuda:1") is True
+        assert f(mx, torch.bfloat16, split_alignment=32, device="cuda:0") is False
+        assert f(mx, torch.float32, split_alignment=32, device="cpu") is True
+        assert f(mx, torch.bfloat16, split_alignment=32, device=torch.device("cuda", 1)) is True
+
+
+def test_errors_for_unhashable_and_aliasing_arguments(fake_gpus):
+    f = S.is_op_fuser_grouped_tensor_supported
+    assert f(None, torch.bfloat16, device=CPU) is True
+    with pytest.raises(TypeError, match="device must be .* received list"):
+        f(None, torch.bfloat16, device=[0])
+    with pytest.raises(ValueError, match="split_alignment must be .* received \\[16\\]"):
+        f(R.DelayedScaling(), torch.bfloat16, split_alignment=[16], device=CPU)
+    with pytest.raises(TypeError, match="torch.dtype, received list"):
+        f(None, [torch.bfloat16], device=CPU)
+    with pytest.raises(TypeError, match="received bool"):  # True == 1 must not alias a device index
+        f(None, torch.bfloat16, device=True)
+    with pytest.raises(ValueError, match="does not name a device"):
+        f(None, torch.bfloat16, device="not-a-device")
+    with pytest.raises(TypeError, match="received Recipe"):
+        f(R.Recipe(), torch.bfloat16, device=CPU)
 
 
 @pytest.mark.gpu
