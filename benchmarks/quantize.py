@@ -3,6 +3,11 @@
     python benchmarks/quantize.py                      # CUDA if present (8192x8192 bf16), else a tiny CPU run
     python benchmarks/quantize.py --device cpu --rows 256 --cols 512
     python benchmarks/quantize.py --eager              # without torch.compile (shows what fusion buys)
+    python benchmarks/quantize.py --no-fused           # skip the fused Triton rows
+
+Each FP8 case prints two rows on CUDA: "triton" (the fused Triton casts, ``set_fused_casts_enabled(None)``)
+and "compiled" (the torch.compile'd cast functions, ``set_fused_casts_enabled(False)``); NVFP4 has no
+fused kernel and prints its compiled row only. "vs compiled" is the compiled time over this row's time.
 
 GB/s counts the bytes a quantize must move at least once: the input read plus every output
 written (elements and scales). The copy baseline moves the input's bytes in and out
@@ -19,7 +24,11 @@ import time
 import torch
 
 from te_dist import recipe as R
-from te_dist.quantization import Float8Tensor, make_quantizer, set_compile_enabled
+from te_dist.quantization import Float8Tensor, fused_casts_available, make_quantizer, set_compile_enabled
+from te_dist.quantization import set_fused_casts_enabled
+
+# recipes with a fused Triton cast (te_dist/quantization/triton_casts.py)
+FUSED_RECIPES = (R.DelayedScaling, R.Float8CurrentScaling, R.Float8BlockScaling, R.MXFP8BlockScaling)
 
 # (label, recipe factory, role[, columnwise copy too]): one row each
 CASES = [
@@ -86,6 +95,9 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--eager", action="store_true", help="disable torch.compile of the cast functions")
     parser.add_argument("--compile", action="store_true", help="compile the cast functions on any device (CPU too)")
+    parser.add_argument("--no-fused", action="store_true", help="skip the fused Triton rows")
+    parser.add_argument("--fused", action="store_true",
+                        help="fused rows on any device (CPU: Triton's interpreter, TRITON_INTERPRET=1; logic only)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -108,17 +120,38 @@ def main(argv=None) -> None:
 
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     mode = "torch.compile" if args.compile or (cuda and not args.eager) else "eager"
+    if args.fused and args.no_fused:
+        parser.error("--fused and --no-fused exclude each other")
+    with_fused = (cuda or args.fused) and not args.no_fused and fused_casts_available()
+    fused_on = True if args.fused else None  # None: automatic (CUDA)
+    if with_fused:
+        import triton
+
+        mode += f" + fused Triton {triton.__version__}"
     print(f"device={name} torch={torch.__version__} x={rows}x{cols} {args.dtype} mode={mode} median of 5 rounds x {iters} calls")
-    print("| case | time (us) | GB/s | vs copy |")
-    print("|---|---|---|---|")
-    print(f"| device-to-device copy | {copy_s * 1e6:.1f} | {copy_gbs:.3g} | 1.00 |")
-    for label, build, role, *both in CASES:
-        quantizer = make_quantizer(build(), role)
-        quantizer.set_usage(rowwise=True, columnwise=bool(both and both[0]))
-        out_bytes = _output_bytes(quantizer(x))
-        seconds = _time(lambda: quantizer(x), device, warmup, iters)
-        gbs = (in_bytes + out_bytes) / seconds / 1e9
-        print(f"| {label} | {seconds * 1e6:.1f} | {gbs:.3g} | {gbs / copy_gbs:.2f} |")
+    reference = "compiled" if mode.startswith("torch.compile") else "eager"
+    print(f"| case | path | time (us) | GB/s | vs copy | vs {reference} |")
+    print("|---|---|---|---|---|---|")
+    print(f"| device-to-device copy | | {copy_s * 1e6:.1f} | {copy_gbs:.3g} | 1.00 | |")
+    try:
+        for label, build, role, *both in CASES:
+            recipe = build()
+            paths = [("triton", fused_on)] if with_fused and isinstance(recipe, FUSED_RECIPES) else []
+            paths.append((reference, False))
+            rows_out = []
+            for path, fused_setting in paths:
+                set_fused_casts_enabled(fused_setting)
+                quantizer = make_quantizer(recipe, role)
+                quantizer.set_usage(rowwise=True, columnwise=bool(both and both[0]))
+                out_bytes = _output_bytes(quantizer(x))
+                seconds = _time(lambda: quantizer(x), device, warmup, iters)
+                rows_out.append((path, seconds, (in_bytes + out_bytes) / seconds / 1e9))
+            ref_seconds = rows_out[-1][1]
+            for path, seconds, gbs in rows_out:
+                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {gbs:.3g} | {gbs / copy_gbs:.2f} | "
+                      f"{ref_seconds / seconds:.2f} |")
+    finally:
+        set_fused_casts_enabled(None)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Pipeline of one quantized linear layer (roles in brackets; see ``gemm`` for the 
 
 Modules: ``formats`` (dtypes, maxima), ``e2m1`` (FP4 grid, packing), ``hadamard`` (RHT),
 ``scaling`` (pure scale math), ``cast`` (one quantize function per format, compiled on CUDA by
-``compile``), ``tensors`` (containers and layouts), ``quantizer``/``per_tensor``/``blockwise``
+``compile``; on CUDA the FP8 casts run as fused Triton kernels instead: ``fused`` decides,
+``triton_casts`` holds them), ``tensors`` (containers and layouts), ``quantizer``/``per_tensor``/``blockwise``
 (stateful quantizers), ``api`` (``make_quantizer``, ``quantize``, ``fake_quantize``), ``gemm``
 (emulated GEMMs), ``native`` (``torch._scaled_mm`` paths on SM89+).
 """
@@ -19,6 +20,7 @@ Modules: ``formats`` (dtypes, maxima), ``e2m1`` (FP4 grid, packing), ``hadamard`
 from .api import QUANTIZER_TYPES, fake_quantize, make_quantizer, quantize
 from .blockwise import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from .compile import set_compile_enabled
+from .fused import fused_casts_available, set_fused_casts_enabled
 from .gemm import emulated_gemm, emulated_grouped_gemm
 from .native import native_fp8_gemm_supported, native_fp8_grouped_gemm_supported, scaled_gemm, scaled_grouped_gemm
 from .per_tensor import CurrentScalingQuantizer, DelayedScalingQuantizer
@@ -44,6 +46,8 @@ __all__ = [
     "native_fp8_gemm_supported",
     "native_fp8_grouped_gemm_supported",
     "set_compile_enabled",
+    "set_fused_casts_enabled",
+    "fused_casts_available",
     "QUANTIZER_TYPES",
     "Quantizer",
     "DelayedScalingQuantizer",

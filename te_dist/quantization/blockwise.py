@@ -12,6 +12,9 @@ Block shapes per role:
   NVFP4BlockScaling: 1x16, or 16x16 for weights unless ``disable_2d_quantization``; the columnwise
   (wgrad) copy of input and grad_output is Hadamard-transformed unless ``disable_rht``; grad_output
   is stochastically rounded unless ``disable_stochastic_rounding``.
+
+On CUDA, Float8BlockScaling and MXFP8 build both copies in one fused Triton pass when available
+(a tile of x yields its row blocks and its transposed column blocks; see :mod:`.fused`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..recipe import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockSc
 from .cast import cast_fp8_blocks, cast_mxfp8, cast_nvfp4
 from .compile import dispatch
 from .formats import FP8_EMAX, FP8_MAX, format_for_role, fp8_dtype
+from .fused import fused_casts_for, run_fused
 from .hadamard import apply_rht
 from .quantizer import Quantizer
 from .scaling import compute_amax, nvfp4_global_scale
@@ -43,6 +47,9 @@ class _BlockQuantizer(Quantizer):
 
     def _quantize(self, x, rowwise, columnwise, hadamard):
         x2 = _as_matrix(x)
+        copies = self._fused_copies(x2, rowwise, columnwise)
+        if copies is not None:
+            return self._make_tensor(x, copies)
         copies = {}
         if rowwise:
             copies["rowwise"] = self._cast_copy(x2, transposed=False, hadamard=bool(hadamard))
@@ -56,6 +63,23 @@ class _BlockQuantizer(Quantizer):
 
     def _cast_copy(self, x_copy: torch.Tensor, transposed: bool, hadamard: bool) -> BlockScaledData:
         raise NotImplementedError
+
+    def _fused_copies(self, x2: torch.Tensor, rowwise: bool, columnwise: bool) -> Optional[dict]:
+        """All requested copies from one fused kernel pass, or None (no fused kernel for this case)."""
+        return None
+
+    def _copies_from(self, fused, rowwise: bool, columnwise: bool, wrap_scale=lambda s: s) -> Optional[dict]:
+        """Fused (row_data, row_scale, col_data, col_scale) -> {"rowwise": ..., "columnwise": ...}."""
+        if fused is None:
+            return None
+        row_data, row_scale, col_data, col_scale = fused
+        br, bc = self.block_shape
+        copies = {}
+        if rowwise:
+            copies["rowwise"] = BlockScaledData(row_data, wrap_scale(row_scale), br, bc, transposed=False)
+        if columnwise:
+            copies["columnwise"] = BlockScaledData(col_data, wrap_scale(col_scale), br, bc, transposed=True)
+        return copies
 
 
 class Float8BlockQuantizer(_BlockQuantizer):
@@ -75,6 +99,18 @@ class Float8BlockQuantizer(_BlockQuantizer):
         }[role]
         self.block_shape = (1, 128) if dim == 1 else (128, 128)
 
+    def _fused_copies(self, x2, rowwise, columnwise):
+        kernels = fused_casts_for(x2)
+        if kernels is None:
+            return None
+        br, bc = self.block_shape
+        key = ("cast_fp8_blocks", x2.dtype, self.fp8_dtype, br, bc, self.use_power_2_scales, rowwise, columnwise)
+        fused = run_fused(
+            key, kernels.cast_fp8_blocks, x2, br, bc, self.fp8_dtype, self.fmt_max, self.use_power_2_scales,
+            rowwise=rowwise, columnwise=columnwise,
+        )
+        return self._copies_from(fused, rowwise, columnwise)
+
     def _cast_copy(self, x_copy, transposed, hadamard):
         br, bc = self.block_shape
         data, scale_inv = dispatch(cast_fp8_blocks, x_copy, br, bc, self.fp8_dtype, self.fmt_max, self.use_power_2_scales)
@@ -93,6 +129,17 @@ class MXFP8Quantizer(_BlockQuantizer):
         self.fmt_max = FP8_MAX[self.fmt]
         self.emax_elem = FP8_EMAX[self.fmt]
         self.margin = recipe.margin
+
+    def _fused_copies(self, x2, rowwise, columnwise):
+        kernels = fused_casts_for(x2)
+        if kernels is None:
+            return None
+        key = ("cast_mxfp8", x2.dtype, self.fp8_dtype, self.margin, rowwise, columnwise)
+        fused = run_fused(
+            key, kernels.cast_mxfp8, x2, self.fp8_dtype, self.fmt_max, self.emax_elem, self.margin,
+            rowwise=rowwise, columnwise=columnwise,
+        )
+        return self._copies_from(fused, rowwise, columnwise, lambda codes: codes.view(torch.float8_e8m0fnu))
 
     def _cast_copy(self, x_copy, transposed, hadamard):
         data, codes = dispatch(cast_mxfp8, x_copy, 32, self.fp8_dtype, self.fmt_max, self.emax_elem, self.margin)

@@ -1,8 +1,9 @@
-"""Run the pure cast functions fused on CUDA, eagerly elsewhere.
+"""Run pure tensor functions fused on CUDA, eagerly elsewhere.
 
 Why: written eagerly, a quantize is 4-8 elementwise passes over memory; ``torch.compile``
-turns each cast function into one fused kernel (plus one reduction for per-tensor amax), which is
-what the >= 50%-of-copy-bandwidth goal needs. Compilation is lazy (first CUDA call), never at
+turns each cast function into one fused kernel (plus one reduction for per-tensor amax). The ops
+and the MoE layer use the same mechanism for their memory-bound glue (SwiGLU forward/backward,
+the K-way gather-sum of the token combine). Compilation is lazy (first CUDA call), never at
 import, and if it fails (no Triton, unsupported op) that configuration runs eagerly, with a warning.
 
 One compiled callable per (function, static configuration): block sizes, formats and the input

@@ -8,6 +8,10 @@ DelayedScaling, one call ``q = quantizer(x)``:
      history[0] ("most_recent") or ``algo(history)`` for a callable (1-D float32 tensor, most
      recent first, returns a 0-dim amax). A zero or non-finite ``A`` keeps the previous scale.
 New tensors are assigned only after every step succeeded, so an error leaves the state intact.
+
+On CUDA the casts run as fused Triton kernels when available (see :mod:`.fused`): DelayedScaling
+casts and records amax in one pass, then one tiny kernel updates history and scale; current
+scaling runs an amax pass and a cast pass that derives the scale on the device.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ..recipe import DelayedScaling, Float8CurrentScaling
 from .cast import cast_fp8_per_tensor, current_scaling_quantize, delayed_scale_update, delayed_scaling_step
 from .compile import dispatch
 from .formats import FP8_MAX, format_for_role, fp8_dtype
+from .fused import fused_casts_for, run_fused
 from .quantizer import Quantizer
 from .scaling import compute_amax, per_tensor_scale
 from .tensors import Float8Tensor
@@ -70,17 +75,27 @@ class DelayedScalingQuantizer(Quantizer):
 
     def _quantize(self, x, rowwise, columnwise, hadamard):
         self._to_device(x.device)
+        kernels = fused_casts_for(x)
         if self._fusable():
-            data, history, scale, scale_inv = dispatch(
-                delayed_scaling_step, x, self.scale, self.amax_history, self.fp8_dtype, self.fmt_max, self.margin,
-                self.amax_compute_algo,
-            )
+            args = (x, self.scale, self.amax_history, self.fp8_dtype, self.fmt_max, self.margin, self.amax_compute_algo)
+            result = None
+            if kernels is not None:
+                key = ("delayed_scaling_step", x.dtype, self.fp8_dtype, self.amax_compute_algo)
+                result = run_fused(key, kernels.delayed_scaling_step, *args)
+            if result is None:
+                result = dispatch(delayed_scaling_step, *args)
+            data, history, scale, scale_inv = result
             out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype)
             self.amax_history, self.scale, self.scale_inv = history, scale, scale_inv
             self.num_updates += 1
             return out
-        amax = compute_amax(x)
-        data = dispatch(cast_fp8_per_tensor, x, self.scale, self.fp8_dtype, self.fmt_max)
+        result = None
+        if kernels is not None:  # one pass: cast with the current scale and record amax(x)
+            key = ("cast_and_amax", x.dtype, self.fp8_dtype)
+            result = run_fused(key, kernels.cast_and_amax, x, self.scale, self.fp8_dtype, self.fmt_max)
+        if result is None:
+            result = dispatch(cast_fp8_per_tensor, x, self.scale, self.fp8_dtype, self.fmt_max), compute_amax(x)
+        data, amax = result
         out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype)
         self.update(amax)
         return out
@@ -134,12 +149,29 @@ class CurrentScalingQuantizer(Quantizer):
         self.use_power_2_scales = recipe.use_power_2_scales
 
     def _quantize(self, x, rowwise, columnwise, hadamard):
+        kernels = fused_casts_for(x)
+        key = (x.dtype, self.fp8_dtype, self.use_power_2_scales)
         if self.group is None:
-            data, scale_inv = dispatch(
-                current_scaling_quantize, x, self.fp8_dtype, self.fmt_max, self.use_power_2_scales
-            )
+            result = None
+            if kernels is not None:
+                result = run_fused(
+                    ("current_scaling_quantize", *key), kernels.current_scaling_quantize, x, self.fp8_dtype,
+                    self.fmt_max, self.use_power_2_scales,
+                )
+            if result is None:
+                result = dispatch(current_scaling_quantize, x, self.fp8_dtype, self.fmt_max, self.use_power_2_scales)
+            data, scale_inv = result
             return Float8Tensor(data, scale_inv, self.fmt, x.dtype)
-        amax = reduce_amax(compute_amax(x), self.group)
-        scale = per_tensor_scale(amax, self.fmt_max, power_2=self.use_power_2_scales)
-        data = dispatch(cast_fp8_per_tensor, x, scale, self.fp8_dtype, self.fmt_max)
-        return Float8Tensor(data, 1.0 / scale, self.fmt, x.dtype)
+        amax = None if kernels is None else run_fused(("compute_amax", x.dtype), kernels.compute_amax, x)
+        amax = reduce_amax(compute_amax(x) if amax is None else amax, self.group)
+        result = None
+        if kernels is not None:  # the scale is derived from the reduced amax inside the cast kernel
+            result = run_fused(
+                ("cast_from_amax", *key), kernels.cast_from_amax, x, amax, self.fp8_dtype, self.fmt_max,
+                self.use_power_2_scales,
+            )
+        if result is None:
+            scale = per_tensor_scale(amax, self.fmt_max, power_2=self.use_power_2_scales)
+            result = dispatch(cast_fp8_per_tensor, x, scale, self.fp8_dtype, self.fmt_max), 1.0 / scale
+        data, scale_inv = result
+        return Float8Tensor(data, scale_inv, self.fmt, x.dtype)

@@ -1,0 +1,107 @@
+"""When the hand-written Triton casts (:mod:`.triton_casts`) replace the compiled cast functions.
+
+Why a separate module: the switch and the lazy loader must import without Triton (CI has none),
+while ``triton_casts`` imports Triton at module level. The quantizers ask :func:`fused_casts_for`
+for the kernel module per call; ``None`` means "use the ``cast`` functions through ``compile.dispatch``".
+
+Policy (``set_fused_casts_enabled``):
+  * ``None`` (default): fused on CUDA devices of compute capability >= 8.9 (FP8 conversions in
+    hardware) when ``triton`` imports; a kernel that fails to build warns once and that
+    configuration falls back to the compiled path;
+  * ``True``: fused on every device (CPU tensors run in Triton's interpreter, which needs
+    ``TRITON_INTERPRET=1`` before Triton is imported: that is how the CPU tests check the kernel
+    logic); failures raise;
+  * ``False``: never (the benchmark's "compiled" rows).
+Only bf16 / fp16 / fp32 inputs take the fused path (float64 stays on the reference path).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "set_fused_casts_enabled",
+    "fused_casts_enabled",
+    "fused_casts_available",
+    "fused_casts_for",
+    "run_fused",
+]
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_state = {"enabled": None}  # None: auto (CUDA sm89+), True: everywhere, False: never
+_failed: set = set()
+
+
+def set_fused_casts_enabled(enabled: Optional[bool]) -> None:
+    """None = automatic (CUDA with Triton), True = always (raises if Triton is missing), False = never."""
+    if enabled not in (None, True, False):
+        raise TypeError(f"set_fused_casts_enabled expects None, True or False, got {enabled!r}")
+    if enabled is True and not fused_casts_available():
+        raise RuntimeError(f"set_fused_casts_enabled(True) needs triton, which does not import: {_load()[1]}")
+    _state["enabled"] = enabled
+
+
+def fused_casts_enabled() -> Optional[bool]:
+    """The current setting (None = automatic)."""
+    return _state["enabled"]
+
+
+@functools.lru_cache(maxsize=1)
+def _load():
+    """(module or None, import error text); imported once, on first use, never at package import."""
+    try:
+        from . import triton_casts
+    except Exception as exc:  # ImportError without triton; anything else is a broken triton install
+        return None, repr(exc)
+    return triton_casts, ""
+
+
+def fused_casts_available() -> bool:
+    """True when the Triton kernels import (Triton installed)."""
+    return _load()[0] is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fused_casts_for(x: torch.Tensor):
+    """The ``triton_casts`` module when x should take the fused path, else None."""
+    enabled = _state["enabled"]
+    if enabled is False or x.dtype not in FUSED_DTYPES:
+        return None
+    if enabled is None:
+        if x.device.type != "cuda":
+            return None
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if not _device_ok(index):
+            return None
+    elif x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"fused Triton casts were forced on (set_fused_casts_enabled(True)) for a {x.device.type} tensor; "
+            "non-CUDA tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
+        )
+    return _load()[0]
+
+
+def run_fused(key: tuple, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``. In automatic mode a failure (a Triton build error) warns once per
+    ``key`` (kernel name + static configuration) and returns None, so the caller falls back to the
+    compiled path; kernels write only new tensors, so nothing is half-updated. Forced mode raises."""
+    if _state["enabled"] is True:
+        return fn(*args, **kwargs)
+    if key in _failed:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        _failed.add(key)
+        warnings.warn(f"te_dist fused Triton cast {key} failed ({exc!r:.300}); using the compiled cast instead")
+        return None

@@ -1,0 +1,488 @@
+"""Fused Triton casts (``triton_casts``) == the eager cast functions (``cast``), bit for bit.
+
+Three groups:
+* policy tests (always run, no Triton needed): the switch, the lazy loader, the fallback;
+* ``cpu`` cases: the kernels run in Triton's interpreter on CPU tensors. They need ``triton``
+  AND ``TRITON_INTERPRET=1`` set before Triton is imported, else they are skipped (CI has no Triton):
+  ``TRITON_INTERPRET=1 python -m pytest -q --timeout 300 tests/quantization/test_triton_casts.py``
+  The interpreter's own float conversions are wrong for fp32 -> E4M3 (rounds ties away, breaks
+  subnormals, turns NaN into 256) and for bf16/fp16 subnormals -> fp32 (flushes them), so the ``cpu``
+  cases route those conversions through torch (which rounds like the GPU's ``cvt.rn``): they check the
+  kernels' logic (amax, scales, layouts, masks), and the ``cuda`` cases check the hardware casts too;
+* ``cuda`` cases (``gpu`` marker): the real kernels on the GPU against eager torch on the GPU.
+NaN compares as NaN (payloads may differ); everything else compares bitwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+
+from te_dist import recipe as R
+from te_dist.quantization import cast, fused, make_quantizer, set_compile_enabled, set_fused_casts_enabled
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not (HAS_TRITON and INTERPRET), reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_TRITON, reason="needs triton")]),
+]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+E4M3 = (torch.float8_e4m3fn, 448.0)
+E5M2 = (torch.float8_e5m2, 57344.0)
+
+
+# ----------------------------------------------------------------------------- fixtures and helpers
+def _patch_interpreter_conversions(monkeypatch):
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    original = interp._convert_float
+    torch_types = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                   tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    rtne = (None, interp._ir.ROUNDING_MODE.RTNE)
+
+    def convert(data, src, dst, rounding):
+        if src not in torch_types or dst not in torch_types or rounding not in rtne:
+            return original(data, src, dst, rounding)
+        raw = torch.from_numpy(np.ascontiguousarray(data).copy().view(np.uint8)).view(torch_types[src])
+        out = raw.to(torch_types[dst])
+        return out.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()]).numpy().view(
+            getattr(np, f"uint{8 * out.element_size()}")).reshape(data.shape)
+
+    monkeypatch.setattr(interp, "_convert_float", convert)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    if request.param == "cpu":
+        _patch_interpreter_conversions(monkeypatch)
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def kernels():
+    from te_dist.quantization import triton_casts
+
+    return triton_casts
+
+
+@pytest.fixture
+def reference_mode():
+    """Eager reference on every device, then restore the defaults."""
+    set_compile_enabled(False)
+    yield
+    set_compile_enabled(None)
+    set_fused_casts_enabled(None)
+
+
+def _assert_same(actual, expected, what=""):
+    """Bitwise equality with NaN == NaN (any payload)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (what, actual.shape, expected.shape)
+    a_nan, e_nan = torch.isnan(actual.float()), torch.isnan(expected.float())
+    assert torch.equal(a_nan, e_nan), f"{what}: NaN positions differ"
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+    a_bits, e_bits = actual.view(ints).cpu(), expected.view(ints).cpu()
+    keep = ~a_nan.cpu()
+    diff = (a_bits != e_bits) & keep
+    if diff.any():
+        first = diff.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} values differ, first at {first}")
+
+
+def _data(shape, dtype, device, seed=0, specials=True):
+    """Random values over many magnitudes plus crafted blocks: zeros, NaN, +-Inf, tiny (subnormal), huge."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float())
+    if specials:
+        flat = x.view(-1, shape[-1])
+        rows, cols = flat.shape
+        big = torch.finfo(dtype).max / 4
+        tiny = torch.finfo(dtype).smallest_normal / 8  # subnormal in the input dtype
+        flat[0, :] = 0.0  # an all-zero row / block
+        if rows > 1:
+            flat[1, 3] = float("nan")
+        if rows > 2:
+            flat[2, : min(cols, 32)] = tiny  # a block of subnormals
+        if rows > 3:
+            flat[3, -1] = float("inf")
+            flat[3, 0] = -float("inf")
+        if rows > 4:
+            flat[4, 1] = big
+        if rows > 5:
+            flat[5, :] = flat[5, :] * 1e-30 if dtype != torch.float16 else flat[5, :] * 1e-6
+        flat[-1, -1] = -0.0
+    return x.to(dtype).to(device)
+
+
+# ----------------------------------------------------------------------------- per-tensor
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("power_2", [False, True], ids=["fp32", "pow2"])
+def test_current_scaling(device, kernels, dtype, fmt, power_2):
+    for shape, specials in (((48, 160), False), ((3, 5, 7), False), ((48, 160), True)):
+        x = _data(shape, dtype, device, specials=specials)
+        if specials:  # NaN / Inf amax -> fallback scale; check a finite tensor with tiny and huge values too
+            for case in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)):
+                data, scale_inv = kernels.current_scaling_quantize(case, *fmt, power_2)
+                ref_data, ref_scale_inv = cast.current_scaling_quantize(case, *fmt, power_2)
+                _assert_same(data, ref_data, "data")
+                _assert_same(scale_inv, ref_scale_inv, "scale_inv")
+            continue
+        data, scale_inv = kernels.current_scaling_quantize(x, *fmt, power_2)
+        ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *fmt, power_2)
+        _assert_same(data, ref_data, "data")
+        _assert_same(scale_inv, ref_scale_inv, "scale_inv")
+
+
+@pytest.mark.parametrize("amax_case", ["zero", "subnormal", "tiny", "huge", "nan", "inf"])
+def test_current_scaling_special_amax(device, kernels, amax_case):
+    value = {"zero": 0.0, "subnormal": 2.0**-140, "tiny": 1e-37, "huge": 2.0**127 * 1.5,
+             "nan": float("nan"), "inf": float("inf")}[amax_case]
+    x = torch.full((4, 64), 2.0**-141, device=device)
+    x[1, 7] = value
+    x[2, 9] = -2.0**-149  # smallest subnormal
+    for power_2 in (False, True):
+        data, scale_inv = kernels.current_scaling_quantize(x, *E4M3, power_2)
+        ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *E4M3, power_2)
+        _assert_same(data, ref_data, f"data {amax_case}")
+        _assert_same(scale_inv, ref_scale_inv, f"scale_inv {amax_case}")
+    _assert_same(kernels.compute_amax(x), cast.compute_amax(x), "amax")
+
+
+def test_cast_from_amax_and_cast_and_amax(device, kernels):
+    x = _data((40, 96), torch.bfloat16, device, specials=False)
+    amax = torch.tensor(7.25, device=device)
+    data, scale_inv = kernels.cast_from_amax(x, amax, *E5M2, True)
+    scale = cast.per_tensor_scale(amax, E5M2[1], power_2=True)
+    _assert_same(data, cast.cast_fp8_per_tensor(x, scale, *E5M2), "data")
+    _assert_same(scale_inv, 1.0 / scale, "scale_inv")
+    scale = torch.tensor(3.7, device=device)
+    data, amax = kernels.cast_and_amax(x.t(), scale, *E4M3)  # non-contiguous input
+    _assert_same(data, cast.cast_fp8_per_tensor(x.t(), scale, *E4M3), "data")
+    _assert_same(amax, cast.compute_amax(x), "amax")
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_delayed_scaling_history_over_calls(device, kernels, algo, dtype):
+    """Six calls with a history of 4 (roll-over), margin 1, a NaN step, a zero step and an Inf step."""
+    history = torch.zeros(4, device=device)
+    scale = torch.ones((), device=device)
+    ref_history, ref_scale = history.clone(), scale.clone()
+    for step in range(6):
+        x = _data((24, 160), dtype, device, seed=step, specials=False) * (step + 1)
+        if step == 2:
+            x[5, 5] = float("nan")
+        if step == 3:
+            x.zero_()
+        if step == 4:
+            x[0, 0] = float("inf")
+        old_history, old_scale = history.clone(), scale.clone()
+        out = kernels.delayed_scaling_step(x, scale, history, *E4M3, 1, algo)
+        ref = cast.delayed_scaling_step(x, ref_scale, ref_history, *E4M3, 1, algo)
+        for name, a, b in zip(("data", "history", "scale", "scale_inv"), out, ref):
+            _assert_same(a, b, f"step {step} {name}")
+        _assert_same(history, old_history, "input history untouched")
+        _assert_same(scale, old_scale, "input scale untouched")
+        _, history, scale, _ = out
+        _, ref_history, ref_scale, _ = ref
+
+
+# ----------------------------------------------------------------------------- block formats
+def _reference_blocks(x, block, fmt, power_2, columnwise):
+    src = x.transpose(-1, -2) if columnwise else x
+    return cast.cast_fp8_blocks(src, *block, *fmt, power_2)
+
+
+# (shape, rowwise, columnwise): rows 40 / 200 are not multiples of the 64-row rowwise tile
+_BLOCK_1x128_CASES = [((40, 256), True, False), ((200, 384), True, False), ((2, 3, 128), True, False),
+                      ((128, 384), True, True), ((256, 128), False, True), ((2, 128, 256), True, True)]
+_BLOCK_128_CASES = [((128, 256), True, False), ((256, 384), True, True), ((384, 128), False, True),
+                    ((2, 128, 256), True, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("power_2", [False, True], ids=["fp32", "pow2"])
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=["1x128", "128x128"])
+def test_float8_blocks(device, kernels, dtype, fmt, power_2, block):
+    cases = _BLOCK_1x128_CASES if block == (1, 128) else _BLOCK_128_CASES
+    for seed, (shape, rowwise, columnwise) in enumerate(cases):
+        x = _data(shape, dtype, device, seed=seed)
+        row_data, row_s, col_data, col_s = kernels.cast_fp8_blocks(
+            x, *block, *fmt, power_2, rowwise=rowwise, columnwise=columnwise)
+        if rowwise:
+            ref_data, ref_s = _reference_blocks(x, block, fmt, power_2, False)
+            _assert_same(row_data, ref_data, f"{shape} row data")
+            _assert_same(row_s, ref_s, f"{shape} row scale_inv")
+        else:
+            assert row_data is None and row_s is None
+        if columnwise:
+            ref_data, ref_s = _reference_blocks(x, block, fmt, power_2, True)
+            _assert_same(col_data, ref_data, f"{shape} col data")
+            _assert_same(col_s, ref_s, f"{shape} col scale_inv")
+        else:
+            assert col_data is None and col_s is None
+
+
+# rows 96: a multiple of the 32-element MX block but not of the 64-row row+col tile
+_MX_CASES = [((40, 96), True, False), ((96, 160), True, True), ((96, 64), False, True), ((2, 64, 96), True, True),
+             ((1, 32), True, False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", [(E4M3, 8), (E5M2, 15)], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_mxfp8(device, kernels, dtype, fmt, margin):
+    (fp8, fmt_max), emax = fmt
+    for seed, (shape, rowwise, columnwise) in enumerate(_MX_CASES):
+        x = _data(shape, dtype, device, seed=seed)
+        row_data, row_codes, col_data, col_codes = kernels.cast_mxfp8(
+            x, fp8, fmt_max, emax, margin, rowwise=rowwise, columnwise=columnwise)
+        for wanted, data, codes, src in ((rowwise, row_data, row_codes, x),
+                                         (columnwise, col_data, col_codes, x.transpose(-1, -2))):
+            if not wanted:
+                assert data is None and codes is None
+                continue
+            ref_data, ref_codes = cast.cast_mxfp8(src, 32, fp8, fmt_max, emax, margin)
+            _assert_same(data, ref_data, f"{shape} data")
+            assert torch.equal(codes.cpu(), ref_codes.cpu()), f"{shape} E8M0 codes differ"
+
+
+def test_mxfp8_exponent_edges(device, kernels):
+    """Blocks whose amax sits at the exponent clamps: zero, smallest subnormal, fp32 max, NaN, Inf."""
+    x = torch.ones(6, 32, device=device)
+    x[0] = 0.0
+    x[1] = 2.0**-149
+    x[2, 3] = torch.finfo(torch.float32).max
+    x[3, 4] = float("nan")
+    x[4, 5] = -float("inf")
+    x[5] = 2.0**-126 * 3
+    for fp8, fmt_max, emax in ((*E4M3, 8), (*E5M2, 15)):
+        for margin in (0, 3):
+            data, codes, _, _ = kernels.cast_mxfp8(x, fp8, fmt_max, emax, margin)
+            ref_data, ref_codes = cast.cast_mxfp8(x, 32, fp8, fmt_max, emax, margin)
+            _assert_same(data, ref_data, "data")
+            assert torch.equal(codes.cpu(), ref_codes.cpu())
+
+
+def test_empty_inputs(device, kernels):
+    """Zero rows (an expert without tokens): empty outputs, per-tensor scale from amax 0 (fallback 1.0)."""
+    x = torch.zeros(0, 128, device=device, dtype=torch.bfloat16)
+    data, scale_inv = kernels.current_scaling_quantize(x, *E4M3, False)
+    assert data.shape == (0, 128) and scale_inv.item() == 1.0
+    history, scale = torch.full((3,), 2.0, device=device), torch.tensor(4.0, device=device)
+    out = kernels.delayed_scaling_step(x, scale, history, *E4M3, 0, "max")
+    ref = cast.delayed_scaling_step(x, scale, history, *E4M3, 0, "max")
+    for a, b in zip(out, ref):
+        _assert_same(a, b, "delayed, empty x")
+    for block in ((1, 128), (128, 128)):
+        row_data, row_s, col_data, col_s = kernels.cast_fp8_blocks(x, *block, *E4M3, True, rowwise=True,
+                                                                   columnwise=True)
+        assert row_data.shape == (0, 128) and col_data.shape == (128, 0)
+        assert row_s.shape[0] == 0 and col_s.shape[-1] == 0
+    row_data, row_codes, _, _ = kernels.cast_mxfp8(x, *E4M3, 8, 0)
+    assert row_data.shape == (0, 128) and row_codes.shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------- through the quantizers
+_QUANTIZER_CASES = [
+    (lambda: R.DelayedScaling(amax_history_len=3, margin=1), "input"),
+    (lambda: R.DelayedScaling(amax_compute_algo="most_recent"), "grad_output"),
+    (lambda: R.DelayedScaling(amax_compute_algo=lambda h: h[:2].amax()), "input"),  # cast+amax pass, torch update
+    (lambda: R.Float8CurrentScaling(), "input"),
+    (lambda: R.Float8CurrentScaling(use_power_2_scales=True), "grad_output"),
+    (lambda: R.Float8BlockScaling(), "input"),
+    (lambda: R.Float8BlockScaling(use_power_2_scales=False), "weight"),
+    (lambda: R.Float8BlockScaling(fp8_format=R.Format.HYBRID), "grad_output"),
+    (lambda: R.MXFP8BlockScaling(), "input"),
+    (lambda: R.MXFP8BlockScaling(fp8_format=R.Format.E5M2, margin=1), "weight"),
+]
+
+
+def _flatten(q):
+    if hasattr(q, "data"):
+        return [q.data, q.scale_inv]
+    out = []
+    for copy in (q.rowwise, q.columnwise):
+        out += [] if copy is None else [copy.data, copy.scale_inv]
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(_QUANTIZER_CASES)))
+def test_quantizers_fused_equal_reference(device, reference_mode, case):
+    build, role = _QUANTIZER_CASES[case]
+    recipe = build()
+    fused_q, ref_q = make_quantizer(recipe, role), make_quantizer(recipe, role)
+    x3 = _data((2, 128, 256), torch.bfloat16, device, seed=case, specials=False)
+    inputs = [x3, x3[1].t(), x3 * 4]  # 3-D, non-contiguous (transposed view), rescaled
+    for step, x in enumerate(inputs):
+        for rowwise, columnwise in ((True, False), (True, True), (False, True)):
+            set_fused_casts_enabled(True)  # forced: a kernel failure raises instead of falling back
+            got = fused_q(x, rowwise=rowwise, columnwise=columnwise)
+            set_fused_casts_enabled(False)
+            want = ref_q(x, rowwise=rowwise, columnwise=columnwise)
+            for i, (a, b) in enumerate(zip(_flatten(got), _flatten(want))):
+                _assert_same(a, b, f"step {step} row={rowwise} col={columnwise} tensor {i}")
+            _assert_same(got.dequantize(), want.dequantize(), "dequantize")
+    if hasattr(fused_q, "amax_history"):
+        _assert_same(fused_q.amax_history, ref_q.amax_history, "amax history")
+        _assert_same(fused_q.scale, ref_q.scale, "scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_cuda_default_takes_the_fused_path(cuda_device, monkeypatch):
+    """On an H200 the automatic mode must pick the kernels (no silent fallback to the compiled path)."""
+    set_fused_casts_enabled(None)
+    calls = []
+    from te_dist.quantization import triton_casts
+
+    real = triton_casts.cast_fp8_blocks
+    monkeypatch.setattr(triton_casts, "cast_fp8_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(256, 256, device=cuda_device, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_quantizer(R.Float8BlockScaling(), "input")(x, columnwise=True)
+    assert calls == [1]
+    fallbacks = [str(w.message) for w in caught if "fused Triton cast" in str(w.message)]
+    assert not fallbacks, fallbacks  # the kernel ran, it did not fail over to the compiled path
+
+
+# ----------------------------------------------------------------------------- sm_90 build check (no GPU needed)
+def _compile_configs(tc):
+    """(kernel, pointer/int signature, constexprs, num_warps) for every launch the wrappers make."""
+    for inp, (f8, fmax, emax) in [("*bf16", ("*fp8e4nv", 448.0, 8)), ("*bf16", ("*fp8e5", 57344.0, 15)),
+                                  ("*fp32", ("*fp8e4nv", 448.0, 8))]:
+        pt = dict(BLOCK=tc._PT_BLOCK, ITERS=tc._PT_ITERS)
+        yield tc._amax_kernel, {"x_ptr": inp, "amax_ptr": "*i32", "n": "i32"}, pt, tc._PT_WARPS
+        for from_amax, record, power_2 in [(True, False, False), (True, False, True), (False, True, False)]:
+            sig = {"x_ptr": inp, "out_ptr": f8, "scale_ptr": "*i32" if from_amax else "*fp32", "amax_ptr": "*i32",
+                   "scale_inv_ptr": "*fp32" if from_amax else "*i32", "n": "i32"}
+            yield tc._cast_per_tensor_kernel, sig, dict(FMT_MAX=fmax, SCALE_FROM_AMAX=from_amax, POWER_2=power_2,
+                                                        RECORD_AMAX=record, **pt), tc._PT_WARPS
+        sig = {"amax_ptr": "*i32", "hist_ptr": "*fp32", "scale_ptr": "*fp32", "new_hist_ptr": "*fp32",
+               "new_scale_ptr": "*fp32", "new_scale_inv_ptr": "*fp32", "hist_len": "i32", "margin_mul": "fp32"}
+        for algo_max in (True, False):
+            yield tc._delayed_update_kernel, sig, dict(FMT_MAX=fmax, ALGO_MAX=algo_max, BLOCK=1024), 4
+        for mx, group in ((False, 128), (True, 32)):
+            sdt = "*u8" if mx else "*fp32"
+            sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": sdt, "col_ptr": f8, "col_s_ptr": sdt,
+                   "M": "i32", "R": "i32", "C": "i32"}
+            for row, col in ((True, False), (True, True), (False, True)):
+                sub, ng, warps = (tc._ROWCOL_TILE if col else tc._ROWS_TILE)[group]
+                iters = group // sub if col else tc._ROWS_ITERS
+                yield tc._cast_1d_blocks_kernel, sig, dict(
+                    FMT_MAX=fmax, POWER_2=not mx, MX=mx, EMAX=emax, MARGIN=0, G=group, SUB=sub, NG=ng, ITERS=iters,
+                    ROW=row, COL=col), warps
+        sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
+               "R": "i32", "C": "i32"}
+        for row, col in ((True, False), (True, True), (False, True)):
+            yield tc._cast_square_kernel, sig, dict(FMT_MAX=fmax, POWER_2=True, T=tc._SQUARE_TILE, SUB=tc._SQUARE_SUB,
+                                                    ROW=row, COL=col), tc._SQUARE_WARPS
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET or torch.cuda.is_available(),
+                    reason="CPU-side build check: needs triton without TRITON_INTERPRET (GPU hosts run the kernels)")
+def test_kernels_build_for_sm90_without_spills(monkeypatch):
+    """Every kernel configuration compiles to an sm_90a cubin with this Triton, with hardware FP8 casts, no
+    flush-to-zero or approximate arithmetic (subnormal scales must survive), and no register spills (a
+    spill would cost bandwidth). Integer args are marked divisible by 16, as Triton's
+    launcher specialises them for the aligned shapes the quantizers see."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from te_dist.quantization import triton_casts as tc
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for kernel, sig, consts, warps in _compile_configs(tc):
+        names = kernel.arg_names
+        full = {**sig, **{k: "constexpr" for k in consts}}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in sig and a != "margin_mul"}
+        src = ASTSource(kernel, {a: full[a] for a in names}, consts, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        where = f"{kernel.fn.__name__} {sig.get('x_ptr', '')} {consts}"
+        ptx = compiled.asm["ptx"]
+        if "out_ptr" in sig or "row_ptr" in sig:
+            assert "cvt.rn.satfinite.e" in ptx, f"{where}: no hardware FP8 conversion"
+        inexact = [line.strip() for line in ptx.splitlines() if ".ftz" in line or ".approx" in line or "div.full" in line]
+        assert not inexact, f"{where}: flush-to-zero / approximate ops break bit-exactness: {inexact[:3]}"
+        if os.path.exists(cuobjdump):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+            assert "STACK:0 " in usage and "LOCAL:0 " in usage, f"{where}: spills ({usage.strip()})"
+
+
+# ----------------------------------------------------------------------------- policy (no Triton needed)
+@pytest.fixture
+def policy():
+    yield fused
+    fused.set_fused_casts_enabled(None)
+    fused._failed.clear()
+
+
+def test_switch_rejects_non_bool(policy):
+    with pytest.raises(TypeError, match="None, True or False"):
+        set_fused_casts_enabled("yes")
+
+
+def test_without_triton_auto_falls_back_and_forcing_raises(policy, monkeypatch):
+    monkeypatch.setattr(fused, "_load", lambda: (None, "ModuleNotFoundError('triton')"))
+    assert not fused.fused_casts_available()
+    with pytest.raises(RuntimeError, match="needs triton"):
+        set_fused_casts_enabled(True)
+    assert fused.fused_casts_enabled() is None
+    # automatic mode: CPU tensors never take the fused path, and quantizers keep working
+    x = torch.randn(4, 128)
+    assert fused.fused_casts_for(x) is None
+    q = make_quantizer(R.Float8BlockScaling(), "input")(x)
+    assert q.rowwise.data.shape == (4, 128)
+
+
+def test_forced_on_cpu_without_interpreter_raises(policy, monkeypatch):
+    monkeypatch.setattr(fused, "_load", lambda: (object(), ""))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    set_fused_casts_enabled(True)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        fused.fused_casts_for(torch.randn(4, 128))
+    assert fused.fused_casts_for(torch.randn(4, 128, dtype=torch.float64)) is None  # float64: reference path
+    set_fused_casts_enabled(False)
+    assert fused.fused_casts_for(torch.randn(4, 128)) is None
+
+
+def test_run_fused_failure_warns_once_then_falls_back(policy):
+    calls = []
+
+    def broken(x):
+        calls.append(x)
+        raise RuntimeError("triton build failed")
+
+    with pytest.warns(UserWarning, match="using the compiled cast instead"):
+        assert fused.run_fused(("k", 1), broken, 1) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fused.run_fused(("k", 1), broken, 2) is None  # remembered: no second attempt, no warning
+    assert calls == [1]
+    assert fused.run_fused(("k", 2), lambda x: x + 1, 1) == 2
+
+
+def test_run_fused_forced_mode_raises(policy, monkeypatch):
+    monkeypatch.setattr(fused, "_load", lambda: (object(), ""))
+    set_fused_casts_enabled(True)
+    with pytest.raises(RuntimeError, match="build failed"):
+        fused.run_fused(("k",), lambda: (_ for _ in ()).throw(RuntimeError("build failed")))
