@@ -149,21 +149,34 @@ def grouped_mlp_rows(iters, repeats, recipe, E=4, H=64, F=64, T=32):
     offsets = torch.cumsum(splits, 0, dtype=torch.int32)
     xd, h, s, dy = x.detach(), torch.randn(T, 2 * F, **FACTORY), torch.randn(T, F, **FACTORY), torch.randn(T, H, **FACTORY)
 
-    def gemms():
+    def gemms():  # as GroupedLinear calls them: backward operands were validated by the forward
         kernels.grouped_mm_forward(xd, w1, offsets, check_offsets=False)
         kernels.grouped_mm_forward(s, w2, offsets, row_scale_T=probs.detach(), check_offsets=False)
-        kernels.grouped_mm_dgrad(dy, w2, offsets, check_offsets=False)
-        kernels.grouped_mm_wgrad(s, dy, offsets, num_groups=E, check_offsets=False)
-        kernels.grouped_mm_dgrad(h, w1, offsets, check_offsets=False)
-        kernels.grouped_mm_wgrad(xd, h, offsets, num_groups=E, check_offsets=False)
+        kernels.grouped_mm_dgrad(dy, w2, offsets, validate=False)
+        kernels.grouped_mm_wgrad(s, dy, offsets, num_groups=E, validate=False)
+        kernels.grouped_mm_dgrad(h, w1, offsets, validate=False)
+        kernels.grouped_mm_wgrad(xd, h, offsets, num_groups=E, validate=False)
+
+    # Detail row: uneven routing (one expert idle), so no figure hinges on equal splits.
+    uneven_list = [3 * T // 32, 0, 20 * T // 32, T - 23 * T // 32] if E == 4 else split_list
+    uneven = torch.tensor(uneven_list, device=FACTORY["device"])
+
+    def ours_uneven():
+        fuser(x, uneven, probs, uneven).sum().backward()
+
+    def theirs_uneven():
+        plain(x, uneven_list, probs).sum().backward()
 
     with te_dist.autocast(recipe=recipe):
         t_ours = bench(ours, iters, repeats)
+        t_ours_uneven = bench(ours_uneven, iters, repeats)
     t_plain = bench(theirs, iters, repeats)
+    t_plain_uneven = bench(theirs_uneven, iters, repeats)
     t_gemms = bench(gemms, iters, repeats)
     assert type(fuser.plan.forward_ops[0].op).__name__ == "GroupedMLP"
     name = f"grouped MLP fwd+bwd (E={E}, H={H}, F={F}, T={T})"
-    return [(name, t_ours, t_plain), ("  of which: its 6 te_dist.kernels grouped GEMM calls", t_gemms, None)]
+    return [(name, t_ours, t_plain), ("  of which: its 6 te_dist.kernels grouped GEMM calls", t_gemms, None),
+            (f"  same, uneven splits {uneven_list}", t_ours_uneven, t_plain_uneven)]
 
 
 def main():

@@ -6,7 +6,11 @@ Prints TFLOP/s per backend (CUTLASS per config and with the heuristic's choice),
 selector picks ("auto") and its ratio to the best of the three, the CUTLASS/torch ratio and its
 geometric mean over the six ANCHORS.md shapes, dgrad/wgrad rows, and the fused bias+scale epilogue
 against GEMM followed by separate bias and scale kernels. Timings: CUDA events, mean of --iters
-calls after --warmup calls, median of 5 such means; ratios are within this run.
+calls after --warmup calls; the variants of one shape are timed in interleaved rounds (each round
+times every variant once, in a rotated order) and each reports its median over --rounds rounds, so
+clock and thermal drift during a shape affect all variants alike; ratios are within this run.
+"auto/best" divides the selector's choice by the best column of any kind (every config, torch,
+loop), the strict reading of the issue's "best of the three".
 """
 
 from __future__ import annotations
@@ -58,6 +62,26 @@ def bench(fn, warmup, iters, repeats=5):
     return sorted(times)[len(times) // 2]
 
 
+def bench_interleaved(fns, warmup, iters, rounds):
+    """{name: median ms per call}: ``rounds`` rounds, each timing every fn once (rotated order)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    names = list(fns)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fns[n]()
+            end.record()
+            torch.cuda.synchronize()
+            samples[n].append(start.elapsed_time(end) / iters)
+    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+
+
 def make(E, splits, K, N, dev):
     T = sum(splits)
     x = torch.randn(T, K, device=dev).bfloat16()
@@ -70,12 +94,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-backward", action="store_true")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also time cutlass_kernels.CANDIDATES tiles in the forward table (built on first use)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     W, I = args.warmup, args.iters
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; per call: median of 5 means of {I} calls, after {W} warm-up")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; per call: median over {args.rounds} interleaved rounds of the mean of {I} calls, after {W} warm-up")
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     dense = bench(lambda: a @ a, 5, 10)  # also brings the clocks up before the first measured shape
     print(f"# dense bf16 8192^3 a @ a: {2 * 8192 ** 3 / dense / 1e9:.0f} TFLOP/s")
@@ -87,28 +114,36 @@ def main():
         cases.append((n, E, [base + (i < extra) for i in range(E)], K, N))
 
     configs = sorted(CONFIGS)
+    fwd_configs = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])
     cfg_cols = "".join(f"{'c' + str(c):>8}" for c in configs)
-    hdr = f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
+    fwd_cols = "".join(f"{'c' + str(c):>8}" for c in fwd_configs)
+    hdr = f"{'shape':<16}{fwd_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
     print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = heuristic's config, auto = grouped_mm_forward)\n" + hdr)
     geo = []
     for name, E, splits, K, N in cases:
         x, w, off = make(E, splits, K, N, dev)
         flop = 2.0 * sum(splits) * K * N
-        t = {f"c{c}": bench(lambda c=c: cutlass_backend.forward(x, w, off, config=c), W, I) for c in configs}
-        t["cutlass"] = bench(lambda: cutlass_backend.forward(x, w, off), W, I)
-        t["torch"] = bench(lambda: torch_backend.forward(x, w, off), W, I)
-        t["loop"] = bench(lambda: loop_backend.forward(x, w, off), W, I, repeats=3)
-        t["auto"] = bench(lambda: kernels.grouped_mm_forward(x, w, off), W, I)
+        fns = {f"c{c}": (lambda c=c: cutlass_backend.forward(x, w, off, config=c)) for c in fwd_configs}
+        fns["cutlass"] = lambda: cutlass_backend.forward(x, w, off)
+        fns["torch"] = lambda: torch_backend.forward(x, w, off)
+        fns["loop"] = lambda: loop_backend.forward(x, w, off)
+        fns["auto"] = lambda: kernels.grouped_mm_forward(x, w, off)
+        ref = torch_backend.forward(x, w, off).float()
+        wrong = [c for c in fwd_configs
+                 if (cutlass_backend.forward(x, w, off, config=c).float() - ref).norm() > 1e-2 * ref.norm()]
+        if wrong:  # a fast wrong kernel must not win a sweep
+            print(f"# {name}: configs {wrong} disagree with torch._grouped_mm (relative error > 1e-2)")
+        t = bench_interleaved(fns, W, I, args.rounds)
         pick = kernels.select_backend("fwd", x, w)
         if pick == "cutlass":
             pick += f"/c{choose_config('fwd', sum(splits), N, K, E)}"
         tf = {k: flop / v / 1e9 for k, v in t.items()}
-        best_name = max(["cutlass", "torch", "loop"] + [f"c{c}" for c in configs], key=lambda k: tf[k])
+        best_name = max(["cutlass", "torch", "loop"] + [f"c{c}" for c in fwd_configs], key=lambda k: tf[k])
         best3 = max(tf[k] for k in tf if k != "auto")
         ratio = tf["cutlass"] / tf["torch"]
         if name in [s[0] for s in SHAPES]:
             geo.append(ratio)
-        cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
+        cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in fwd_configs)
         print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} {pick:<10}"
               f"{best_name:<6}{tf['auto'] / best3:10.3f}{ratio:10.3f}")
         results["forward"].append({"shape": name, "tflops": tf, "pick": pick})
@@ -119,7 +154,8 @@ def main():
 
     if not args.skip_backward:
         for direction in ("dgrad", "wgrad"):
-            print(f"\n## {direction} bf16 (TFLOP/s)\n{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8} {'best':<6}")
+            print(f"\n## {direction} bf16 (TFLOP/s; auto = grouped_mm_{direction})\n"
+                  f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
             for name, E, splits, K, N in cases:
                 x, w, off = make(E, splits, K, N, dev)
                 dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
@@ -128,14 +164,17 @@ def main():
                     fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in configs}
                     fns["cutlass"] = lambda: cutlass_backend.dgrad(dy, w, off)
                     fns["torch"] = lambda: torch_backend.dgrad(dy, w, off)
+                    fns["auto"] = lambda: kernels.grouped_mm_dgrad(dy, w, off)
                 else:
                     fns = {f"c{c}": (lambda c=c: cutlass_backend.wgrad(x, dy, off, E, config=c)) for c in configs}
                     fns["cutlass"] = lambda: cutlass_backend.wgrad(x, dy, off, E)
                     fns["torch"] = lambda: torch_backend.wgrad(x, dy, off, E)
-                tf = {k: flop / bench(f, W, I) / 1e9 for k, f in fns.items()}
-                best_name = max(tf, key=lambda k: tf[k])
+                    fns["auto"] = lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E)
+                tf = {k: flop / v / 1e9 for k, v in bench_interleaved(fns, W, I, args.rounds).items()}
+                best_name = max((k for k in tf if k != "auto"), key=lambda k: tf[k])
                 cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
-                print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f} {best_name:<6}")
+                print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['auto']:8.1f} {best_name:<8}"
+                      f"{tf['auto'] / tf[best_name]:10.3f}")
                 results["backward"].append({"shape": name, "direction": direction, "tflops": tf})
                 torch.cuda.empty_cache()
 

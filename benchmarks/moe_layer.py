@@ -17,7 +17,7 @@ of ``--iters`` steps after ``--warmup``):
                  all-to-all) against a raw ``all_to_all_single`` of the same bytes, as algorithm
                  bandwidth (bytes sent per rank / time).
 Tokens/s is per rank (tokens of this rank's batch / layer step time). Each config runs 8192 and 2048
-tokens per rank by default (``--tokens`` to change): fewer tokens per expert is where a per-expert
+tokens per rank by default, DeepSeek-like also 1024 (``--tokens`` to change): fewer tokens per expert is where a per-expert
 loop loses most (launch overhead, small GEMMs).
 """
 
@@ -42,7 +42,7 @@ from te_dist.moe import AllToAllDispatcher, TopKRouter
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=[8192, 2048]),
-    "deepseek": dict(hidden=7168, ffn=2048, experts=64, top_k=8, tokens=[8192, 2048]),
+    "deepseek": dict(hidden=7168, ffn=2048, experts=64, top_k=8, tokens=[8192, 2048, 1024]),
 }
 TINY = {
     "mixtral": dict(hidden=64, ffn=224, experts=8, top_k=2, tokens=[256]),

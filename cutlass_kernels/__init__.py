@@ -5,11 +5,12 @@
 tile config per problem shape. Nothing here touches CUDA or runs nvcc at import time.
 """
 
-from .heuristics import CONFIGS, choose_config
+from .heuristics import CANDIDATES, CONFIGS, choose_config
 from .build import Instance, BuildError, build_instance, build_command, find_cutlass, find_nvcc, load_instance
 
 __all__ = [
     "CONFIGS",
+    "CANDIDATES",
     "choose_config",
     "Instance",
     "BuildError",

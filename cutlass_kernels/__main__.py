@@ -1,5 +1,7 @@
 """``python -m cutlass_kernels [--jobs N] [--only NAME ...]``: build every instance into the cache, in parallel.
 
+``--only`` names instances, candidate tiles included (e.g. ``te_gg_fwd_c5_bf16``).
+
 Used before GPU test/benchmark runs so the first call does not pay for compilation.
 """
 
@@ -8,7 +10,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .build import BuildError, all_instances, build_instance, cache_dir
+from .build import BuildError, Instance, all_instances, build_instance, cache_dir
+from .heuristics import CANDIDATES
 
 
 def main(argv=None) -> int:
@@ -16,7 +19,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--only", nargs="*", default=None, help="instance names, e.g. te_gg_fwd_c0_bf16")
     args = ap.parse_args(argv)
-    insts = [i for i in all_instances() if args.only is None or i.name in args.only]
+    if args.only is None:
+        insts = all_instances()
+    else:  # names may also pick candidate tiles (heuristics.CANDIDATES) for a sweep
+        known = all_instances() + [Instance(d, c, f) for d in ("fwd", "dgrad", "wgrad") for c in sorted(CANDIDATES)
+                                   for f in (False, True)]
+        insts = [i for i in known if i.name in args.only]
     print(f"building {len(insts)} instances into {cache_dir()} with {args.jobs} jobs", flush=True)
     t0 = time.time()
     failures = 0

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .heuristics import CONFIGS
+from .heuristics import CONFIGS, TILES
 
 __all__ = [
     "ARCH_FLAGS",
@@ -46,6 +46,7 @@ BASE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-O3", "-Xco
               "-lineinfo")
 
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
+SCHEDULES = {"cooperative": 0, "pingpong": 1}
 
 
 class BuildError(RuntimeError):
@@ -61,8 +62,8 @@ class Instance:
     def __post_init__(self):
         if self.direction not in KINDS:
             raise ValueError(f"direction must be one of {tuple(KINDS)}, received {self.direction!r}")
-        if self.config not in CONFIGS:
-            raise ValueError(f"config must be one of {sorted(CONFIGS)}, received {self.config!r}")
+        if self.config not in TILES:
+            raise ValueError(f"config must be one of {sorted(TILES)}, received {self.config!r}")
 
     @property
     def name(self) -> str:
@@ -70,8 +71,11 @@ class Instance:
 
     @property
     def macros(self) -> Tuple[str, ...]:
+        schedule, tile_m, tile_n, tile_k, (cluster_m, cluster_n) = TILES[self.config]
         return (f"-DTE_GG_KIND={KINDS[self.direction]}", f"-DTE_GG_CONFIG={self.config}",
-                f"-DTE_GG_OUT_F32={int(self.out_f32)}")
+                f"-DTE_GG_OUT_F32={int(self.out_f32)}", f"-DTE_GG_SCHEDULE={SCHEDULES[schedule]}",
+                f"-DTE_GG_TILE_M={tile_m}", f"-DTE_GG_TILE_N={tile_n}", f"-DTE_GG_TILE_K={tile_k}",
+                f"-DTE_GG_CLUSTER_M={cluster_m}", f"-DTE_GG_CLUSTER_N={cluster_n}")
 
 
 def all_instances() -> List[Instance]:

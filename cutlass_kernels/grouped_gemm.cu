@@ -4,11 +4,9 @@
 //   TE_GG_KIND    0 fwd   : y[T,N]  = x[T,K] @ w[e]      (A=x row-major, B=w [E,N,K] K-major)
 //                 1 dgrad : dx[T,K] = dy[T,N] @ w[e]^T   (A=dy row-major, B=w [E,N,K] as N-major)
 //                 2 wgrad : dw[e][N,K] = dy_e^T @ x_e    (A=dy M-major, B=x N-major, K=rows of e)
-//   TE_GG_CONFIG  0 cooperative 128x256x64, cluster 2x1x1 (large M per expert)
-//                 1 ping-pong   64x128x64,  cluster 1x1x1 (decode: a few rows per expert)
-//                 2 ping-pong   128x128x64, cluster 1x2x1 (small M: one M tile per expert, A multicast along N)
-//                 3 cooperative 256x128x64, cluster 1x2x1 (large M, N-multicast)
-//   (cutlass_kernels/heuristics.py picks one per call.)
+//   TE_GG_CONFIG  config id of cutlass_kernels/heuristics.py CONFIGS (reported by te_gg_config());
+//                 its schedule/tile/cluster arrive as TE_GG_SCHEDULE, TE_GG_TILE_*, TE_GG_CLUSTER_*
+//   (cutlass_kernels/heuristics.py picks one config per call.)
 //   TE_GG_OUT_F32 0 bf16 out, 1 fp32 out.   Inputs bf16, accumulate fp32.
 // Epilogue (fused, per group e): out = row_scale[row] * acc + bias[e][col]; either may be null.
 //
@@ -63,28 +61,24 @@ using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignAB = 8;                      // 16 bytes of bf16
 constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-#if TE_GG_CONFIG == 0
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_2, _1, _1>;
+// Tile configuration: schedule, CTA tile and cluster come from macros that
+// cutlass_kernels/heuristics.py (CONFIGS) writes for config TE_GG_CONFIG, so the table lives in one
+// place and a new configuration needs no edit here.
+//   TE_GG_SCHEDULE 0 cooperative (two consumer warpgroups share one tile), 1 ping-pong (alternate tiles)
+#if !defined(TE_GG_SCHEDULE) || !defined(TE_GG_TILE_M) || !defined(TE_GG_TILE_N) || !defined(TE_GG_TILE_K) || \
+    !defined(TE_GG_CLUSTER_M) || !defined(TE_GG_CLUSTER_N)
+#error "define TE_GG_SCHEDULE, TE_GG_TILE_{M,N,K} and TE_GG_CLUSTER_{M,N} (cutlass_kernels/build.py does)"
+#endif
+using TileShape = Shape<Int<TE_GG_TILE_M>, Int<TE_GG_TILE_N>, Int<TE_GG_TILE_K>>;
+using ClusterShape = Shape<Int<TE_GG_CLUSTER_M>, Int<TE_GG_CLUSTER_N>, _1>;
+#if TE_GG_SCHEDULE == 0
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-#elif TE_GG_CONFIG == 1
-using TileShape = Shape<_64, _128, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
+#elif TE_GG_SCHEDULE == 1
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-#elif TE_GG_CONFIG == 2
-using TileShape = Shape<_128, _128, _64>;
-using ClusterShape = Shape<_1, _2, _1>;
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-#elif TE_GG_CONFIG == 3
-using TileShape = Shape<_256, _128, _64>;
-using ClusterShape = Shape<_1, _2, _1>;
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 #else
-#error "TE_GG_CONFIG must be 0..3"
+#error "TE_GG_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
 #endif
 
 // out = fma(row_scale, acc, bias): per-row (M) scale, per-column (N) bias, one pointer per group.

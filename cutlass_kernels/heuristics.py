@@ -9,6 +9,8 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
 
+``CANDIDATES`` (ids 4-7) are further tiles for sweeps; they are not built by default.
+
 Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
 GEMM's M for fwd/dgrad and its K for wgrad). Thresholds come from the H200 sweep in docs/kernels.md
 (benchmarks/grouped_gemm.py times every config per shape and prints the winner).
@@ -16,14 +18,24 @@ GEMM's M for fwd/dgrad and its K for wgrad). Thresholds come from the H200 sweep
 
 from __future__ import annotations
 
-__all__ = ["CONFIGS", "RULES", "choose_config"]
+__all__ = ["CONFIGS", "CANDIDATES", "TILES", "RULES", "choose_config"]
 
+# id: (schedule, tile M, tile N, tile K, (cluster M, cluster N)); build.py turns these into macros.
 CONFIGS = {
-    0: ("cooperative", 128, 256, (2, 1)),
-    1: ("pingpong", 64, 128, (1, 1)),
-    2: ("pingpong", 128, 128, (1, 2)),
-    3: ("cooperative", 256, 128, (1, 2)),
+    0: ("cooperative", 128, 256, 64, (2, 1)),
+    1: ("pingpong", 64, 128, 64, (1, 1)),
+    2: ("pingpong", 128, 128, 64, (1, 2)),
+    3: ("cooperative", 256, 128, 64, (1, 2)),
 }
+# Candidates for the small-M (weight-streaming) shapes, built only when a sweep asks for them
+# (``benchmarks/grouped_gemm.py --candidates``); a candidate that wins moves into CONFIGS and RULES.
+CANDIDATES = {
+    4: ("pingpong", 128, 128, 64, (1, 1)),
+    5: ("cooperative", 128, 128, 128, (1, 1)),
+    6: ("pingpong", 128, 128, 128, (1, 1)),
+    7: ("cooperative", 128, 128, 64, (1, 2)),
+}
+TILES = {**CONFIGS, **CANDIDATES}
 
 # (direction or "*", max average rows per expert (inclusive) or None for any, config).
 # From the H200 sweep of 2026-11-29 (docs/kernels.md; run-to-run spread ~3%):

@@ -105,7 +105,7 @@ class _Dispatch:
     @staticmethod
     def forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend):
         out_dtype = out_dtype or x_TK.dtype
-        if backend is None and x_TK.device.type == "cpu":
+        if backend is None and x_TK.is_cpu:
             # The selection table's CPU row ("loop"), without building a Problem on the hot path.
             return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
         E, K, N = w_EKN.shape
@@ -116,7 +116,7 @@ class _Dispatch:
     @staticmethod
     def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend):
         out_dtype = out_dtype or dy_TN.dtype
-        if backend is None and dy_TN.device.type == "cpu":
+        if backend is None and dy_TN.is_cpu:
             return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
         E, K, N = w_EKN.shape
         # dgrad contracts over N and writes K columns.
@@ -127,7 +127,7 @@ class _Dispatch:
     @staticmethod
     def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend):
         out_dtype = out_dtype or x_TK.dtype
-        if backend is None and x_TK.device.type == "cpu":
+        if backend is None and x_TK.is_cpu:
             return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
         p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, x_TK.dtype, out_dtype, True)
         name = _select(p, x_TK.device, backend)
@@ -169,19 +169,24 @@ def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None
 
 
 def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,
-                     check_offsets=None) -> torch.Tensor:
-    """dx = row_scale * (dy @ w[e]^T) for the rows of each expert."""
+                     check_offsets=None, validate: bool = True) -> torch.Tensor:
+    """dx = row_scale * (dy @ w[e]^T) for the rows of each expert.
+
+    ``validate=False`` skips the input checks: only for a backward pass whose operands its forward
+    already validated (the forward's own weight and offsets; autograd fixes dy's shape and dtype)."""
     _check_backend_arg(backend)
-    validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets)
+    if validate:
+        validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets)
     return _Dispatch.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend)
 
 
 def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None, out_dtype=None, backend=None,
-                     check_offsets=None) -> torch.Tensor:
+                     check_offsets=None, validate: bool = True) -> torch.Tensor:
     """dw[e] = x_e^T @ dy_e as [E, K, N], a transposed view of a contiguous [E, N, K] buffer
-    (the weight's storage layout). Experts without rows get zeros."""
+    (the weight's storage layout). Experts without rows get zeros. ``validate``: as for dgrad."""
     _check_backend_arg(backend)
     if num_groups is None:
         num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
-    validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets)
+    if validate:
+        validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets)
     return _Dispatch.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend)

@@ -27,16 +27,19 @@ def apply_epilogue(
     row_scale_T: Optional[torch.Tensor],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """out = row_scale[:, None] * acc + bias[expert(row)], computed in fp32, cast to out_dtype."""
+    """out = row_scale[:, None] * acc + bias[expert(row)], computed in fp32, cast to out_dtype.
+
+    ``acc_TN`` is the caller's fresh GEMM accumulator and is consumed: a float32 one is updated in
+    place (same values as out-of-place, one allocation less per call)."""
     if bias_EN is None and row_scale_T is None:
         return acc_TN if acc_TN.dtype == out_dtype else acc_TN.to(out_dtype)
-    out = acc_TN.float()
+    out = acc_TN.float()  # acc_TN itself when already float32
     if row_scale_T is not None:
-        out = out * row_scale_T.float()[:, None]
+        out.mul_((row_scale_T if row_scale_T.dtype == torch.float32 else row_scale_T.float()).unsqueeze(1))
     if bias_EN is not None:
         gid_T = group_ids(offsets_E, acc_TN.shape[0]).clamp_(max=bias_EN.shape[0] - 1)
-        out = out + bias_EN.float().index_select(0, gid_T)
-    return out.to(out_dtype)
+        out.add_(bias_EN.float().index_select(0, gid_T))
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def bias_grad(dy_TN: torch.Tensor, offsets_E: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:

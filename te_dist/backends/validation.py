@@ -38,6 +38,8 @@ def _check_float(name: str, t: torch.Tensor) -> None:
 
 
 def _check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.is_cpu and ref.is_cpu:  # the common CPU case without building two torch.device objects
+        return
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must share a device")
 
@@ -72,7 +74,7 @@ def check_offsets_values(offsets_E: torch.Tensor, num_rows: int) -> None:
 
 def _maybe_check_values(offsets_E, num_rows, check_offsets: Optional[bool]) -> None:
     if check_offsets is None:
-        check_offsets = offsets_E.device.type == "cpu"
+        check_offsets = offsets_E.is_cpu
     if check_offsets:
         check_offsets_values(offsets_E, num_rows)
 

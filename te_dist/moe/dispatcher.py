@@ -32,6 +32,7 @@ from ..distributed.groups import group_rank, group_size
 from .permutation import (
     PermutationState,
     chunk_sort_index,
+    inverse_permutation,
     permute_probs,
     permute_rows,
     permute_tokens,
@@ -54,6 +55,7 @@ class DispatchState:
     input_splits: list  # rows this rank sent to each rank
     output_splits: list  # rows this rank received from each rank
     chunk_idx: Optional[torch.Tensor]  # (rank, expert) → (expert, rank) row permutation, or None
+    chunk_inv: Optional[torch.Tensor]  # its inverse (combine and backward gather through it)
     probs_TK: Optional[torch.Tensor]  # set when probabilities are applied at combine
 
 
@@ -111,19 +113,22 @@ class AllToAllDispatcher:
         if probs_in_expert:
             probs_N = all_to_all_tokens(permute_probs(probs_TK, perm), output_splits, input_splits, self.ep_group)
         counts_recv_RL = counts_recv.view(R, El)
-        chunk_idx = None
+        chunk_idx = chunk_inv = None
         if R > 1 and El > 1:
             chunk_idx = chunk_sort_index(counts_recv_RL, sum(output_splits))
-            x_NH = permute_rows(x_NH, chunk_idx)
+            chunk_inv = inverse_permutation(chunk_idx)
+            x_NH = permute_rows(x_NH, chunk_idx, chunk_inv)
             if probs_N is not None:
-                probs_N = permute_rows(probs_N, chunk_idx)
+                probs_N = permute_rows(probs_N, chunk_idx, chunk_inv)
         split_sizes_El = counts_recv_RL.sum(dim=0)
-        state = DispatchState(perm, input_splits, output_splits, chunk_idx, None if probs_in_expert else probs_TK)
+        state = DispatchState(
+            perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK
+        )
         return x_NH, split_sizes_El, probs_N, state
 
     def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert outputs (rows by local expert) → [T, H] in the original token order."""
         if state.chunk_idx is not None:
-            y_NH = unpermute_rows(y_NH, state.chunk_idx)
+            y_NH = unpermute_rows(y_NH, state.chunk_idx, state.chunk_inv)
         y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group)
         return unpermute_tokens(y_SH, state.permutation, state.probs_TK)

@@ -47,14 +47,14 @@ def split_sizes_to_offsets(split_sizes, num_groups: int, x: torch.Tensor) -> tor
         raise TypeError(f"split_sizes must be int64 or int32, got {split_sizes.dtype}")
     if split_sizes.dim() != 1 or split_sizes.shape[0] != num_groups:
         raise ValueError(f"split_sizes must have shape [{num_groups}] (one per group), got {tuple(split_sizes.shape)}")
-    if split_sizes.device.type == "cpu":
+    if split_sizes.is_cpu:
         sizes = split_sizes.tolist()
-        if any(s < 0 for s in sizes):
+        if sizes and min(sizes) < 0:
             raise ValueError(f"split_sizes must be non-negative, got {sizes}")
         if sum(sizes) != x.shape[0]:
             raise ValueError(f"split_sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
-        return offsets if x.device.type == "cpu" else offsets.to(x.device, non_blocking=True)
+        return offsets if x.is_cpu else offsets.to(x.device, non_blocking=True)
     if split_sizes.device != x.device:
         raise ValueError(f"split_sizes on {split_sizes.device} but the input is on {x.device}")
     return torch.cumsum(split_sizes, 0, dtype=torch.int32)  # stays on the device: no sync
@@ -112,30 +112,50 @@ class GroupedLinear(BasicOperation):
             wq = fake_quantize_or_identity(w, q.weight)
         else:
             xq, wq = x, w
+        wq_EKN = wq.transpose(1, 2)
         y = kernels().grouped_mm_forward(
-            xq, wq.transpose(1, 2), offsets, bias_EN=self.bias, row_scale_T=row_scale, check_offsets=False
+            xq, wq_EKN, offsets, bias_EN=self.bias, row_scale_T=row_scale, check_offsets=False
         )
         if ctx.requires_grad:
-            saved_x, saved_w = (xq, wq) if q.save_quantized_operands else (x, w)
+            # The weight is saved as the [E, K, N] view the GEMMs take (dgrad uses it as is).
+            saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
             bias_rg = self.bias is not None and self.bias.requires_grad
             ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, offsets, w.requires_grad, bias_rg)
         return y
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale``."""
-        saved_x, row_scale, saved_w, offsets, weight_rg, bias_rg = ctx.saved
-        ctx.saved = ()
-        k = kernels()
         dyq = fake_quantize_or_identity(dy, self._quantizers.grad_output)
-        dx = None
-        if ctx.input_requires_grad:
-            dx = k.grouped_mm_dgrad(dyq, saved_w.transpose(1, 2), offsets, check_offsets=False)
+        dx = self.grouped_dgrad(ctx, dyq)
+        saved_x, row_scale = ctx.saved[0], ctx.saved[1]
+        x_in = saved_x
+        if saved_x is not None and row_scale is not None:
+            x_in = saved_x * row_scale.to(saved_x.dtype).unsqueeze(-1)
+        dw, db = self.grouped_wgrad(ctx, dy, dyq, x_in)
+        return dx, dw, db
+
+    def grouped_dgrad(self, ctx: OpContext, dyq):
+        """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: dy as quantized."""
+        if not ctx.input_requires_grad:
+            return None
+        saved_w_EKN, offsets = ctx.saved[2], ctx.saved[3]
+        # Operands checked by this op's forward (autograd fixes dy's shape and dtype): no re-validation.
+        return kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, validate=False)
+
+    def grouped_wgrad(self, ctx: OpContext, dy, dyq, x_in):
+        """``(dweight, dbias)`` from the GEMM input ``x_in`` (None when unused); releases the saved tensors.
+
+        Separate from dgrad so the grouped-MLP fusion can form ``x_in`` in the same pass as its
+        activation backward, which needs dgrad's result."""
+        _, _, _, offsets, weight_rg, bias_rg = ctx.saved
+        ctx.saved = ()
         dw = None
         if weight_rg:
-            x_in = saved_x if row_scale is None else saved_x * row_scale.to(saved_x.dtype).unsqueeze(-1)
-            dw = k.grouped_mm_wgrad(x_in, dyq, offsets, num_groups=self.num_groups, check_offsets=False).transpose(1, 2)
+            dw = kernels().grouped_mm_wgrad(
+                x_in, dyq, offsets, num_groups=self.num_groups, validate=False
+            ).transpose(1, 2)
         db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
-        return dx, dw, db
+        return dw, db
 
     # ------------------------------------------------------------------ op interface
     def op_forward(self, ctx, x, extra_inputs, recipe):

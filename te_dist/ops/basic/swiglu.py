@@ -14,7 +14,7 @@ import torch
 
 from ..op import BasicOperation
 
-__all__ = ["SwiGLU", "ScaledSwiGLU", "swiglu_forward", "swiglu_backward"]
+__all__ = ["SwiGLU", "ScaledSwiGLU", "swiglu_forward", "swiglu_backward", "scaled_swiglu_backward"]
 
 _aten = torch.ops.aten
 
@@ -25,7 +25,30 @@ def _check_limit(limit):
     return None if limit is None else float(limit)
 
 
-def swiglu_forward(x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+_compile = None
+
+
+def _compile_module():
+    """te_dist.quantization.compile, imported on first use (keeps `import te_dist.ops` light)."""
+    global _compile
+    if _compile is None:
+        from ...quantization import compile as module
+
+        _compile = module
+    return _compile
+
+
+def _fused(fn, x, *args):
+    """Run a pure elementwise function compiled on CUDA (one kernel instead of 3-8 eager passes
+    over non-contiguous halves), eagerly elsewhere: see te_dist.quantization.compile."""
+    return _compile_module().dispatch(fn, x, *args)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _swiglu_forward_kernel(x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     if limit is not None:
         gate = gate.clamp(max=limit)
@@ -33,7 +56,71 @@ def swiglu_forward(x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def swiglu_forward(x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    return _fused(_swiglu_forward_kernel, x, limit)
+
+
+def _scaled_swiglu_backward_kernel(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+    """Pure function behind :func:`scaled_swiglu_backward`, computed in fp32, rounded once."""
+    gate_in, up_in = h.float().chunk(2, dim=-1)
+    gate, up = gate_in, up_in
+    if limit is not None:
+        gate = gate_in.clamp(max=limit)
+        up = up_in.clamp(-limit, limit)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    s = silu * up
+    d = da.float()
+    p = probs.float().unsqueeze(-1)
+    dprobs = (d * s).sum(-1)
+    dp = d * p
+    dgate = dp * up * (sig * (1.0 + gate * (1.0 - sig)))
+    dup = dp * silu
+    if limit is not None:
+        dgate = dgate * (gate_in <= limit)
+        dup = dup * ((up_in >= -limit) & (up_in <= limit))
+    return torch.cat((dgate, dup), dim=-1).to(h.dtype), dprobs, (s * p).to(h.dtype)
+
+
+def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+    """Backward of ``y = swiglu(h) * probs[:, None]`` given ``da = dL/dy``, in one pass over h and da.
+
+    Returns ``(dh, dprobs_fp32, swiglu(h) * probs)``: the last one is what the grouped MLP's second
+    GEMM needs for its weight gradient, formed here so it costs one write instead of another pass.
+    """
+    if _compile_module().compile_enabled(h.device):
+        return _fused(_scaled_swiglu_backward_kernel, da, h, probs, limit)
+    return _scaled_swiglu_backward_eager(da, h, probs, limit)
+
+
+def _scaled_swiglu_backward_eager(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+    """The same fp32 math as the kernel in fewer eager ops (aten silu / silu_backward instead of the
+    sigmoid algebra Inductor fuses, casts only when needed): uncompiled (CPU) each op costs 1-2 µs
+    of dispatch; 12 ops instead of 17, ~29 -> ~17 µs at 32x64. Equal to the kernel within fp32 rounding."""
+    gate_in, up_in = _as(h, torch.float32).chunk(2, dim=-1)
+    gate, up = gate_in, up_in
+    if limit is not None:
+        gate = gate_in.clamp(max=limit)
+        up = up_in.clamp(-limit, limit)
+    silu = torch.nn.functional.silu(gate)
+    s = silu * up
+    d = _as(da, torch.float32)
+    p = _as(probs, torch.float32).unsqueeze(-1)
+    dprobs = (d * s).sum(-1)
+    dp = d * p
+    dgate = _aten.silu_backward(dp * up, gate)
+    dup = dp * silu
+    if limit is not None:
+        dgate = dgate * (gate_in <= limit)
+        dup = dup * ((up_in >= -limit) & (up_in <= limit))
+    return _as(torch.cat((dgate, dup), dim=-1), h.dtype), dprobs, _as(s.mul_(p), h.dtype)
+
+
 def swiglu_backward(dy: torch.Tensor, x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    return _fused(_swiglu_backward_kernel, dy, x, limit)
+
+
+def _swiglu_backward_kernel(dy: torch.Tensor, x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     gate_in, up_in = x.chunk(2, dim=-1)
     gate, up = gate_in, up_in
     if limit is not None:

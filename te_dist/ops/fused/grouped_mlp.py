@@ -12,10 +12,9 @@ user may attach at runtime; it is part of ``str(recipe)`` and therefore of the p
 
 from __future__ import annotations
 
-import torch
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
-from ..basic.swiglu import swiglu_backward, swiglu_forward
+from ..basic.swiglu import scaled_swiglu_backward, swiglu_forward
 from ..op import FusedOperation
 from ..rules import FusionRule
 
@@ -51,19 +50,15 @@ class GroupedMLP(FusedOperation):
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
         fc1, act, fc2 = self.basic_ops
         c1, c2, c3 = ctxs
-        if isinstance(act, ScaledSwiGLU) and c3.saved[0] is not None and c3.saved[1] is not None:
-            # Row-scale forward: fc2 saved s = swiglu(h) and the probabilities, so the probability
-            # gradient reuses s instead of recomputing the activation.
+        if isinstance(act, ScaledSwiGLU) and c3.saved and c3.saved[1] is not None:
+            # Row-scale forward (no quantization): one fused pass over h and dgrad's output gives
+            # dh, the probability gradient and swiglu(h) * probs, the input of fc2's wgrad.
             h, probs, probs_shape, probs_rg = c2.saved
             c2.saved = ()
-            s = c3.saved[0]
-            da, dw2, db2 = fc2.grouped_backward(c3, dy)
-            dprobs = None
-            if probs_rg:
-                acc = torch.promote_types(da.dtype, torch.float32)
-                dprobs = (da * s).sum(-1, dtype=acc).to(probs.dtype).reshape(probs_shape)
-            dh = swiglu_backward(da * probs.to(da.dtype).unsqueeze(-1), h, act.limit)
-            act_extra = (dprobs,)
+            da = fc2.grouped_dgrad(c3, dy)
+            dh, dprobs, scaled = scaled_swiglu_backward(da, h, probs, act.limit)
+            dw2, db2 = fc2.grouped_wgrad(c3, dy, dy, scaled)
+            act_extra = (dprobs.to(probs.dtype).reshape(probs_shape) if probs_rg else None,)
         else:
             da, dw2, db2 = fc2.grouped_backward(c3, dy)
             dh, _, act_extra = act.op_backward(c2, da, ())
