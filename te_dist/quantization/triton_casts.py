@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused import UnsupportedLayout
+
 __all__ = [
     "compute_amax",
     "current_scaling_quantize",
@@ -260,7 +262,11 @@ def _cast_square_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
         if ROW:
             tl.store(row_ptr + r[:, None] * C + c[None, :], y.to(row_ptr.dtype.element_ty))
         if COL:
-            tl.store(col_ptr + b * C * R + c[None, :] * R + (r - b * R)[:, None], y.to(col_ptr.dtype.element_ty))
+            # Transpose in registers first, so the store runs along the copy's contiguous dim: storing
+            # the [SUB, T] tile through transposed addresses mis-placed FP8 elements of fp32 inputs
+            # on H200 (Triton of torch 2.11), although the interpreter agreed.
+            yt = tl.trans(y)
+            tl.store(col_ptr + b * C * R + c[:, None] * R + (r - b * R)[None, :], yt.to(col_ptr.dtype.element_ty))
     if ROW:
         tl.store(row_s_ptr + pid_r * (C // T) + pid_c, scale_inv)
     if COL:
@@ -379,7 +385,10 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
     """Shared driver of the 1xG casts (Float8 1x128, MXFP8 1x32)."""
     x = x.contiguous()
     lead, m, rows, cols = _split_shape(x)
-    assert cols % group == 0 and (not columnwise or rows % group == 0), "the quantizer validates tiling"
+    if cols % group or (columnwise and rows % group):
+        # e.g. a columnwise-only copy of x[32, 16] with 1x32 blocks: valid, but these kernels tile x's
+        # columns in whole blocks; the compiled cast handles it.
+        raise UnsupportedLayout(f"fused 1x{group} casts need both dims of x {tuple(x.shape)} to tile {group}")
     dev = x.device
     row = col = (None, None)
     if rowwise:
@@ -420,7 +429,8 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
     x = x.contiguous()
     lead, m, rows, cols = _split_shape(x)
     t = _SQUARE_TILE
-    assert rows % t == 0 and cols % t == 0, "the quantizer validates tiling"
+    if rows % t or cols % t:
+        raise UnsupportedLayout(f"fused {t}x{t} casts need both dims of x {tuple(x.shape)} to tile {t}")
     dev = x.device
     row = col = (None, None)
     if rowwise:

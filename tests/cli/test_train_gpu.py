@@ -21,7 +21,9 @@ def test_one_gpu_rank(run_cli, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_ranks_resume(run_cli, tmp_path):
-    common = ("train", "--nproc", 2, "--steps", 6, "--ckpt-every", 3)
+    # Unquantized, as the CPU test of resuming at another EP size: per-tensor FP8 scales are taken
+    # over what a rank holds, so a quantized model is a slightly different function at another EP size.
+    common = ("train", "--nproc", 2, "--steps", 6, "--ckpt-every", 3, "--recipe", "none")
     run_cli(*common, "--out", "straight").check()
     result = run_cli(*common, "--out", "resumed", "--resume", "straight/checkpoints/step_000003", "--ep", 1).check()
     assert "2 ranks (nccl, cuda) | ep=1" in result.output
