@@ -4,14 +4,14 @@ Why a separate module: the switch and the lazy loader must import without Triton
 while ``triton_casts`` imports Triton at module level. The quantizers ask :func:`fused_casts_for`
 for the kernel module per call; ``None`` means "use the ``cast`` functions through ``compile.dispatch``".
 
-Policy (``set_fused_casts_enabled``):
-  * ``None`` (default): fused on CUDA devices of compute capability >= 8.9 (FP8 conversions in
+Policy (``set_fused_casts_enabled``; the default is ``False``, see ``DEFAULT``):
+  * ``None``: fused on CUDA devices of compute capability >= 8.9 (FP8 conversions in
     hardware) when ``triton`` imports; a kernel that fails to build warns once and that
     configuration falls back to the compiled path;
   * ``True``: fused on every device (CPU tensors run in Triton's interpreter, which needs
     ``TRITON_INTERPRET=1`` before Triton is imported: that is how the CPU tests check the kernel
     logic); failures raise;
-  * ``False``: never (the benchmark's "compiled" rows).
+  * ``False`` (default): never (the benchmark's "compiled" rows).
 Only bf16 / fp16 / fp32 inputs take the fused path (float64 stays on the reference path).
 """
 
@@ -35,7 +35,11 @@ __all__ = [
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-_state = {"enabled": None}  # None: auto (CUDA sm89+), True: everywhere, False: never
+# Off by default: on H200 (Triton 3.6) 6 of the 73 GPU cases of tests/quantization/test_triton_casts.py
+# still failed in the last run and delayed / 1x128 row+col were slower than the compiled casts
+# (docs/benchmarks.md), so the compiled casts stay the default until both are fixed. Opt in with None.
+DEFAULT = False
+_state = {"enabled": DEFAULT}  # None: auto (CUDA sm89+), True: everywhere, False: never
 _failed: set = set()
 
 

@@ -80,7 +80,7 @@ def reference_mode():
     set_compile_enabled(False)
     yield
     set_compile_enabled(None)
-    set_fused_casts_enabled(None)
+    set_fused_casts_enabled(fused.DEFAULT)
 
 
 def _assert_same(actual, expected, what=""):
@@ -341,7 +341,7 @@ def test_quantizers_fused_equal_reference(device, reference_mode, case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_cuda_default_takes_the_fused_path(cuda_device, monkeypatch):
-    """On an H200 the automatic mode must pick the kernels (no silent fallback to the compiled path)."""
+    """On an H200 the automatic mode (opt-in) must pick the kernels (no silent fallback to the compiled path)."""
     set_fused_casts_enabled(None)
     calls = []
     from te_dist.quantization import triton_casts
@@ -432,7 +432,7 @@ def test_kernels_build_for_sm90_without_spills(monkeypatch):
 @pytest.fixture
 def policy():
     yield fused
-    fused.set_fused_casts_enabled(None)
+    fused.set_fused_casts_enabled(fused.DEFAULT)
     fused._failed.clear()
 
 
