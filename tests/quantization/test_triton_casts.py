@@ -444,9 +444,10 @@ def test_switch_rejects_non_bool(policy):
 def test_without_triton_auto_falls_back_and_forcing_raises(policy, monkeypatch):
     monkeypatch.setattr(fused, "_load", lambda: (None, "ModuleNotFoundError('triton')"))
     assert not fused.fused_casts_available()
+    set_fused_casts_enabled(None)
     with pytest.raises(RuntimeError, match="needs triton"):
         set_fused_casts_enabled(True)
-    assert fused.fused_casts_enabled() is None
+    assert fused.fused_casts_enabled() is None  # the failed call left the setting alone
     # automatic mode: CPU tensors never take the fused path, and quantizers keep working
     x = torch.randn(4, 128)
     assert fused.fused_casts_for(x) is None
