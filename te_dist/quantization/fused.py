@@ -35,8 +35,9 @@ __all__ = [
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Off by default: on H200 (Triton 3.6) 6 of the 73 GPU cases of tests/quantization/test_triton_casts.py
-# still failed in the last run and delayed / 1x128 row+col were slower than the compiled casts
+# Off by default: on H200 (Triton 3.6) 4 of the 72 GPU cases of tests/quantization/test_triton_casts.py
+# (128x128 columnwise copies of float32 inputs) still failed in the last run, and delayed scaling and
+# the 1x128 row+col pair were slower than the compiled casts
 # (docs/benchmarks.md), so the compiled casts stay the default until both are fixed. Opt in with None.
 DEFAULT = False
 _state = {"enabled": DEFAULT}  # None: auto (CUDA sm89+), True: everywhere, False: never
