@@ -319,29 +319,28 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     return _amax_bits(x.contiguous()).view(torch.float32).reshape(())
 
 
-@_on_x_device
-def cast_from_amax(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
-    """Cast with ``per_tensor_scale(amax)`` computed on the device (amax: float32, e.g. all-reduced).
-    Returns (data, scale_inv)."""
-    x = x.contiguous()
-    bits = amax.to(torch.float32).reshape(1).contiguous().view(torch.int32)
+def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool):
+    """The cast pass: the kernel derives ``per_tensor_scale`` from amax bits in device memory."""
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True,
                  power_2=power_2, record=False)
     return data, scale_inv
+
+
+@_on_x_device
+def cast_from_amax(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
+    """Cast with ``per_tensor_scale(amax)`` computed on the device (amax: float32, e.g. all-reduced).
+    Returns (data, scale_inv)."""
+    bits = amax.to(torch.float32).reshape(1).contiguous().view(torch.int32)
+    return _cast_from_amax_bits(x.contiguous(), bits, fp8_dtype, fmt_max, power_2)
 
 
 @_on_x_device
 def current_scaling_quantize(x, fp8_dtype, fmt_max: float, power_2: bool):
     """cast.current_scaling_quantize: amax pass + cast pass, no host sync. Returns (data, scale_inv)."""
     x = x.contiguous()
-    bits = _amax_bits(x)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True,
-                 power_2=power_2, record=False)
-    return data, scale_inv
+    return _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
 
 
 @_on_x_device
