@@ -30,7 +30,6 @@ __all__ = [
     "fused_casts_available",
     "fused_casts_for",
     "run_fused",
-    "UnsupportedLayout",
 ]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -97,14 +96,10 @@ def fused_casts_for(x: torch.Tensor):
     return _load()[0]
 
 
-class UnsupportedLayout(ValueError):
-    """A valid input whose layout the Triton kernels do not tile: the compiled cast runs it instead."""
-
-
 def run_fused(key: tuple, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)``, or None when the caller should use the compiled path instead.
 
-    :class:`UnsupportedLayout` (a shape these kernels do not tile) returns None for that call only.
+    ``triton_casts.UnsupportedLayout`` (a shape these kernels do not tile) returns None for that call only.
     In automatic mode any other failure (a Triton build error) warns once per ``key`` (kernel name +
     static configuration) and disables that key; kernels write only new tensors, so nothing is
     half-updated. Forced mode raises."""
@@ -112,9 +107,10 @@ def run_fused(key: tuple, fn: Callable, *args, **kwargs):
         return None
     try:
         return fn(*args, **kwargs)
-    except UnsupportedLayout:
-        return None  # this shape only: later calls with other shapes keep the fused path
     except Exception as exc:
+        unsupported = getattr(_load()[0], "UnsupportedLayout", ())
+        if isinstance(exc, unsupported):
+            return None  # this shape only: later calls with other shapes keep the fused path
         if _state["enabled"] is True:
             raise
         _failed.add(key)

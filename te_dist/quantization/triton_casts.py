@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import UnsupportedLayout
-
 __all__ = [
     "compute_amax",
     "current_scaling_quantize",
@@ -41,7 +39,14 @@ __all__ = [
     "delayed_scaling_step",
     "cast_fp8_blocks",
     "cast_mxfp8",
+    "UnsupportedLayout",
 ]
+
+
+class UnsupportedLayout(ValueError):
+    """A valid input whose layout these kernels do not tile: ``fused.run_fused`` hands it to the
+    compiled cast for that call only."""
+
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
 _F32_INF_BITS = tl.constexpr(0x7F800000)
