@@ -12,6 +12,8 @@ fused kernel and prints its compiled row only. "vs compiled" is the compiled tim
 GB/s counts the bytes a quantize must move at least once: the input read plus every output
 written (elements and scales). The copy baseline moves the input's bytes in and out
 (``dst.copy_(src)``), so ``vs copy`` is the fraction of practical memory bandwidth reached.
+"time" is a queued loop (host included: when "host" is close to it, the host is the bottleneck);
+"GPU" replays the same calls from a CUDA graph (kernels only), against a graph-replayed copy.
 Goal (issue 3): >= 50% of copy bandwidth for per-tensor and block formats on H200.
 """
 
@@ -58,22 +60,26 @@ def _output_bytes(q) -> int:
     return total
 
 
-def _time(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Seconds per call, median over 5 rounds of ``iters`` back-to-back calls.
+def _time(fn, device: torch.device, warmup: int, iters: int) -> tuple:
+    """(seconds per call, host seconds per call): medians over 5 rounds of ``iters`` back-to-back calls.
 
     On CUDA the calls of a round are queued without syncing between them, as in training where
-    the host runs ahead, so the launch overhead overlaps with the previous call's kernels.
+    the host runs ahead, so the launch overhead overlaps with the previous call's kernels. The host
+    time is how long queueing one call takes: when it is close to the first number, the host is the
+    bottleneck, not the kernels.
     """
     for _ in range(warmup):
         fn()
-    rounds = []
+    rounds, host = [], []
     for _ in range(5):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             for _ in range(iters):
                 fn()
+            host.append((time.perf_counter() - t0) / iters)
             end.record()
             end.synchronize()
             rounds.append(start.elapsed_time(end) / 1e3 / iters)
@@ -82,7 +88,51 @@ def _time(fn, device: torch.device, warmup: int, iters: int) -> float:
             for _ in range(iters):
                 fn()
             rounds.append((time.perf_counter() - t0) / iters)
+            host.append(rounds[-1])
+    return statistics.median(rounds), statistics.median(host)
+
+
+def _graph_time(fn, iters: int):
+    """GPU seconds per call without host overhead: ``iters`` calls captured in one CUDA graph, the
+    replay timed (median of 5). None when the call cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+    except Exception as exc:  # e.g. a compiled function that recompiles under capture
+        print(f"  (no CUDA graph: {exc!r:.120})")
+        return None
+    graph.replay()
+    rounds = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / 1e3 / iters)
     return statistics.median(rounds)
+
+
+def _kernel_times(fn, iters: int) -> list:
+    """[(kernel name, GPU us per call)] from the torch profiler, largest first (``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main(argv=None) -> None:
@@ -96,6 +146,7 @@ def main(argv=None) -> None:
     parser.add_argument("--eager", action="store_true", help="disable torch.compile of the cast functions")
     parser.add_argument("--compile", action="store_true", help="compile the cast functions on any device (CPU too)")
     parser.add_argument("--no-fused", action="store_true", help="skip the fused Triton rows")
+    parser.add_argument("--profile", action="store_true", help="CUDA: list each case's kernels and their GPU time")
     parser.add_argument("--fused", action="store_true",
                         help="fused rows on any device (CPU: Triton's interpreter, TRITON_INTERPRET=1; logic only)")
     args = parser.parse_args(argv)
@@ -115,8 +166,9 @@ def main(argv=None) -> None:
     x = torch.randn(rows, cols, device=device, dtype=dtype)
     in_bytes = x.numel() * x.element_size()
     dst = torch.empty_like(x)
-    copy_s = _time(lambda: dst.copy_(x), device, warmup, iters)
+    copy_s, _ = _time(lambda: dst.copy_(x), device, warmup, iters)
     copy_gbs = 2 * in_bytes / copy_s / 1e9
+    copy_graph_s = _graph_time(lambda: dst.copy_(x), iters) if cuda else None
 
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     mode = "torch.compile" if args.compile or (cuda and not args.eager) else "eager"
@@ -130,9 +182,11 @@ def main(argv=None) -> None:
         mode += f" + fused Triton {triton.__version__}"
     print(f"device={name} torch={torch.__version__} x={rows}x{cols} {args.dtype} mode={mode} median of 5 rounds x {iters} calls")
     reference = "compiled" if mode.startswith("torch.compile") else "eager"
-    print(f"| case | path | time (us) | GB/s | vs copy | vs {reference} |")
-    print("|---|---|---|---|---|---|")
-    print(f"| device-to-device copy | | {copy_s * 1e6:.1f} | {copy_gbs:.3g} | 1.00 | |")
+    print(f"| case | path | time (us) | host (us) | GB/s | vs copy | vs {reference} | GPU (us) | GPU vs copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    graph_cell = f"{copy_graph_s * 1e6:.1f} | 1.00" if copy_graph_s else " | "
+    print(f"| device-to-device copy | | {copy_s * 1e6:.1f} | | {copy_gbs:.3g} | 1.00 | | {graph_cell} |")
+    profiles = []
     try:
         for label, build, role, *both in CASES:
             recipe = build()
@@ -144,14 +198,24 @@ def main(argv=None) -> None:
                 quantizer = make_quantizer(recipe, role)
                 quantizer.set_usage(rowwise=True, columnwise=bool(both and both[0]))
                 out_bytes = _output_bytes(quantizer(x))
-                seconds = _time(lambda: quantizer(x), device, warmup, iters)
-                rows_out.append((path, seconds, (in_bytes + out_bytes) / seconds / 1e9))
+                seconds, host = _time(lambda: quantizer(x), device, warmup, iters)
+                graph_s = _graph_time(lambda: quantizer(x), iters) if cuda else None
+                rows_out.append((path, seconds, host, (in_bytes + out_bytes) / seconds / 1e9, graph_s))
+                if args.profile and cuda:
+                    profiles.append((f"{label} [{path}]", _kernel_times(lambda: quantizer(x), iters)))
             ref_seconds = rows_out[-1][1]
-            for path, seconds, gbs in rows_out:
-                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {gbs:.3g} | {gbs / copy_gbs:.2f} | "
-                      f"{ref_seconds / seconds:.2f} |")
+            for path, seconds, host, gbs, graph_s in rows_out:
+                graph_cell = (f"{graph_s * 1e6:.1f} | {copy_graph_s / graph_s * (in_bytes + out_bytes) / (2 * in_bytes):.2f}"
+                              if graph_s and copy_graph_s else " | ")
+                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | "
+                      f"{gbs / copy_gbs:.2f} | {ref_seconds / seconds:.2f} | {graph_cell} |")
     finally:
         set_fused_casts_enabled(None)
+    for label, kernels in profiles:
+        total = sum(us for _, us in kernels)
+        print(f"\n{label}: {total:.1f} us of kernels per call")
+        for name, us in kernels:
+            print(f"  {us:8.1f} us  {name[:110]}")
 
 
 if __name__ == "__main__":

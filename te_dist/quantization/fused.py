@@ -4,14 +4,14 @@ Why a separate module: the switch and the lazy loader must import without Triton
 while ``triton_casts`` imports Triton at module level. The quantizers ask :func:`fused_casts_for`
 for the kernel module per call; ``None`` means "use the ``cast`` functions through ``compile.dispatch``".
 
-Policy (``set_fused_casts_enabled``; the default is ``False``, see ``DEFAULT``):
-  * ``None``: fused on CUDA devices of compute capability >= 8.9 (FP8 conversions in
+Policy (``set_fused_casts_enabled``; the default is ``None``, see ``DEFAULT``):
+  * ``None`` (default): fused on CUDA devices of compute capability >= 8.9 (FP8 conversions in
     hardware) when ``triton`` imports; a kernel that fails to build warns once and that
     configuration falls back to the compiled path;
   * ``True``: fused on every device (CPU tensors run in Triton's interpreter, which needs
     ``TRITON_INTERPRET=1`` before Triton is imported: that is how the CPU tests check the kernel
     logic); failures raise;
-  * ``False`` (default): never (the benchmark's "compiled" rows).
+  * ``False``: never (the benchmark's "compiled" rows).
 Only bf16 / fp16 / fp32 inputs take the fused path (float64 stays on the reference path).
 """
 
@@ -34,11 +34,9 @@ __all__ = [
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Off by default: on H200 (Triton 3.6) 4 of the 72 GPU cases of tests/quantization/test_triton_casts.py
-# (128x128 columnwise copies of float32 inputs) still failed in the last run, and delayed scaling and
-# the 1x128 row+col pair were slower than the compiled casts
-# (docs/benchmarks.md), so the compiled casts stay the default until both are fixed. Opt in with None.
-DEFAULT = False
+# On by default (automatic): on H200 the fused kernels pass the bit-exact GPU tests and beat the
+# compiled casts (docs/benchmarks.md, "Quantization throughput").
+DEFAULT = None
 _state = {"enabled": DEFAULT}  # None: auto (CUDA sm89+), True: everywhere, False: never
 _failed: set = set()
 

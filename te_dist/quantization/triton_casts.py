@@ -10,7 +10,9 @@ host sync), and they are **bit-identical** to the pure functions in :mod:`.cast`
   float64 and round it to float32, which is the correctly rounded float32 reciprocal (a quotient
   rounded to 53 bits and then to 24 bits rounds like a direct rounding), subnormal results kept;
 * amaxes are maxima of ``|x|`` as int32 bit patterns (non-negative floats order like their bits,
-  NaN patterns sort above Inf, so NaN propagates); per-tensor amax uses one ``atomic_max`` per program;
+  NaN patterns sort above Inf, so NaN propagates); per-tensor amax uses one *relaxed* ``atomic_max``
+  per program (its reader is a later kernel, so no fence is needed: an acq_rel atomic after the
+  stores made every program wait for its own writes);
 * clamp keeps NaN (comparisons with NaN are false), then the hardware cast rounds to nearest even;
 * scale rules follow :mod:`.scaling` (fallback 1.0 / previous scale for 0, Inf, NaN amax; Inf scale ->
   largest fp32; power-of-2 rounding from the exponent bits; MX exponent from the amax bits, 2**-X
@@ -56,11 +58,15 @@ _F32_INF_BITS = tl.constexpr(0x7F800000)
 # sub-tiles of ~16 elements per thread (no spills) and loops over several of them, so one program
 # still moves >= 8-16 KB of bf16 input and issues one amax atomic.
 _PT_BLOCK, _PT_ITERS, _PT_WARPS = 2048, 4, 4  # per-tensor: 8192 elements per program
-# 1xG blocks: group -> (sub-tile rows, groups per row, warps) for rowwise-only and for row+col
-_ROWS_TILE = {128: (16, 1, 4), 32: (16, 4, 4)}
-_ROWS_ITERS = 4  # rowwise-only programs cover 4 sub-tiles (64 rows)
-_ROWCOL_TILE = {128: (32, 1, 8), 32: (32, 4, 8)}  # a row+col program covers G rows (one column block)
-_SQUARE_TILE, _SQUARE_SUB, _SQUARE_WARPS = 128, 32, 8  # 128x128 blocks, 32-row sub-tiles
+# rowwise-only 1xG blocks are consecutive runs of G elements in memory: the kernel streams x as a flat
+# [blocks, G] array. group -> (blocks per sub-tile, sub-tiles per program, warps): 2048 elements per sub-tile
+_ROWS_TILE = {128: (16, 4, 4), 32: (64, 4, 4)}
+# G-row tiles (_cast_tile_kernel): a program owns G rows x NG*G columns in sub-tiles of SUB rows;
+# (group, square) -> (NG, SUB, warps). Rows+columns of 1xG blocks, and 128x128 blocks (either copy).
+_TILE = {(128, False): (1, 64, 4), (32, False): (8, 32, 4), (128, True): (1, 64, 4)}
+# group -> True: a row+col cast runs the rowwise kernel, then the tile kernel for the columnwise copy
+# only (x read twice, fewer reductions per tile); False: one tile kernel writes both copies
+_ROWCOL_SPLIT = {128: False, 32: False}
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -135,23 +141,28 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     for i in range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         acc = tl.maximum(acc, _abs_bits(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0), sem="relaxed")
 
 
 @triton.jit
 def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n,
                             FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
-                            RECORD_AMAX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                            RECORD_AMAX: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+                            ITERS: tl.constexpr):
     """out = fp8(clamp(x * scale)); the scale is read from ``scale_ptr`` or derived from the amax
-    bits at ``amax_ptr`` (program 0 then writes scale_inv); RECORD_AMAX accumulates amax(x) there."""
+    bits at ``amax_ptr`` (program 0 then writes scale_inv); RECORD_AMAX accumulates amax(x) there.
+
+    REVERSE walks x from its end: right after an amax pass, the tail that pass read last is still
+    in L2, so the cast's first programs read it from there instead of from HBM."""
     pid = tl.program_id(0)
+    chunk = tl.num_programs(0) - 1 - pid if REVERSE else pid
     if SCALE_FROM_AMAX:
         scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
         if pid == 0:
             tl.store(scale_inv_ptr, _recip(scale))
     else:
         scale = tl.load(scale_ptr)
-    base = pid.to(tl.int64) * (BLOCK * ITERS)
+    base = chunk.to(tl.int64) * (BLOCK * ITERS)
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for i in range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
@@ -162,7 +173,7 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
         if RECORD_AMAX:
             acc = tl.maximum(acc, _abs_bits(x))
     if RECORD_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+        tl.atomic_max(amax_ptr, tl.max(acc, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -191,91 +202,142 @@ def _delayed_update_kernel(amax_ptr, hist_ptr, scale_ptr, new_hist_ptr, new_scal
 
 # --------------------------------------------------------------------------- block kernels
 @triton.jit
-def _cast_1d_blocks_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, R, C,
-                           FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr,
-                           MARGIN: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, NG: tl.constexpr,
-                           ITERS: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr):
-    """1xG blocks of x [M, C] along its rows (rowwise copy [M, C], scales [M, C/G]) and/or along its
-    columns (columnwise copy [B, C, R], scales [B, C, R/G]) from one read of x.
-
-    A program covers SUB*ITERS rows and NG*G columns, in ITERS sub-tiles [SUB, NG, G]. With COL it
-    covers exactly one column block in height (SUB*ITERS == G rows, never straddling two matrices as
-    R % G == 0); when a sub-tile is shorter than G, a first loop takes the column amaxes and the
-    second re-reads the sub-tiles, which the first loop just brought into L2."""
-    row0 = tl.program_id(0).to(tl.int64) * (SUB * ITERS)
-    g = tl.program_id(1) * NG + tl.arange(0, NG)
+def _cast_rows_kernel(x_ptr, out_ptr, s_ptr, nblocks, FMT_MAX: tl.constexpr, POWER_2: tl.constexpr,
+                      MX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, G: tl.constexpr,
+                      NB: tl.constexpr, ITERS: tl.constexpr):
+    """Rowwise 1xG blocks (C % G == 0): block j is x.flat[j*G:(j+1)*G] and its scale is s.flat[j], so x
+    streams as a flat [nblocks, G] array, NB blocks per sub-tile, ITERS sub-tiles per program."""
+    base = tl.program_id(0).to(tl.int64) * (NB * ITERS)
     k = tl.arange(0, G)
-    sub = tl.arange(0, SUB)
-    num_g = C // G
-    g3 = g[None, :, None]
-    c3 = g3 * G + k[None, None, :]  # column index [1, NG, G]
-    if COL:
-        b = row0 // R
-        rl0 = row0 - b * R
-        c2 = g[:, None] * G + k[None, :]  # [NG, G]
-        if SUB < G:
-            col_acc = tl.zeros((NG, G), dtype=tl.int32)
-            for i in range(ITERS):
-                r3 = (row0 + i * SUB + sub)[:, None, None]
-                x = tl.load(x_ptr + r3 * C + c3, mask=(r3 < M) & (g3 < num_g), other=0.0)
-                col_acc = tl.maximum(col_acc, tl.max(_abs_bits(x), axis=0))
-            col_mult, col_stored = _block_scale(col_acc, FMT_MAX, POWER_2, MX, EMAX, MARGIN)
-            tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + rl0 // G, col_stored, mask=g[:, None] < num_g)
     for i in range(ITERS):
-        r = row0 + i * SUB + sub
-        r3 = r[:, None, None]
-        mask = (r3 < M) & (g3 < num_g)
-        x = tl.load(x_ptr + r3 * C + c3, mask=mask, other=0.0).to(tl.float32)
-        bits = _abs_bits(x)
-        if ROW:
-            mult, stored = _block_scale(tl.max(bits, axis=2), FMT_MAX, POWER_2, MX, EMAX, MARGIN)  # [SUB, NG]
-            y = _saturate(x * mult[:, :, None], FMT_MAX)
-            tl.store(row_ptr + r3 * C + c3, y.to(row_ptr.dtype.element_ty), mask=mask)
-            r2 = r[:, None]
-            tl.store(row_s_ptr + r2 * num_g + g[None, :], stored, mask=(r2 < M) & (g[None, :] < num_g))
-        if COL:
-            if SUB == G:  # the sub-tile is the whole column block
-                col_mult, col_stored = _block_scale(tl.max(bits, axis=0), FMT_MAX, POWER_2, MX, EMAX, MARGIN)
-                tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + (rl0 + i * SUB) // G, col_stored,
-                         mask=g[:, None] < num_g)
-            y = _saturate(x * col_mult[None, :, :], FMT_MAX)
-            tl.store(col_ptr + b * C * R + c3 * R + (r3 - b * R), y.to(col_ptr.dtype.element_ty), mask=mask)
+        blk = base + i * NB + tl.arange(0, NB)
+        mask = blk < nblocks
+        offs = blk[:, None] * G + k[None, :]
+        x = tl.load(x_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+        mult, stored = _block_scale(tl.max(_abs_bits(x), axis=1), FMT_MAX, POWER_2, MX, EMAX, MARGIN)
+        y = _saturate(x * mult[:, None], FMT_MAX)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+        tl.store(s_ptr + blk, stored, mask=mask)
 
 
 @triton.jit
-def _cast_square_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
-                        FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, T: tl.constexpr, SUB: tl.constexpr,
-                        ROW: tl.constexpr, COL: tl.constexpr):
-    """TxT blocks (one scale per tile; R and C are multiples of T): the columnwise copy is the
-    rowwise one transposed, with the same scales transposed. First loop: tile amax over T/SUB
-    sub-tiles; second loop: re-read them (from L2) and cast."""
-    pid_r = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1).to(tl.int64)
-    sub = tl.arange(0, SUB)
-    c = pid_c * T + tl.arange(0, T)
-    acc = tl.zeros((SUB, T), dtype=tl.int32)
-    for i in range(T // SUB):
-        r = pid_r * T + i * SUB + sub
-        acc = tl.maximum(acc, _abs_bits(tl.load(x_ptr + r[:, None] * C + c[None, :])))
-    scale = _fp8_scale(tl.max(tl.max(acc, axis=1), axis=0), FMT_MAX, POWER_2)
-    scale_inv = _recip(scale)
-    b = (pid_r * T) // R
-    for i in range(T // SUB):
-        r = pid_r * T + i * SUB + sub
-        x = tl.load(x_ptr + r[:, None] * C + c[None, :]).to(tl.float32)
-        y = _saturate(x * scale, FMT_MAX)
+def _load_rows(x_ptr, r, C, c3, mask):
+    """x[r, c3] as float32, r: [A] row indices, c3: [1, NG, G] column indices -> [A, NG, G]."""
+    return tl.load(x_ptr + r[:, None, None] * C + c3, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _abs_bits4(x0, x1, x2, x3):
+    """Elementwise max of |x_j| bits over the four row sets of a sub-tile ([A, NG, G]; reduced later,
+    once: a reduction over rows crosses warps and costs a barrier)."""
+    return tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
+
+
+@triton.jit
+def _store_rowwise(x, r, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX: tl.constexpr,
+                   POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr,
+                   SQUARE: tl.constexpr):
+    """The rowwise copy of rows r ([A, NG, G] tile x): 1xG block scales per row, or the square tile's."""
+    if SQUARE:
+        mult = sq_mult[None, :, None]
+    else:
+        m, stored = _block_scale(tl.max(_abs_bits(x), axis=2), FMT_MAX, POWER_2, MX, EMAX, MARGIN)  # [A, NG]
+        tl.store(row_s_ptr + r[:, None] * num_g + g[None, :], stored, mask=g[None, :] < num_g)
+        mult = m[:, :, None]
+    y = _saturate(x * mult, FMT_MAX)
+    tl.store(row_ptr + r[:, None, None] * C + c3, y.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_byte(x, mult, FMT_MAX: tl.constexpr, FP8: tl.constexpr):
+    """fp8(clamp(x * mult)) as its byte, widened to uint32 for packing."""
+    return _saturate(x * mult, FMT_MAX).to(FP8).to(tl.uint8, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
+                      FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr,
+                      MARGIN: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, SUB: tl.constexpr,
+                      ROW: tl.constexpr, COL: tl.constexpr, SQUARE: tl.constexpr):
+    """Casts that need a G-row tile: the columnwise copy of 1xG blocks (COL, plus the rowwise copy with
+    ROW) and GxG square blocks (SQUARE: one scale per tile, either copy). R % G == 0, C % G == 0.
+
+    A program owns G rows of one matrix and NG*G columns, in sub-tiles of SUB rows. A sub-tile is read
+    as four row sets x_j = rows 4a+j, each [SUB/4, NG, G] (row, group, column in group): row amaxes
+    reduce axis 2, column amaxes axis 0 and the four sets. When a scale needs more rows than one
+    sub-tile holds (SUB < G, or a square tile), a first loop takes the amaxes and the second re-reads
+    the sub-tiles, which the first just brought into L2.
+
+    The columnwise copy [B, C, R] is cast in the load layout (as the rowwise copy), then the four FP8
+    bytes of rows 4a..4a+3 of each column are packed into one uint32, and only these words are
+    transposed ([NG, G, SUB/4]) and stored, rows contiguous. Why: transposing single bytes through
+    shared memory hit bank conflicts (a row+col cast ran at 0.22 of copy bandwidth on H200), and
+    converting a transposed float32 tile to FP8 mis-placed elements with Triton 3.6."""
+    row0 = tl.program_id(0).to(tl.int64) * G
+    b = row0 // R
+    rl0 = row0 - b * R
+    A: tl.constexpr = SUB // 4
+    a4 = 4 * tl.arange(0, A)
+    g = tl.program_id(1) * NG + tl.arange(0, NG)
+    k = tl.arange(0, G)
+    num_g = C // G
+    c3 = g[None, :, None] * G + k[None, None, :]  # [1, NG, G]
+    mask = g[None, :, None] < num_g
+    c2 = g[:, None] * G + k[None, :]  # [NG, G]
+    FP8: tl.constexpr = col_ptr.dtype.element_ty  # the row copy's type when COL is off (same placeholder)
+    sq_mult = tl.full((NG,), 1.0, dtype=tl.float32)
+    col_mult = tl.full((NG, G), 1.0, dtype=tl.float32)
+    if SQUARE or SUB < G:  # scales over more rows than one sub-tile: amaxes first
+        acc3 = tl.zeros((A, NG, G), dtype=tl.int32)
+        for i in range(G // SUB):
+            r = row0 + i * SUB + a4
+            acc3 = tl.maximum(acc3, _abs_bits4(_load_rows(x_ptr, r, C, c3, mask), _load_rows(x_ptr, r + 1, C, c3, mask),
+                                               _load_rows(x_ptr, r + 2, C, c3, mask),
+                                               _load_rows(x_ptr, r + 3, C, c3, mask)))
+        acc = tl.max(acc3, axis=0)  # [NG, G]
+        if SQUARE:
+            sq_mult, sq_stored = _block_scale(tl.max(acc, axis=1), FMT_MAX, POWER_2, MX, EMAX, MARGIN)  # [NG]
+            # the columnwise copy takes the [NG, G] scale path of 1xG blocks: with a [NG] scale
+            # broadcast into the packed-word cast, Triton 3.6 produced wrong bytes on H200
+            col_mult = tl.zeros((NG, G), dtype=tl.float32) + sq_mult[:, None]
+            if ROW:
+                tl.store(row_s_ptr + (row0 // G) * num_g + g, sq_stored, mask=g < num_g)
+            if COL:
+                tl.store(col_s_ptr + b * num_g * (R // G) + g * (R // G) + rl0 // G, sq_stored, mask=g < num_g)
+        else:
+            col_mult, col_stored = _block_scale(acc, FMT_MAX, POWER_2, MX, EMAX, MARGIN)
+            tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + rl0 // G, col_stored, mask=g[:, None] < num_g)
+    col_w = col_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    for i in range(G // SUB):
+        r = row0 + i * SUB + a4
+        x0 = _load_rows(x_ptr, r, C, c3, mask)
+        x1 = _load_rows(x_ptr, r + 1, C, c3, mask)
+        x2 = _load_rows(x_ptr, r + 2, C, c3, mask)
+        x3 = _load_rows(x_ptr, r + 3, C, c3, mask)
         if ROW:
-            tl.store(row_ptr + r[:, None] * C + c[None, :], y.to(row_ptr.dtype.element_ty))
+            _store_rowwise(x0, r, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX, POWER_2, MX, EMAX,
+                           MARGIN, SQUARE)
+            _store_rowwise(x1, r + 1, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX, POWER_2, MX, EMAX,
+                           MARGIN, SQUARE)
+            _store_rowwise(x2, r + 2, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX, POWER_2, MX, EMAX,
+                           MARGIN, SQUARE)
+            _store_rowwise(x3, r + 3, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX, POWER_2, MX, EMAX,
+                           MARGIN, SQUARE)
         if COL:
-            # Transpose in registers first, so the store runs along the copy's contiguous dim: storing
-            # the [SUB, T] tile through transposed addresses mis-placed FP8 elements of fp32 inputs
-            # on H200 (Triton of torch 2.11), although the interpreter agreed.
-            yt = tl.trans(y)
-            tl.store(col_ptr + b * C * R + c[:, None] * R + (r - b * R)[None, :], yt.to(col_ptr.dtype.element_ty))
-    if ROW:
-        tl.store(row_s_ptr + pid_r * (C // T) + pid_c, scale_inv)
-    if COL:
-        tl.store(col_s_ptr + b * (C // T) * (R // T) + pid_c * (R // T) + (pid_r * T - b * R) // T, scale_inv)
+            if SUB == G and not SQUARE:  # the sub-tile is the whole column block
+                col_mult, col_stored = _block_scale(tl.max(_abs_bits4(x0, x1, x2, x3), axis=0), FMT_MAX, POWER_2, MX,
+                                                    EMAX, MARGIN)
+                tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + rl0 // G, col_stored,
+                         mask=g[:, None] < num_g)
+                mult = col_mult[None, :, :]
+            else:
+                mult = col_mult[None, :, :]
+            w = (_fp8_byte(x0, mult, FMT_MAX, FP8) | (_fp8_byte(x1, mult, FMT_MAX, FP8) << 8)
+                 | (_fp8_byte(x2, mult, FMT_MAX, FP8) << 16) | (_fp8_byte(x3, mult, FMT_MAX, FP8) << 24))
+            wt = tl.permute(w, (1, 2, 0))  # [NG, G (column), SUB/4 (row word)]
+            # word index from an arange (not from r // 4), so Triton sees the run and vectorizes the store
+            words = b * (C * (R // 4)) + c2[:, :, None] * (R // 4) + ((rl0 + i * SUB) // 4 + tl.arange(0, A))[None, None, :]
+            tl.store(col_w + words, wt, mask=g[:, None, None] < num_g)
 
 
 # --------------------------------------------------------------------------- host wrappers
@@ -300,12 +362,13 @@ def _per_tensor_grid(n: int):
     return (max(1, triton.cdiv(n, _PT_BLOCK * _PT_ITERS)),)
 
 
-def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record):
+def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
+                 reverse=False):
     dummy = amax_bits if amax_bits is not None else scale
     _cast_per_tensor_kernel[_per_tensor_grid(x.numel())](
         x, out, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
         scale_inv if scale_inv is not None else dummy, x.numel(),
-        FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record,
+        FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
         BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS,
     )
 
@@ -329,7 +392,7 @@ def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool):
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True,
-                 power_2=power_2, record=False)
+                 power_2=power_2, record=False, reverse=True)  # x's tail is in L2 after its amax pass
     return data, scale_inv
 
 
@@ -385,6 +448,17 @@ def _split_shape(x: torch.Tensor):
     return tuple(lead), math.prod(lead) * rows, rows, cols
 
 
+def _launch_tile(x, row, col, m, rows, cols, consts, *, square):
+    """_cast_tile_kernel over x [m, cols] (m = B*rows); a copy not asked for gets the other's tensors
+    as placeholders (never written)."""
+    group = consts["G"]
+    ng, sub, warps = _TILE[(group, square)]
+    row_data, row_s = row if row[0] is not None else col
+    col_data, col_s = col if col[0] is not None else row
+    _cast_tile_kernel[(m // group, triton.cdiv(cols // group, ng))](
+        x, row_data, row_s, col_data, col_s, rows, cols, NG=ng, SUB=sub, SQUARE=square, num_warps=warps, **consts)
+
+
 def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, scale_dtype, rowwise, columnwise):
     """Shared driver of the 1xG casts (Float8 1x128, MXFP8 1x32)."""
     x = x.contiguous()
@@ -404,17 +478,15 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
     if m == 0 or cols == 0:
         return (*row, *col)
     consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=mx, EMAX=emax, MARGIN=margin, G=group)
+    split = columnwise and _ROWCOL_SPLIT[group]
+    if rowwise and (split or not columnwise):
+        nb, iters, warps = _ROWS_TILE[group]
+        nblocks = m * (cols // group)
+        _cast_rows_kernel[(triton.cdiv(nblocks, nb * iters),)](
+            x, *row, nblocks, NB=nb, ITERS=iters, num_warps=warps, **consts)
     if columnwise:
-        sub, ng, warps = _ROWCOL_TILE[group]
-        iters = group // sub
-    else:
-        sub, ng, warps = _ROWS_TILE[group]
-        iters = _ROWS_ITERS
-    grid = (triton.cdiv(m, sub * iters), triton.cdiv(cols // group, ng))
-    row_data, row_s = row if rowwise else col  # placeholders when a copy is off (never written)
-    col_data, col_s = col if columnwise else row
-    _cast_1d_blocks_kernel[grid](x, row_data, row_s, col_data, col_s, m, rows, cols, SUB=sub, NG=ng, ITERS=iters,
-                                 ROW=rowwise, COL=columnwise, num_warps=warps, **consts)
+        consts.update(ROW=rowwise and not split, COL=True)
+        _launch_tile(x, row, col, m, rows, cols, consts, square=False)
     return (*row, *col)
 
 
@@ -428,11 +500,11 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
     if (block_rows, block_cols) == (1, 128):
         return _one_d_blocks(x, 128, fp8_dtype, fmt_max, power_2=power_2, mx=False, emax=0, margin=0,
                              scale_dtype=torch.float32, rowwise=rowwise, columnwise=columnwise)
-    if (block_rows, block_cols) != (_SQUARE_TILE, _SQUARE_TILE):
+    if (block_rows, block_cols) != (128, 128):
         raise ValueError(f"fused FP8 block casts support 1x128 and 128x128 blocks, got {block_rows}x{block_cols}")
     x = x.contiguous()
     lead, m, rows, cols = _split_shape(x)
-    t = _SQUARE_TILE
+    t = block_rows
     if rows % t or cols % t:
         raise UnsupportedLayout(f"fused {t}x{t} casts need both dims of x {tuple(x.shape)} to tile {t}")
     dev = x.device
@@ -444,12 +516,8 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
         col = (torch.empty((*lead, cols, rows), dtype=fp8_dtype, device=dev),
                torch.empty((*lead, cols // t, rows // t), dtype=torch.float32, device=dev))
     if m and cols:
-        row_data, row_s = row if rowwise else col
-        col_data, col_s = col if columnwise else row
-        _cast_square_kernel[(m // t, cols // t)](
-            x, row_data, row_s, col_data, col_s, rows, cols, FMT_MAX=fmt_max, POWER_2=power_2, T=t,
-            SUB=_SQUARE_SUB, ROW=rowwise, COL=columnwise, num_warps=_SQUARE_WARPS,
-        )
+        consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=False, EMAX=0, MARGIN=0, G=t, ROW=rowwise, COL=columnwise)
+        _launch_tile(x, row, col, m, rows, cols, consts, square=True)
     return (*row, *col)
 
 

@@ -368,26 +368,28 @@ def _compile_configs(tc):
             sig = {"x_ptr": inp, "out_ptr": f8, "scale_ptr": "*i32" if from_amax else "*fp32", "amax_ptr": "*i32",
                    "scale_inv_ptr": "*fp32" if from_amax else "*i32", "n": "i32"}
             yield tc._cast_per_tensor_kernel, sig, dict(FMT_MAX=fmax, SCALE_FROM_AMAX=from_amax, POWER_2=power_2,
-                                                        RECORD_AMAX=record, **pt), tc._PT_WARPS
+                                                        RECORD_AMAX=record, REVERSE=from_amax, **pt), tc._PT_WARPS
         sig = {"amax_ptr": "*i32", "hist_ptr": "*fp32", "scale_ptr": "*fp32", "new_hist_ptr": "*fp32",
                "new_scale_ptr": "*fp32", "new_scale_inv_ptr": "*fp32", "hist_len": "i32", "margin_mul": "fp32"}
         for algo_max in (True, False):
             yield tc._delayed_update_kernel, sig, dict(FMT_MAX=fmax, ALGO_MAX=algo_max, BLOCK=1024), 4
         for mx, group in ((False, 128), (True, 32)):
             sdt = "*u8" if mx else "*fp32"
+            consts = dict(FMT_MAX=fmax, POWER_2=not mx, MX=mx, EMAX=emax, MARGIN=0, G=group)
+            nb, iters, warps = tc._ROWS_TILE[group]
+            yield tc._cast_rows_kernel, {"x_ptr": inp, "out_ptr": f8, "s_ptr": sdt, "nblocks": "i32"}, dict(
+                NB=nb, ITERS=iters, **consts), warps
+            ng, sub, warps = tc._TILE[(group, False)]
             sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": sdt, "col_ptr": f8, "col_s_ptr": sdt,
-                   "M": "i32", "R": "i32", "C": "i32"}
-            for row, col in ((True, False), (True, True), (False, True)):
-                sub, ng, warps = (tc._ROWCOL_TILE if col else tc._ROWS_TILE)[group]
-                iters = group // sub if col else tc._ROWS_ITERS
-                yield tc._cast_1d_blocks_kernel, sig, dict(
-                    FMT_MAX=fmax, POWER_2=not mx, MX=mx, EMAX=emax, MARGIN=0, G=group, SUB=sub, NG=ng, ITERS=iters,
-                    ROW=row, COL=col), warps
+                   "R": "i32", "C": "i32"}
+            for row in (True, False):
+                yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, **consts), warps
         sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
                "R": "i32", "C": "i32"}
+        ng, sub, warps = tc._TILE[(128, True)]
         for row, col in ((True, False), (True, True), (False, True)):
-            yield tc._cast_square_kernel, sig, dict(FMT_MAX=fmax, POWER_2=True, T=tc._SQUARE_TILE, SUB=tc._SQUARE_SUB,
-                                                    ROW=row, COL=col), tc._SQUARE_WARPS
+            yield tc._cast_tile_kernel, sig, dict(FMT_MAX=fmax, POWER_2=True, MX=False, EMAX=0, MARGIN=0, G=128, NG=ng,
+                                                  SUB=sub, ROW=row, COL=col, SQUARE=True), warps
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET or torch.cuda.is_available(),

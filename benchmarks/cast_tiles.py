@@ -1,0 +1,157 @@
+"""Tile sweep for the fused Triton casts: time each candidate tile of one kernel family on CUDA.
+
+    python benchmarks/cast_tiles.py                 # 8192x8192 bf16 on the current GPU
+    python benchmarks/cast_tiles.py --rows 4096 --cols 14336
+
+Why: the tiles in ``te_dist/quantization/triton_casts.py`` (``_PT_*``, ``_ROWS_TILE``, ``_ROWCOL_TILE``)
+were picked on one H200; this script re-measures the alternatives, in interleaved rounds so drift hits
+every candidate alike, after checking that every candidate gives the same bytes as the current tile.
+It prints one table per family: time, GB/s (input read + outputs written) and the ratio to a
+device-to-device copy of x measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+_E4M3 = (torch.float8_e4m3fn, 448.0)
+_ONE = {}
+
+
+def _one(x):
+    """A cached device scalar 1.0 (creating it per call would time a host-to-device copy)."""
+    if x.device not in _ONE:
+        _ONE[x.device] = torch.ones((), device=x.device)
+    return _ONE[x.device]
+
+
+def _rowcol(group: int, split: bool):
+    def call(tc, x):
+        old = tc._ROWCOL_SPLIT[group]
+        tc._ROWCOL_SPLIT[group] = split
+        try:
+            if group == 128:
+                return tc.cast_fp8_blocks(x, 1, 128, *_E4M3, True, columnwise=True)
+            return tc.cast_mxfp8(x, *_E4M3, 8, 0, columnwise=True)
+        finally:
+            tc._ROWCOL_SPLIT[group] = old
+
+    return call
+
+
+_T128 = [(1, 64, 4), (1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 64, 2), (1, 32, 2), (4, 32, 4)]
+_T32 = [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 32, 2), (4, 32, 2)]
+FAMILIES = {
+    # family: (table attribute, candidates, call(tc, x))
+    "current scaling (per-tensor)": ("_PT", [(2048, 4, 4), (4096, 2, 8), (1024, 4, 4)],
+                                     lambda tc, x: tc.current_scaling_quantize(x, *_E4M3, False)),
+    "delayed cast+amax (per-tensor)": ("_PT", [(2048, 4, 4), (4096, 2, 8), (1024, 4, 4)],
+                                       lambda tc, x: tc.cast_and_amax(x, _one(x), *_E4M3)),
+    "1x128 rowwise": ("_ROWS_TILE[128]", [(16, 4, 4), (16, 8, 4), (16, 1, 4), (8, 8, 4)],
+                      lambda tc, x: tc.cast_fp8_blocks(x, 1, 128, *_E4M3, True)),
+    "1x128 row+col, one pass": ("_TILE[(128, False)]", _T128, _rowcol(128, False)),
+    "1x128 row+col, rows kernel + columns pass": ("_TILE[(128, False)]", _T128, _rowcol(128, True)),
+    "mxfp8 rowwise": ("_ROWS_TILE[32]", [(64, 4, 4), (128, 2, 8), (64, 1, 4)],
+                      lambda tc, x: tc.cast_mxfp8(x, *_E4M3, 8, 0)),
+    "mxfp8 row+col, one pass": ("_TILE[(32, False)]", _T32, _rowcol(32, False)),
+    "mxfp8 row+col, rows kernel + columns pass": ("_TILE[(32, False)]", _T32, _rowcol(32, True)),
+    "128x128 rowwise": ("_TILE[(128, True)]", _T128, lambda tc, x: tc.cast_fp8_blocks(x, 128, 128, *_E4M3, True)),
+    "128x128 row+col": ("_TILE[(128, True)]", _T128,
+                        lambda tc, x: tc.cast_fp8_blocks(x, 128, 128, *_E4M3, True, columnwise=True)),
+}
+
+
+def _table(tc, attr: str):
+    """'_ROWS_TILE[128]' -> (tc._ROWS_TILE, 128); '_TILE[(32, False)]' -> (tc._TILE, (32, False))."""
+    import ast
+
+    name, key = attr[:-1].split("[", 1)
+    return getattr(tc, name), ast.literal_eval(key)
+
+
+def _set(tc, attr: str, value) -> None:
+    if attr == "_PT":
+        tc._PT_BLOCK, tc._PT_ITERS, tc._PT_WARPS = value
+    else:
+        table, key = _table(tc, attr)
+        table[key] = value
+
+
+def _get(tc, attr: str):
+    if attr == "_PT":
+        return (tc._PT_BLOCK, tc._PT_ITERS, tc._PT_WARPS)
+    table, key = _table(tc, attr)
+    return table[key]
+
+
+def _nbytes(out) -> int:
+    tensors = out if isinstance(out, tuple) else (out,)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _round(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", default="", help="families whose name contains this text")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("cast_tiles.py times Triton kernels on a GPU; no CUDA device here")
+    from te_dist.quantization import triton_casts as tc
+
+    torch.manual_seed(0)
+    x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(x)
+    copy_s = statistics.median(_round(lambda: dst.copy_(x), args.iters) for _ in range(args.rounds))
+    copy_gbs = 2 * x.numel() * x.element_size() / copy_s / 1e9
+    print(f"device={torch.cuda.get_device_name()} x={args.rows}x{args.cols} bf16, copy {copy_s * 1e6:.1f} us "
+          f"({copy_gbs:.0f} GB/s); median of {args.rounds} interleaved rounds x {args.iters} calls")
+    for family, (attr, candidates, call) in FAMILIES.items():
+        if args.only not in family:
+            continue
+        current = _get(tc, attr)
+        if current not in candidates:
+            candidates = [current, *candidates]
+        reference = [t.clone() for t in call(tc, x) if isinstance(t, torch.Tensor)]
+        ok, times = [], {c: [] for c in candidates}
+        try:
+            for cand in candidates:  # build and check every candidate first
+                _set(tc, attr, cand)
+                got = [t for t in call(tc, x) if isinstance(t, torch.Tensor)]
+                same = all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
+                                       if b.element_size() == 1 else b) for a, b in zip(got, reference))
+                if same:
+                    ok.append(cand)
+                else:
+                    print(f"  {family} {cand}: output differs from the current tile, skipped")
+            for _ in range(args.rounds):
+                for cand in ok:
+                    _set(tc, attr, cand)
+                    times[cand].append(_round(lambda: call(tc, x), args.iters))
+        finally:
+            _set(tc, attr, current)
+        moved = x.numel() * x.element_size() + _nbytes(call(tc, x))
+        print(f"\n{family} ({attr} = {current} now)\n| tile | us | GB/s | vs copy |\n|---|---|---|---|")
+        for cand in ok:
+            t = statistics.median(times[cand])
+            mark = " (current)" if cand == current else ""
+            print(f"| {cand}{mark} | {t * 1e6:.1f} | {moved / t / 1e9:.0f} | {moved / t / 1e9 / copy_gbs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
