@@ -58,6 +58,9 @@ FAMILIES = {
                       lambda tc, x: tc.cast_mxfp8(x, *_E4M3, 8, 0)),
     "mxfp8 row+col, one pass": ("_TILE[(32, False)]", _T32, _rowcol(32, False)),
     "mxfp8 row+col, rows kernel + columns pass": ("_TILE[(32, False)]", _T32, _rowcol(32, True)),
+    "nvfp4 1x16": ("_NVFP4_ROWS", [(128, 4, 4), (64, 4, 4), (128, 2, 8), (256, 2, 8)],
+                   lambda tc, x: tc.cast_nvfp4(x, 1, False)),
+    "nvfp4 16x16": ("_NVFP4_2D", [(16, 4), (8, 4), (32, 8), (8, 2)], lambda tc, x: tc.cast_nvfp4(x, 16, False)),
     "128x128 rowwise": ("_TILE[(128, True)]", _T128, lambda tc, x: tc.cast_fp8_blocks(x, 128, 128, *_E4M3, True)),
     "128x128 row+col": ("_TILE[(128, True)]", _T128,
                         lambda tc, x: tc.cast_fp8_blocks(x, 128, 128, *_E4M3, True, columnwise=True)),
@@ -75,6 +78,8 @@ def _table(tc, attr: str):
 def _set(tc, attr: str, value) -> None:
     if attr == "_PT":
         tc._PT_BLOCK, tc._PT_ITERS, tc._PT_WARPS = value
+    elif "[" not in attr:
+        setattr(tc, attr, value)
     else:
         table, key = _table(tc, attr)
         table[key] = value
@@ -83,6 +88,8 @@ def _set(tc, attr: str, value) -> None:
 def _get(tc, attr: str):
     if attr == "_PT":
         return (tc._PT_BLOCK, tc._PT_ITERS, tc._PT_WARPS)
+    if "[" not in attr:
+        return getattr(tc, attr)
     table, key = _table(tc, attr)
     return table[key]
 

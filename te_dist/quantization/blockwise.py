@@ -47,13 +47,10 @@ class _BlockQuantizer(Quantizer):
 
     def _quantize(self, x, rowwise, columnwise, hadamard):
         x2 = _as_matrix(x)
-        copies = self._fused_copies(x2, rowwise, columnwise)
-        if copies is not None:
-            return self._make_tensor(x, copies)
-        copies = {}
-        if rowwise:
+        copies = self._fused_copies(x2, rowwise, columnwise, hadamard) or {}
+        if rowwise and "rowwise" not in copies:
             copies["rowwise"] = self._cast_copy(x2, transposed=False, hadamard=bool(hadamard))
-        if columnwise:
+        if columnwise and "columnwise" not in copies:
             rht = self.wants_rht if hadamard is None else bool(hadamard)
             copies["columnwise"] = self._cast_copy(x2.transpose(-1, -2), transposed=True, hadamard=rht)
         return self._make_tensor(x, copies)
@@ -64,8 +61,9 @@ class _BlockQuantizer(Quantizer):
     def _cast_copy(self, x_copy: torch.Tensor, transposed: bool, hadamard: bool) -> BlockScaledData:
         raise NotImplementedError
 
-    def _fused_copies(self, x2: torch.Tensor, rowwise: bool, columnwise: bool) -> Optional[dict]:
-        """All requested copies from one fused kernel pass, or None (no fused kernel for this case)."""
+    def _fused_copies(self, x2: torch.Tensor, rowwise: bool, columnwise: bool, hadamard) -> Optional[dict]:
+        """Copies made by a fused kernel ({"rowwise": ..., "columnwise": ...}; the missing ones, or all
+        when None, go through ``_cast_copy``)."""
         return None
 
     def _copies_from(self, fused, rowwise: bool, columnwise: bool, wrap_scale=lambda s: s) -> Optional[dict]:
@@ -99,7 +97,7 @@ class Float8BlockQuantizer(_BlockQuantizer):
         }[role]
         self.block_shape = (1, 128) if dim == 1 else (128, 128)
 
-    def _fused_copies(self, x2, rowwise, columnwise):
+    def _fused_copies(self, x2, rowwise, columnwise, hadamard):
         kernels = fused_casts_for(x2)
         if kernels is None:
             return None
@@ -130,7 +128,7 @@ class MXFP8Quantizer(_BlockQuantizer):
         self.emax_elem = FP8_EMAX[self.fmt]
         self.margin = recipe.margin
 
-    def _fused_copies(self, x2, rowwise, columnwise):
+    def _fused_copies(self, x2, rowwise, columnwise, hadamard):
         kernels = fused_casts_for(x2)
         if kernels is None:
             return None
@@ -172,6 +170,24 @@ class NVFP4Quantizer(_BlockQuantizer):
     @property
     def stochastic_rounding(self) -> bool:
         return self.qparams.stochastic_rounding
+
+    def _fused_copies(self, x2, rowwise, columnwise, hadamard):
+        """The rowwise copy from the fused kernel when it has no Hadamard transform and the noise of
+        stochastic rounding may come from the global RNG (no own generator); the columnwise copy
+        (the wgrad operand, usually Hadamard-transformed) stays on the compiled path."""
+        if not rowwise or hadamard or (self.stochastic_rounding and self.generator is not None):
+            return None
+        kernels = fused_casts_for(x2)
+        if kernels is None:
+            return None
+        br, bc = self.block_shape
+        key = ("cast_nvfp4", x2.dtype, br, self.stochastic_rounding)
+        fused = run_fused(key, kernels.cast_nvfp4, x2, br, self.stochastic_rounding)
+        if fused is None:
+            return None
+        packed, scale, global_scale_inv = fused
+        return {"rowwise": BlockScaledData(packed, scale, br, bc, transposed=False, hadamard=False,
+                                           global_scale_inv=global_scale_inv)}
 
     def _cast_copy(self, x_copy, transposed, hadamard):
         br, bc = self.block_shape

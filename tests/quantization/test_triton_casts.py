@@ -274,6 +274,56 @@ def test_mxfp8_exponent_edges(device, kernels):
             assert torch.equal(codes.cpu(), ref_codes.cpu())
 
 
+# ----------------------------------------------------------------------------- NVFP4 (rowwise copy)
+_NVFP4_CASES = {1: [(40, 64), (3, 5, 32), (1, 16), (300, 160)], 16: [(32, 48), (2, 16, 64), (48, 272)]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_rows", [1, 16], ids=["1x16", "16x16"])
+def test_nvfp4_round_to_nearest(device, kernels, dtype, block_rows):
+    from te_dist.quantization.scaling import compute_amax, nvfp4_global_scale
+
+    for seed, shape in enumerate(_NVFP4_CASES[block_rows]):
+        for specials in (False, True):
+            x = _data(shape, dtype, device, seed=seed, specials=specials)
+            packed, scales, s_inv = kernels.cast_nvfp4(x, block_rows, False)
+            s_enc = nvfp4_global_scale(compute_amax(x))
+            ref_packed, ref_scales = cast.cast_nvfp4(x, block_rows, 16, s_enc)
+            _assert_same(packed, ref_packed, f"{shape} packed")
+            _assert_same(scales, ref_scales, f"{shape} scales")
+            _assert_same(s_inv, 1.0 / s_enc, f"{shape} global_scale_inv")
+
+
+@pytest.mark.parametrize("block_rows", [1, 16], ids=["1x16", "16x16"])
+def test_nvfp4_stochastic_rounding(device, kernels, block_rows):
+    """Every element lands on one of its two neighbours on the E2M1 grid (the same scales as round
+    to nearest), the rounding is unbiased on average, and torch.manual_seed reproduces it."""
+    from te_dist.quantization.e2m1 import e2m1_codes_to_float, unpack_e2m1
+    from te_dist.quantization.scaling import compute_amax, nvfp4_global_scale
+
+    x = _data((64, 128), torch.float32, device, seed=3, specials=False)
+    torch.manual_seed(5)
+    packed, scales, s_inv = kernels.cast_nvfp4(x, block_rows, True)
+    torch.manual_seed(5)
+    again = kernels.cast_nvfp4(x, block_rows, True)[0]
+    assert torch.equal(packed, again)
+    rn_packed, rn_scales, _ = kernels.cast_nvfp4(x, block_rows, False)
+    _assert_same(scales, rn_scales, "SR scales == RN scales")
+    # the reference with noise 0 always rounds up, with noise just below 1 (almost) always down
+    s_enc = nvfp4_global_scale(compute_amax(x))
+    up = cast.cast_nvfp4(x, block_rows, 16, s_enc, torch.zeros(x.shape, device=device), True)[0]
+    down = cast.cast_nvfp4(x, block_rows, 16, s_enc, torch.full(x.shape, 1.0 - 2.0**-24, device=device), True)[0]
+    nib = unpack_e2m1(packed)
+    assert ((nib == unpack_e2m1(up)) | (nib == unpack_e2m1(down))).all(), "SR left the two neighbouring grid points"
+    assert not torch.equal(packed, down) and not torch.equal(packed, up)
+    expand = scales.float().repeat_interleave(block_rows, 0).repeat_interleave(16, 1) * s_inv
+    samples = torch.stack([e2m1_codes_to_float(unpack_e2m1(kernels.cast_nvfp4(x, block_rows, True)[0])) * expand
+                           for _ in range(200)])
+    mean_err = (samples.mean(0) - x).abs().mean().item()
+    rn_err = (e2m1_codes_to_float(unpack_e2m1(rn_packed)) * expand - x).abs().mean().item()
+    assert mean_err < rn_err / 4
+
+
 def test_empty_inputs(device, kernels):
     """Zero rows (an expert without tokens): empty outputs, per-tensor scale from amax 0 (fallback 1.0)."""
     x = torch.zeros(0, 128, device=device, dtype=torch.bfloat16)
@@ -291,6 +341,8 @@ def test_empty_inputs(device, kernels):
         assert row_s.shape[0] == 0 and col_s.shape[-1] == 0
     row_data, row_codes, _, _ = kernels.cast_mxfp8(x, *E4M3, 8, 0)
     assert row_data.shape == (0, 128) and row_codes.shape == (0, 4)
+    packed, scales, s_inv = kernels.cast_nvfp4(x, 16, False)
+    assert packed.shape == (0, 64) and scales.shape == (0, 8) and s_inv.item() == 1.0
 
 
 # ----------------------------------------------------------------------------- through the quantizers
@@ -305,6 +357,8 @@ _QUANTIZER_CASES = [
     (lambda: R.Float8BlockScaling(fp8_format=R.Format.HYBRID), "grad_output"),
     (lambda: R.MXFP8BlockScaling(), "input"),
     (lambda: R.MXFP8BlockScaling(fp8_format=R.Format.E5M2, margin=1), "weight"),
+    (lambda: R.NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True), "input"),
+    (lambda: R.NVFP4BlockScaling(), "weight"),  # 16x16 blocks
 ]
 
 
@@ -384,6 +438,15 @@ def _compile_configs(tc):
                    "R": "i32", "C": "i32"}
             for row in (True, False):
                 yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, **consts), warps
+        for sr in (False, True):
+            nb, iters, warps = tc._NVFP4_ROWS
+            sig = {"x_ptr": inp, "out_ptr": "*u8", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
+                   "nblocks": "i32", "seed": "i32"}
+            yield tc._cast_nvfp4_rows_kernel, sig, dict(NB=nb, ITERS=iters, SR=sr), warps
+            ng, warps = tc._NVFP4_2D
+            sig = {"x_ptr": inp, "out_ptr": "*u8", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
+                   "C": "i32", "seed": "i32"}
+            yield tc._cast_nvfp4_2d_kernel, sig, dict(NG=ng, SR=sr), warps
         sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
                "R": "i32", "C": "i32"}
         ng, sub, warps = tc._TILE[(128, True)]
@@ -418,7 +481,7 @@ def test_kernels_build_for_sm90_without_spills(monkeypatch):
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         where = f"{kernel.fn.__name__} {sig.get('x_ptr', '')} {consts}"
         ptx = compiled.asm["ptx"]
-        if "out_ptr" in sig or "row_ptr" in sig:
+        if "row_ptr" in sig or sig.get("out_ptr", "*u8") != "*u8" or "nvfp4" in kernel.fn.__name__:
             assert "cvt.rn.satfinite.e" in ptx, f"{where}: no hardware FP8 conversion"
         inexact = [line.strip() for line in ptx.splitlines() if ".ftz" in line or ".approx" in line or "div.full" in line]
         assert not inexact, f"{where}: flush-to-zero / approximate ops break bit-exactness: {inexact[:3]}"
