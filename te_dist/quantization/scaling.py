@@ -150,11 +150,14 @@ def nvfp4_global_scale(amax: torch.Tensor, e4m3_max: float = 448.0, e2m1_max: fl
 def nvfp4_block_scales(block_amax_: torch.Tensor, s_enc: torch.Tensor, e2m1_max: float = 6.0):
     """Per-block E4M3 decode scales and the float32 factor that maps elements onto the E2M1 grid.
 
-    ``scale_e4m3 = e4m3(min(block_amax / 6 * s_enc, 448))``;
+    ``scale_e4m3 = e4m3(min(block_amax * fp32(1/6) * s_enc, 448))``;
     ``factor = s_enc / scale_e4m3`` (0 where the block scale rounds to 0, so such blocks are zero).
     Dequantize: ``x ~= q * scale_e4m3 / s_enc``. A NaN block amax gives a NaN scale (E4M3 has NaN).
     """
-    decode = (block_amax_ / e2m1_max) * s_enc
+    # times the float32 reciprocal, not "/ e2m1_max": torch's CUDA division by a Python scalar is a
+    # multiplication by its reciprocal while the CPU divides, so "/ 6" rounds differently per device
+    # (a few blocks in 3000 on H200); this product is the same everywhere, and the fused kernel matches it
+    decode = (block_amax_ * (1.0 / e2m1_max)) * s_enc
     decode = decode.clamp(max=448.0)  # clamp keeps NaN
     scale_e4m3 = decode.to(torch.float8_e4m3fn)
     scale_f = scale_e4m3.to(torch.float32)

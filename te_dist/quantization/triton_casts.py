@@ -350,7 +350,7 @@ _NVFP4_ENC_MAX = tl.constexpr(2688.0)  # 448 (largest E4M3 block scale) * 6 (lar
 @triton.jit
 def _nvfp4_block_scale(block_amax, s_enc):
     """scaling.nvfp4_block_scales: (E4M3 decode scale, float32 factor onto the E2M1 grid)."""
-    decode = (block_amax.to(tl.float64) / 6.0).to(tl.float32) * s_enc  # correctly rounded, as torch's /
+    decode = (block_amax * (1.0 / 6.0)) * s_enc  # fp32(1/6), as the reference (same on CPU and GPU)
     decode = tl.where(decode > 448.0, 448.0, decode)  # keeps NaN
     scale8 = decode.to(tl.float8e4nv)
     scale_f = scale8.to(tl.float32)
