@@ -3,7 +3,8 @@
     python benchmarks/cast_tiles.py                 # 8192x8192 bf16 on the current GPU
     python benchmarks/cast_tiles.py --rows 4096 --cols 14336
 
-Why: the tiles in ``te_dist/quantization/triton_casts.py`` (``_PT_*``, ``_ROWS_TILE``, ``_ROWCOL_TILE``)
+Why: the tiles in ``te_dist/quantization/triton_casts.py`` (``_PT_*``, ``_ROWS_TILE``, ``_TILE``,
+``_ROWCOL_SPLIT``) and ``triton_nvfp4.py`` (``_NVFP4_ROWS``, ``_NVFP4_2D``)
 were picked on one H200; this script re-measures the alternatives, in interleaved rounds so drift hits
 every candidate alike, after checking that every candidate gives the same bytes as the current tile.
 It prints one table per family: time, GB/s (input read + outputs written) and the ratio to a
@@ -67,6 +68,27 @@ FAMILIES = {
 }
 
 
+class _Kernels:
+    """Both kernel modules under one name: an attribute resolves in triton_casts, then triton_nvfp4."""
+
+    def __init__(self):
+        from te_dist.quantization import triton_casts, triton_nvfp4
+
+        object.__setattr__(self, "_modules", (triton_casts, triton_nvfp4))
+
+    def _owner(self, name: str):
+        for module in self._modules:
+            if hasattr(module, name):
+                return module
+        raise AttributeError(name)
+
+    def __getattr__(self, name: str):
+        return getattr(self._owner(name), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._owner(name), name, value)
+
+
 def _table(tc, attr: str):
     """'_ROWS_TILE[128]' -> (tc._ROWS_TILE, 128); '_TILE[(32, False)]' -> (tc._TILE, (32, False))."""
     import ast
@@ -119,7 +141,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("cast_tiles.py times Triton kernels on a GPU; no CUDA device here")
-    from te_dist.quantization import triton_casts as tc
+    tc = _Kernels()
 
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)

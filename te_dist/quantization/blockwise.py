@@ -177,7 +177,7 @@ class NVFP4Quantizer(_BlockQuantizer):
         (the wgrad operand, usually Hadamard-transformed) stays on the compiled path."""
         if not rowwise or hadamard or (self.stochastic_rounding and self.generator is not None):
             return None
-        kernels = fused_casts_for(x2)
+        kernels = fused_casts_for(x2, "nvfp4")
         if kernels is None:
             return None
         br, bc = self.block_shape

@@ -55,14 +55,18 @@ def fused_casts_enabled() -> Optional[bool]:
     return _state["enabled"]
 
 
-@functools.lru_cache(maxsize=1)
-def _load():
-    """(module or None, import error text); imported once, on first use, never at package import."""
+@functools.lru_cache(maxsize=None)
+def _load(family: str = "fp8"):
+    """(module or None, import error text) of a kernel family ("fp8": ``triton_casts``, "nvfp4":
+    ``triton_nvfp4``); imported once, on first use, never at package import."""
     try:
-        from . import triton_casts
+        if family == "nvfp4":
+            from . import triton_nvfp4 as module
+        else:
+            from . import triton_casts as module
     except Exception as exc:  # ImportError without triton; anything else is a broken triton install
         return None, repr(exc)
-    return triton_casts, ""
+    return module, ""
 
 
 def fused_casts_available() -> bool:
@@ -75,8 +79,9 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-def fused_casts_for(x: torch.Tensor):
-    """The ``triton_casts`` module when x should take the fused path, else None."""
+def fused_casts_for(x: torch.Tensor, family: str = "fp8"):
+    """The kernel module of ``family`` ("fp8": ``triton_casts``, "nvfp4": ``triton_nvfp4``) when x
+    should take the fused path, else None."""
     enabled = _state["enabled"]
     if enabled is False or x.dtype not in FUSED_DTYPES:
         return None
@@ -91,7 +96,7 @@ def fused_casts_for(x: torch.Tensor):
             f"fused Triton casts were forced on (set_fused_casts_enabled(True)) for a {x.device.type} tensor; "
             "non-CUDA tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
         )
-    return _load()[0]
+    return _load(family)[0]
 
 
 def run_fused(key: tuple, fn: Callable, *args, **kwargs):

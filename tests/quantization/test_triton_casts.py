@@ -75,6 +75,13 @@ def kernels():
 
 
 @pytest.fixture
+def nvfp4_kernels():
+    from te_dist.quantization import triton_nvfp4
+
+    return triton_nvfp4
+
+
+@pytest.fixture
 def reference_mode():
     """Eager reference on every device, then restore the defaults."""
     set_compile_enabled(False)
@@ -280,13 +287,13 @@ _NVFP4_CASES = {1: [(40, 64), (3, 5, 32), (1, 16), (300, 160)], 16: [(32, 48), (
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_rows", [1, 16], ids=["1x16", "16x16"])
-def test_nvfp4_round_to_nearest(device, kernels, dtype, block_rows):
+def test_nvfp4_round_to_nearest(device, nvfp4_kernels, dtype, block_rows):
     from te_dist.quantization.scaling import compute_amax, nvfp4_global_scale
 
     for seed, shape in enumerate(_NVFP4_CASES[block_rows]):
         for specials in (False, True):
             x = _data(shape, dtype, device, seed=seed, specials=specials)
-            packed, scales, s_inv = kernels.cast_nvfp4(x, block_rows, False)
+            packed, scales, s_inv = nvfp4_kernels.cast_nvfp4(x, block_rows, False)
             s_enc = nvfp4_global_scale(compute_amax(x))
             ref_packed, ref_scales = cast.cast_nvfp4(x, block_rows, 16, s_enc)
             _assert_same(packed, ref_packed, f"{shape} packed")
@@ -295,7 +302,7 @@ def test_nvfp4_round_to_nearest(device, kernels, dtype, block_rows):
 
 
 @pytest.mark.parametrize("block_rows", [1, 16], ids=["1x16", "16x16"])
-def test_nvfp4_stochastic_rounding(device, kernels, block_rows):
+def test_nvfp4_stochastic_rounding(device, nvfp4_kernels, block_rows):
     """Every element lands on one of its two neighbours on the E2M1 grid (the same scales as round
     to nearest), the rounding is unbiased on average, and torch.manual_seed reproduces it."""
     from te_dist.quantization.e2m1 import e2m1_codes_to_float, unpack_e2m1
@@ -303,11 +310,11 @@ def test_nvfp4_stochastic_rounding(device, kernels, block_rows):
 
     x = _data((64, 128), torch.float32, device, seed=3, specials=False)
     torch.manual_seed(5)
-    packed, scales, s_inv = kernels.cast_nvfp4(x, block_rows, True)
+    packed, scales, s_inv = nvfp4_kernels.cast_nvfp4(x, block_rows, True)
     torch.manual_seed(5)
-    again = kernels.cast_nvfp4(x, block_rows, True)[0]
+    again = nvfp4_kernels.cast_nvfp4(x, block_rows, True)[0]
     assert torch.equal(packed, again)
-    rn_packed, rn_scales, _ = kernels.cast_nvfp4(x, block_rows, False)
+    rn_packed, rn_scales, _ = nvfp4_kernels.cast_nvfp4(x, block_rows, False)
     _assert_same(scales, rn_scales, "SR scales == RN scales")
     # the reference with noise 0 always rounds up, with noise just below 1 (almost) always down
     s_enc = nvfp4_global_scale(compute_amax(x))
@@ -317,14 +324,14 @@ def test_nvfp4_stochastic_rounding(device, kernels, block_rows):
     assert ((nib == unpack_e2m1(up)) | (nib == unpack_e2m1(down))).all(), "SR left the two neighbouring grid points"
     assert not torch.equal(packed, down) and not torch.equal(packed, up)
     expand = scales.float().repeat_interleave(block_rows, 0).repeat_interleave(16, 1) * s_inv
-    samples = torch.stack([e2m1_codes_to_float(unpack_e2m1(kernels.cast_nvfp4(x, block_rows, True)[0])) * expand
+    samples = torch.stack([e2m1_codes_to_float(unpack_e2m1(nvfp4_kernels.cast_nvfp4(x, block_rows, True)[0])) * expand
                            for _ in range(200)])
     mean_err = (samples.mean(0) - x).abs().mean().item()
     rn_err = (e2m1_codes_to_float(unpack_e2m1(rn_packed)) * expand - x).abs().mean().item()
     assert mean_err < rn_err / 4
 
 
-def test_empty_inputs(device, kernels):
+def test_empty_inputs(device, kernels, nvfp4_kernels):
     """Zero rows (an expert without tokens): empty outputs, per-tensor scale from amax 0 (fallback 1.0)."""
     x = torch.zeros(0, 128, device=device, dtype=torch.bfloat16)
     data, scale_inv = kernels.current_scaling_quantize(x, *E4M3, False)
@@ -341,7 +348,7 @@ def test_empty_inputs(device, kernels):
         assert row_s.shape[0] == 0 and col_s.shape[-1] == 0
     row_data, row_codes, _, _ = kernels.cast_mxfp8(x, *E4M3, 8, 0)
     assert row_data.shape == (0, 128) and row_codes.shape == (0, 4)
-    packed, scales, s_inv = kernels.cast_nvfp4(x, 16, False)
+    packed, scales, s_inv = nvfp4_kernels.cast_nvfp4(x, 16, False)
     assert packed.shape == (0, 64) and scales.shape == (0, 8) and s_inv.item() == 1.0
 
 
@@ -438,15 +445,17 @@ def _compile_configs(tc):
                    "R": "i32", "C": "i32"}
             for row in (True, False):
                 yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, **consts), warps
+        from te_dist.quantization import triton_nvfp4 as nv
+
         for sr in (False, True):
-            nb, iters, warps = tc._NVFP4_ROWS
+            nb, iters, warps = nv._NVFP4_ROWS
             sig = {"x_ptr": inp, "out_ptr": "*u8", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
                    "nblocks": "i32", "seed": "i32"}
-            yield tc._cast_nvfp4_rows_kernel, sig, dict(NB=nb, ITERS=iters, SR=sr), warps
-            ng, warps = tc._NVFP4_2D
+            yield nv._cast_nvfp4_rows_kernel, sig, dict(NB=nb, ITERS=iters, SR=sr), warps
+            ng, warps = nv._NVFP4_2D
             sig = {"x_ptr": inp, "out_ptr": "*u8", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
                    "C": "i32", "seed": "i32"}
-            yield tc._cast_nvfp4_2d_kernel, sig, dict(NG=ng, SR=sr), warps
+            yield nv._cast_nvfp4_2d_kernel, sig, dict(NG=ng, SR=sr), warps
         sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
                "R": "i32", "C": "i32"}
         ng, sub, warps = tc._TILE[(128, True)]
@@ -507,7 +516,7 @@ def test_switch_rejects_non_bool(policy):
 
 
 def test_without_triton_auto_falls_back_and_forcing_raises(policy, monkeypatch):
-    monkeypatch.setattr(fused, "_load", lambda: (None, "ModuleNotFoundError('triton')"))
+    monkeypatch.setattr(fused, "_load", lambda family="fp8": (None, "ModuleNotFoundError('triton')"))
     assert not fused.fused_casts_available()
     set_fused_casts_enabled(None)
     with pytest.raises(RuntimeError, match="needs triton"):
@@ -521,7 +530,7 @@ def test_without_triton_auto_falls_back_and_forcing_raises(policy, monkeypatch):
 
 
 def test_forced_on_cpu_without_interpreter_raises(policy, monkeypatch):
-    monkeypatch.setattr(fused, "_load", lambda: (object(), ""))
+    monkeypatch.setattr(fused, "_load", lambda family="fp8": (object(), ""))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     set_fused_casts_enabled(True)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -548,7 +557,7 @@ def test_run_fused_failure_warns_once_then_falls_back(policy):
 
 
 def test_run_fused_forced_mode_raises(policy, monkeypatch):
-    monkeypatch.setattr(fused, "_load", lambda: (object(), ""))
+    monkeypatch.setattr(fused, "_load", lambda family="fp8": (object(), ""))
     set_fused_casts_enabled(True)
     with pytest.raises(RuntimeError, match="build failed"):
         fused.run_fused(("k",), lambda: (_ for _ in ()).throw(RuntimeError("build failed")))
