@@ -330,9 +330,7 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
                                                     EMAX, MARGIN)
                 tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + rl0 // G, col_stored,
                          mask=g[:, None] < num_g)
-                mult = col_mult[None, :, :]
-            else:
-                mult = col_mult[None, :, :]
+            mult = col_mult[None, :, :]
             w = (_fp8_byte(x0, mult, FMT_MAX, FP8) | (_fp8_byte(x1, mult, FMT_MAX, FP8) << 8)
                  | (_fp8_byte(x2, mult, FMT_MAX, FP8) << 16) | (_fp8_byte(x3, mult, FMT_MAX, FP8) << 24))
             wt = tl.permute(w, (1, 2, 0))  # [NG, G (column), SUB/4 (row word)]

@@ -226,18 +226,14 @@ def test_float8_blocks(device, kernels, dtype, fmt, power_2, block):
         x = _data(shape, dtype, device, seed=seed)
         row_data, row_s, col_data, col_s = kernels.cast_fp8_blocks(
             x, *block, *fmt, power_2, rowwise=rowwise, columnwise=columnwise)
-        if rowwise:
-            ref_data, ref_s = _reference_blocks(x, block, fmt, power_2, False)
-            _assert_same(row_data, ref_data, f"{shape} row data")
-            _assert_same(row_s, ref_s, f"{shape} row scale_inv")
-        else:
-            assert row_data is None and row_s is None
-        if columnwise:
-            ref_data, ref_s = _reference_blocks(x, block, fmt, power_2, True)
-            _assert_same(col_data, ref_data, f"{shape} col data")
-            _assert_same(col_s, ref_s, f"{shape} col scale_inv")
-        else:
-            assert col_data is None and col_s is None
+        for wanted, data, scale, transposed, name in ((rowwise, row_data, row_s, False, "row"),
+                                                      (columnwise, col_data, col_s, True, "col")):
+            if wanted:
+                ref_data, ref_s = _reference_blocks(x, block, fmt, power_2, transposed)
+                _assert_same(data, ref_data, f"{shape} {name} data")
+                _assert_same(scale, ref_s, f"{shape} {name} scale_inv")
+            else:
+                assert data is None and scale is None
 
 
 # rows 96: a multiple of the 32-element MX block but not of the 64-row row+col tile
