@@ -4,11 +4,14 @@
     python benchmarks/cast_tiles.py --rows 4096 --cols 14336
 
 Why: the tiles in ``te_dist/quantization/triton_casts.py`` (``_PT_*``, ``_ROWS_TILE``, ``_TILE``,
-``_ROWCOL_SPLIT``) and ``triton_nvfp4.py`` (``_NVFP4_ROWS``, ``_NVFP4_2D``)
+``_ROWCOL_SPLIT``) and ``triton_nvfp4.py`` (``_NVFP4_ROWS``, ``_NVFP4_2D``, ``_TILE_AMAX``)
 were picked on one H200; this script re-measures the alternatives, in interleaved rounds so drift hits
 every candidate alike, after checking that every candidate gives the same bytes as the current tile.
-It prints one table per family: time, GB/s (input read + outputs written) and the ratio to a
-device-to-device copy of x measured in the same run.
+It prints one table per family: kernel time, GB/s (input read + outputs written) and the ratio to a
+device-to-device copy of x measured in the same run. Each round replays ``--iters`` calls captured
+in one CUDA graph (the copy too), so the host's launch cost, which is larger than some of these
+kernels on a slow host, does not hide the kernels' differences. The stochastic-rounding family
+reseeds torch's CPU generator before each call so that every tile draws the same noise.
 """
 
 from __future__ import annotations
@@ -59,9 +62,15 @@ FAMILIES = {
                       lambda tc, x: tc.cast_mxfp8(x, *_E4M3, 8, 0)),
     "mxfp8 row+col, one pass": ("_TILE[(32, False)]", _T32, _rowcol(32, False)),
     "mxfp8 row+col, rows kernel + columns pass": ("_TILE[(32, False)]", _T32, _rowcol(32, True)),
-    "nvfp4 1x16": ("_NVFP4_ROWS", [(128, 4, 4), (64, 4, 4), (128, 2, 8), (256, 2, 8)],
+    "nvfp4 1x16": ("_NVFP4_ROWS", [(128, 4, 4), (128, 2, 4), (128, 8, 4), (64, 8, 2), (256, 2, 8), (256, 4, 8)],
                    lambda tc, x: tc.cast_nvfp4(x, 1, False)),
-    "nvfp4 16x16": ("_NVFP4_2D", [(16, 4), (8, 4), (32, 8), (8, 2)], lambda tc, x: tc.cast_nvfp4(x, 16, False)),
+    "nvfp4 16x16": ("_NVFP4_2D", [(128, 4), (64, 2), (256, 8), (32, 1), (64, 4)],
+                    lambda tc, x: tc.cast_nvfp4(x, 16, False)),
+    "nvfp4 16x16, its amax pass": ("_TILE_AMAX", [(128, 4, True), (128, 4, False), (64, 2, True), (32, 1, True),
+                                                  (256, 8, True), (64, 4, True), (32, 1, False), (64, 2, False)],
+                                   lambda tc, x: tc.cast_nvfp4(x, 16, False)),
+    "nvfp4 1x16 SR": ("_NVFP4_ROWS", [(128, 4, 4), (128, 2, 4), (128, 8, 4), (64, 8, 2), (256, 2, 8), (256, 4, 8)],
+                      lambda tc, x: (torch.default_generator.manual_seed(1), tc.cast_nvfp4(x, 1, True))[1]),
     "128x128 rowwise": ("_TILE[(128, True)]", _T128, lambda tc, x: tc.cast_fp8_blocks(x, 128, 128, *_E4M3, True)),
     "128x128 row+col": ("_TILE[(128, True)]", _T128,
                         lambda tc, x: tc.cast_fp8_blocks(x, 128, 128, *_E4M3, True, columnwise=True)),
@@ -121,11 +130,22 @@ def _nbytes(out) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _round(fn, iters: int) -> float:
+def _capture(fn, iters: int) -> torch.cuda.CUDAGraph:
+    """``iters`` calls of fn in one CUDA graph (after a warm-up call outside it)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return graph
+
+
+def _replay(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    """Seconds per call of one replay."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
@@ -146,7 +166,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(x)
-    copy_s = statistics.median(_round(lambda: dst.copy_(x), args.iters) for _ in range(args.rounds))
+    copy_graph = _capture(lambda: dst.copy_(x), args.iters)
+    copy_s = statistics.median(_replay(copy_graph, args.iters) for _ in range(args.rounds))
     copy_gbs = 2 * x.numel() * x.element_size() / copy_s / 1e9
     print(f"device={torch.cuda.get_device_name()} x={args.rows}x{args.cols} bf16, copy {copy_s * 1e6:.1f} us "
           f"({copy_gbs:.0f} GB/s); median of {args.rounds} interleaved rounds x {args.iters} calls")
@@ -168,10 +189,14 @@ def main(argv=None) -> None:
                     ok.append(cand)
                 else:
                     print(f"  {family} {cand}: output differs from the current tile, skipped")
+            graphs = {}
+            for cand in ok:
+                _set(tc, attr, cand)
+                graphs[cand] = _capture(lambda: call(tc, x), args.iters)
             for _ in range(args.rounds):
                 for cand in ok:
-                    _set(tc, attr, cand)
-                    times[cand].append(_round(lambda: call(tc, x), args.iters))
+                    times[cand].append(_replay(graphs[cand], args.iters))
+            del graphs
         finally:
             _set(tc, attr, current)
         moved = x.numel() * x.element_size() + _nbytes(call(tc, x))

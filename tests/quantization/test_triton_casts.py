@@ -298,6 +298,37 @@ def test_nvfp4_round_to_nearest(device, nvfp4_kernels, dtype, block_rows):
 
 
 @pytest.mark.parametrize("block_rows", [1, 16], ids=["1x16", "16x16"])
+def test_nvfp4_products_that_round_onto_a_tie(device, nvfp4_kernels, block_rows):
+    """Elements whose float32 product ``|x| * factor`` lands exactly on a rounding tie of the E2M1
+    grid (0.25, 0.75, ..., 5) while the exact product is just off it: the cast must round the
+    float32 product, as the reference does. An fma contracted from the multiply and the rounding
+    add would round the exact product and pick the other neighbour."""
+    from te_dist.quantization.scaling import compute_amax, nvfp4_block_scales, nvfp4_global_scale
+
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    amax = 3.0 * 1.037 ** torch.arange(64, dtype=torch.float32)  # one per block: 64 different factors
+    s_enc = nvfp4_global_scale(amax.max())
+    factor = nvfp4_block_scales(amax, s_enc)[1]
+    ulps = torch.arange(-3, 4, dtype=torch.int32)
+    x = torch.zeros(64, 16)
+    x[:, 0] = amax
+    for r in range(64):  # block r: the tie r % 7 divided by the factor, give or take 3 ulps, both signs
+        near = (ties[r % 7] / factor[r].double()).float().view(torch.int32) + ulps
+        x[r, 1:8], x[r, 8:15] = near.view(torch.float32), -near.view(torch.float32)
+    exact = x.double().abs() * factor.double()[:, None]  # exact: float32 x float32 fits in float64
+    rounded = exact.float().double()
+    onto_tie = torch.isin(rounded, ties) & (exact != rounded)
+    assert onto_tie.sum() >= 20, "the crafted data must hold products that round onto a tie"
+    if block_rows == 16:  # tile b = 16 copies of block b's row: the same amax, so the same factor
+        x = x.reshape(1, -1).expand(16, -1).contiguous()
+    x = x.to(device)
+    packed, scales, _ = nvfp4_kernels.cast_nvfp4(x, block_rows, False)
+    ref_packed, ref_scales = cast.cast_nvfp4(x, block_rows, 16, nvfp4_global_scale(compute_amax(x)))
+    _assert_same(scales, ref_scales, "scales")
+    _assert_same(packed, ref_packed, "packed")
+
+
+@pytest.mark.parametrize("block_rows", [1, 16], ids=["1x16", "16x16"])
 def test_nvfp4_stochastic_rounding(device, nvfp4_kernels, block_rows):
     """Every element lands on one of its two neighbours on the E2M1 grid (the same scales as round
     to nearest), the rounding is unbiased on average, and torch.manual_seed reproduces it."""
@@ -445,13 +476,16 @@ def _compile_configs(tc):
 
         for sr in (False, True):
             nb, iters, warps = nv._NVFP4_ROWS
-            sig = {"x_ptr": inp, "out_ptr": "*u8", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
+            sig = {"x_ptr": inp, "out_ptr": "*i32", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
                    "nblocks": "i32", "seed": "i32"}
             yield nv._cast_nvfp4_rows_kernel, sig, dict(NB=nb, ITERS=iters, SR=sr), warps
             ng, warps = nv._NVFP4_2D
-            sig = {"x_ptr": inp, "out_ptr": "*u8", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
-                   "C": "i32", "seed": "i32"}
+            sig = {"x_ptr": inp, "out_ptr": "*i32", "s_ptr": "*u8", "tiles_ptr": "*fp32", "amax_ptr": "*i32",
+                   "s_inv_ptr": "*fp32", "C": "i32", "seed": "i32"}
             yield nv._cast_nvfp4_2d_kernel, sig, dict(NG=ng, SR=sr), warps
+        ng, warps, unroll = nv._TILE_AMAX
+        sig = {"x_ptr": inp, "tiles_ptr": "*fp32", "amax_ptr": "*i32", "C": "i32"}
+        yield nv._tile_amax_kernel, sig, dict(NG=ng, UNROLL=unroll), warps
         sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
                "R": "i32", "C": "i32"}
         ng, sub, warps = tc._TILE[(128, True)]
@@ -475,6 +509,7 @@ def test_kernels_build_for_sm90_without_spills(monkeypatch):
     from triton.compiler import ASTSource
 
     from te_dist.quantization import triton_casts as tc
+    from te_dist.quantization import triton_nvfp4 as nv
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -483,7 +518,8 @@ def test_kernels_build_for_sm90_without_spills(monkeypatch):
         full = {**sig, **{k: "constexpr" for k in consts}}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in sig and a != "margin_mul"}
         src = ASTSource(kernel, {a: full[a] for a in names}, consts, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        options = {"num_warps": warps, **(nv._OPTIONS if kernel.fn.__module__ == nv.__name__ else {})}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         where = f"{kernel.fn.__name__} {sig.get('x_ptr', '')} {consts}"
         ptx = compiled.asm["ptx"]
         if "row_ptr" in sig or sig.get("out_ptr", "*u8") != "*u8" or "nvfp4" in kernel.fn.__name__:
