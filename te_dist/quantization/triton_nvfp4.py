@@ -26,7 +26,7 @@ __all__ = ["cast_nvfp4"]
 # one block (1x16) or one tile row (16x16) per thread: 32 * warps of them per sub-tile / program
 _NVFP4_ROWS = (128, 4, 4)  # 1x16: (blocks per sub-tile, sub-tiles per program, warps)
 _NVFP4_2D = (128, 4)  # 16x16: (tiles per program along the columns, warps)
-_TILE_AMAX = (128, 4, True)  # its amax pass: (tiles per program, warps, the 16 row loads unrolled)
+_TILE_AMAX = (128, 4)  # its amax pass: (tiles per program, warps)
 
 
 # no fma contraction: a multiply feeding an add must round first, as the reference's separate ops do
@@ -168,7 +168,7 @@ def _tile_program(p, C, NG: tl.constexpr):
 
 
 @triton.jit
-def _tile_amax_kernel(x_ptr, tiles_ptr, amax_ptr, C, NG: tl.constexpr, UNROLL: tl.constexpr):
+def _tile_amax_kernel(x_ptr, tiles_ptr, amax_ptr, C, NG: tl.constexpr):
     """The amax pass of 16x16 blocks: each tile's amax (float32, [rows / 16, C / 16]) and the tensor
     amax bits (an atomic max, as triton_casts._amax_kernel). Why: with the tile amaxes known, the
     cast pass streams x once; finding them there meant reading every tile twice. A program owns
@@ -180,12 +180,8 @@ def _tile_amax_kernel(x_ptr, tiles_ptr, amax_ptr, C, NG: tl.constexpr, UNROLL: t
     mask = (g < num_g)[:, None]
     src = x_ptr + row0 * C + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NG, 16]: row 0 of each tile
     acc = tl.abs(tl.load(src, mask=mask, other=0.0).to(tl.float32))
-    if UNROLL:  # all 16 loads in flight at once (more registers)
-        for r in tl.static_range(1, 16):
-            acc = _max_nan(acc, tl.abs(tl.load(src + r * C, mask=mask, other=0.0)))
-    else:
-        for r in range(1, 16):
-            acc = _max_nan(acc, tl.abs(tl.load(src + r * C, mask=mask, other=0.0)))
+    for r in tl.static_range(1, 16):  # unrolled: all 16 loads in flight (a loop measured 4-7% slower)
+        acc = _max_nan(acc, tl.abs(tl.load(src + r * C, mask=mask, other=0.0)))
     tile = _abs_max(acc, 1)  # [NG]
     tl.store(tiles_ptr + row_tile * num_g + g, tile, mask=g < num_g)
     tl.atomic_max(amax_ptr, tl.max(_abs_bits(tile), axis=0), sem="relaxed")
@@ -251,9 +247,8 @@ def cast_nvfp4(x, block_rows: int, stochastic: bool):
             SR=stochastic, num_warps=warps, **_OPTIONS)
     else:
         bits, tiles = _zero_bits(dev), torch.empty((m // 16, cols // 16), dtype=torch.float32, device=dev)
-        ng, warps, unroll = _TILE_AMAX
-        _tile_amax_kernel[((m // 16) * triton.cdiv(cols // 16, ng),)](x, tiles, bits, cols, NG=ng, UNROLL=unroll,
-                                                                      num_warps=warps)
+        ng, warps = _TILE_AMAX
+        _tile_amax_kernel[((m // 16) * triton.cdiv(cols // 16, ng),)](x, tiles, bits, cols, NG=ng, num_warps=warps)
         ng, warps = _NVFP4_2D
         _cast_nvfp4_2d_kernel[((m // 16) * triton.cdiv(cols // 16, ng),)](
             x, packed.view(torch.int32), scales.view(torch.uint8), tiles, bits, s_inv, cols, seed, NG=ng,

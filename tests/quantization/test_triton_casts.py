@@ -483,9 +483,9 @@ def _compile_configs(tc):
             sig = {"x_ptr": inp, "out_ptr": "*i32", "s_ptr": "*u8", "tiles_ptr": "*fp32", "amax_ptr": "*i32",
                    "s_inv_ptr": "*fp32", "C": "i32", "seed": "i32"}
             yield nv._cast_nvfp4_2d_kernel, sig, dict(NG=ng, SR=sr), warps
-        ng, warps, unroll = nv._TILE_AMAX
+        ng, warps = nv._TILE_AMAX
         sig = {"x_ptr": inp, "tiles_ptr": "*fp32", "amax_ptr": "*i32", "C": "i32"}
-        yield nv._tile_amax_kernel, sig, dict(NG=ng, UNROLL=unroll), warps
+        yield nv._tile_amax_kernel, sig, dict(NG=ng), warps
         sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
                "R": "i32", "C": "i32"}
         ng, sub, warps = tc._TILE[(128, True)]
