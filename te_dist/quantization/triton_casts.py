@@ -453,14 +453,14 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square):
 
     A float32 columnwise-only cast writes a rowwise copy to scratch anyway: with Triton 3.6 on H200
     the kernel variant without the rowwise copy multiplied float32 data by wrong block scales (the
-    stored scales were right; 40 of 40 calls wrong in three runs on one machine, while an earlier run
-    on another passed), and the variant with it is exact (test_float8_blocks)."""
+    stored scales were right; 40 of 40 calls wrong in three runs on single-H200 machines, while an
+    earlier run on a 2xH200 machine passed), and the variant with it is exact (test_float8_blocks)."""
     group = consts["G"]
     if x.dtype == torch.float32 and consts["COL"] and not consts["ROW"]:
-        col_s = col[1]
-        s_shape = (*x.shape[:-2], rows // group, cols // group) if square else (*x.shape[:-2], rows, cols // group)
+        lead = x.shape[:-2]
+        scale_shape = (*lead, rows // group, cols // group) if square else (*lead, rows, cols // group)
         row = (torch.empty(x.shape, dtype=col[0].dtype, device=x.device),
-               torch.empty(s_shape, dtype=col_s.dtype, device=x.device))
+               torch.empty(scale_shape, dtype=col[1].dtype, device=x.device))
         consts = {**consts, "ROW": True}
     ng, sub, warps = _TILE[(group, square)]
     row_data, row_s = row if row[0] is not None else col
