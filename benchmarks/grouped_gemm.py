@@ -11,6 +11,16 @@ times every variant once, in a rotated order) and each reports its median over -
 clock and thermal drift during a shape affect all variants alike; ratios are within this run.
 "auto/best" divides the selector's choice by the best column of any kind (every config, torch,
 loop), the strict reading of the issue's "best of the three".
+
+Every timed sample starts behind the same preconditioning work, six dense 8192^3 bf16 GEMMs
+(~8.5 ms): the host queues the start event and all --iters calls while the GPU runs them, so the
+numbers are GPU throughput (as in a training step, where the host runs ahead), and every variant
+starts from the same power state. Why: without it, (1) the GPU waited for the first call of each
+sample to be queued, which charged 1/--iters of one call's host time to every call (3-4% for the
+selector on the decode shapes of the H200 host), and (2) a variant timed right after a light one
+(a slow tile, the per-expert loop) ran on the power headroom that one left: the same kernel measured
+up to 12% apart in two columns of one run. The selector's host cost is its own table:
+microseconds of host time per call, queued while the GPU is busy.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import json
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,6 +56,22 @@ DECODE = [  # name, E, total rows (spread evenly), K, N
 ]
 
 
+_HOST_SPIN_CYCLES = 40_000_000  # ~20 ms at the H200's clock: longer than queueing 20 calls on a slow host
+_HEAT = []  # the preconditioning operands, made on first use
+
+
+def _queued_start() -> torch.cuda.Event:
+    """A start event queued behind the preconditioning GEMMs (see the module docstring)."""
+    if not _HEAT:
+        _HEAT.append(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16))
+    a = _HEAT[0]
+    for _ in range(6):
+        torch.mm(a, a)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start
+
+
 def bench(fn, warmup, iters, repeats=5):
     """Median over ``repeats`` of the mean per-call time (ms) of ``iters`` back-to-back calls."""
     for _ in range(warmup):
@@ -52,8 +79,7 @@ def bench(fn, warmup, iters, repeats=5):
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start, end = _queued_start(), torch.cuda.Event(enable_timing=True)
         for _ in range(iters):
             fn()
         end.record()
@@ -72,14 +98,28 @@ def bench_interleaved(fns, warmup, iters, rounds):
     samples = {n: [] for n in names}
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start, end = _queued_start(), torch.cuda.Event(enable_timing=True)
             for _ in range(iters):
                 fns[n]()
             end.record()
             torch.cuda.synchronize()
             samples[n].append(start.elapsed_time(end) / iters)
     return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+
+
+def host_us(fn, calls=20, repeats=5) -> float:
+    """Median host time (us) to queue one call, measured while the GPU is busy (nothing waits on it)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(_HOST_SPIN_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 def make(E, splits, K, N, dev):
@@ -151,6 +191,18 @@ def main():
     gm = math.exp(sum(map(math.log, geo)) / len(geo))
     print(f"geomean cutlass(heuristic)/torch over the six ANCHORS shapes: {gm:.3f}")
     results["geomean_cutlass_over_torch"] = gm
+
+    print("\n## host time to queue one forward call (us; cut = cutlass_backend.forward with the heuristic's config,"
+          " auto = grouped_mm_forward: validation + selection + cut)")
+    print(f"{'shape':<16}{'cut':>8}{'auto':>8}{'torch':>8}{'auto-cut':>9}")
+    for name, E, splits, K, N in cases:
+        x, w, off = make(E, splits, K, N, dev)
+        h = {k: host_us(fn) for k, fn in (("cut", lambda: cutlass_backend.forward(x, w, off)),
+                                          ("auto", lambda: kernels.grouped_mm_forward(x, w, off)),
+                                          ("torch", lambda: torch_backend.forward(x, w, off)))}
+        print(f"{name:<16}{h['cut']:8.1f}{h['auto']:8.1f}{h['torch']:8.1f}{h['auto'] - h['cut']:9.1f}")
+        results.setdefault("host_us", []).append({"shape": name, **h})
+        torch.cuda.empty_cache()
 
     if not args.skip_backward:
         for direction in ("dgrad", "wgrad"):

@@ -9,16 +9,19 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
 
-``CANDIDATES`` (ids 4-7) are further tiles for sweeps; they are not built by default.
+``CANDIDATES`` (ids 4-9) are further tiles for sweeps; they are not built by default.
 
 Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
-GEMM's M for fwd/dgrad and its K for wgrad). Thresholds come from the H200 sweep in docs/kernels.md
-(benchmarks/grouped_gemm.py times every config per shape and prints the winner).
+GEMM's M for fwd/dgrad and its K for wgrad, and in one row on the forward's K). Thresholds come
+from the H200 sweeps in docs/kernels.md (benchmarks/grouped_gemm.py times every config per shape
+and prints the winner).
 """
 
 from __future__ import annotations
 
-__all__ = ["CONFIGS", "CANDIDATES", "TILES", "RULES", "choose_config"]
+from typing import NamedTuple, Optional
+
+__all__ = ["CONFIGS", "CANDIDATES", "TILES", "Rule", "RULES", "choose_config"]
 
 # id: (schedule, tile M, tile N, tile K, (cluster M, cluster N)); build.py turns these into macros.
 CONFIGS = {
@@ -34,28 +37,49 @@ CANDIDATES = {
     5: ("cooperative", 128, 128, 128, (1, 1)),
     6: ("pingpong", 128, 128, 128, (1, 1)),
     7: ("cooperative", 128, 128, 64, (1, 2)),
+    8: ("cooperative", 128, 256, 64, (1, 1)),
+    9: ("cooperative", 128, 256, 64, (1, 2)),
 }
 TILES = {**CONFIGS, **CANDIDATES}
 
-# (direction or "*", max average rows per expert (inclusive) or None for any, config).
-# From the H200 sweep of 2026-11-29 (docs/kernels.md; run-to-run spread ~3%):
+
+class Rule(NamedTuple):
+    """One row of the table: it holds when the direction matches and the call's average rows per
+    expert lie in (min_rows, max_rows] and its contraction length (fwd: K, dgrad: N, wgrad: the
+    rows) is at most max_k. None = no bound."""
+
+    direction: str  # "fwd", "dgrad", "wgrad" or "*"
+    max_rows: Optional[int]
+    config: int
+    min_rows: int = 0
+    max_k: Optional[int] = None
+
+
+# From the H200 sweeps of 2026-11-29/30 (docs/kernels.md; run-to-run spread ~3%):
 RULES = (
-    ("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
-    ("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
-    ("wgrad", None, 3),   # Mixtral (4096 rows per expert)
-    ("*", 32, 1),         # decode: 64-row tiles waste least
-    ("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
-    ("*", None, 0),       # large M: cooperative 128x256, cluster 2x1
+    Rule("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
+    Rule("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
+    Rule("wgrad", None, 3),   # Mixtral (4096 rows per expert)
+    Rule("*", 32, 1),         # decode: 64-row tiles waste least
+    Rule("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
+    # Short contraction, many rows (DeepSeek-V3 fc2 EP8: 1024 rows, K 2048): ping-pong 128x128 beat the
+    # cooperative 128x256 in all ten sweeps (+1% to +11%); with a 32-step K loop each tile's epilogue is
+    # a large share, and ping-pong overlaps it with the other warpgroup's math. Not at 256 rows or
+    # fewer: Qwen3 fc1 (256 rows, K 2048) ran 2-7% faster on config 0.
+    Rule("fwd", 2048, 2, min_rows=256, max_k=2048),
+    Rule("*", None, 0),       # large M: cooperative 128x256, cluster 2x1
 )
 
 
 def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132) -> int:
-    """Config id for one call. ``n``/``k`` are the user-level out/in features (unused by the
-    current table, kept in the signature so shape-dependent rules need no call-site change)."""
+    """Config id for one call. ``n``/``k`` are the user-level out/in features."""
     m_avg = num_rows / max(num_groups, 1)
-    for rule_direction, max_m, config in RULES:
-        if rule_direction not in ("*", direction):
+    contraction = {"fwd": k, "dgrad": n}.get(direction, m_avg)
+    for rule in RULES:
+        if rule.direction not in ("*", direction):
             continue
-        if max_m is None or m_avg <= max_m:
-            return config
+        if (rule.max_rows is not None and m_avg > rule.max_rows) or m_avg <= rule.min_rows:
+            continue
+        if rule.max_k is None or contraction <= rule.max_k:
+            return rule.config
     raise AssertionError("RULES must end with a catch-all row")

@@ -41,10 +41,17 @@ def _capability(device_index: int):
     return torch.cuda.get_device_capability(device_index)
 
 
-def _cutlass_module():
-    from .backends import cutlass_backend
+_CUTLASS: dict = {}
 
-    return cutlass_backend
+
+def _cutlass_module():
+    """Imported on first CUDA use, then held (an import statement per call cost ~1 us)."""
+    module = _CUTLASS.get("module")
+    if module is None:
+        from .backends import cutlass_backend as module
+
+        _CUTLASS["module"] = module
+    return module
 
 
 def _cutlass_built(device: torch.device) -> bool:

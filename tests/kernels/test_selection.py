@@ -66,3 +66,30 @@ def test_forced_backend_validated():
         choose_backend(_p(out_dtype=torch.float16), cutlass_built=True, torch_grouped=True, forced="cutlass")
     with pytest.raises(ValueError, match="backend must be one of"):
         choose_backend(_p(), cutlass_built=True, torch_grouped=True, forced="magic")
+
+
+# (name, experts, rows per expert, K, N) -> configs for (fwd, dgrad, wgrad), as fitted in docs/kernels.md
+_TILE_TABLE = [
+    ("mixtral_fc1", 8, 4096, 4096, 28672, (0, 0, 3)),
+    ("dsv3_fc1_ep8", 32, 1024, 7168, 4096, (0, 0, 2)),
+    ("dsv3_fc2_ep8", 32, 1024, 2048, 7168, (2, 0, 2)),  # short forward K with many rows: ping-pong
+    ("qwen3_fc1", 128, 256, 2048, 1536, (0, 0, 3)),  # short K but 256 rows: still cooperative
+    ("small_m_E64", 64, 128, 4096, 2048, (2, 2, 3)),
+    ("decode_E8_T64", 8, 8, 4096, 14336, (1, 1, 3)),
+]
+
+
+@pytest.mark.parametrize("name,E,rows,K,N,want", _TILE_TABLE, ids=[t[0] for t in _TILE_TABLE])
+def test_tile_config_table(name, E, rows, K, N, want):
+    import cutlass_kernels
+
+    got = tuple(cutlass_kernels.choose_config(d, E * rows, N, K, E) for d in ("fwd", "dgrad", "wgrad"))
+    assert got == want
+
+
+def test_tile_rules_end_with_a_catch_all():
+    import cutlass_kernels.heuristics as h
+
+    last = h.RULES[-1]
+    assert (last.direction, last.max_rows, last.min_rows, last.max_k) == ("*", None, 0, None)
+    assert all(rule.config in h.CONFIGS for rule in h.RULES)  # only built-by-default tiles are chosen
