@@ -6,7 +6,7 @@ tile config per problem shape. Nothing here touches CUDA or runs nvcc at import 
 """
 
 from .heuristics import CANDIDATES, CONFIGS, choose_config
-from .build import Instance, BuildError, build_instance, build_command, find_cutlass, find_nvcc, load_instance
+from .build import Instance, BuildError, build_instance, build_command, find_cutlass, find_nvcc, load, load_instance
 
 __all__ = [
     "CONFIGS",
@@ -18,5 +18,6 @@ __all__ = [
     "build_command",
     "find_cutlass",
     "find_nvcc",
+    "load",
     "load_instance",
 ]

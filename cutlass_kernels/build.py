@@ -36,6 +36,7 @@ __all__ = [
     "build_command",
     "cache_key",
     "build_instance",
+    "load",
     "load_instance",
     "all_instances",
 ]
@@ -217,14 +218,22 @@ class _Library:
         return self._lib.te_gg_last_error().decode(errors="replace")
 
 
-_loaded: dict = {}
+_loaded: dict = {}  # (direction, config, out_f32) -> _Library
+
+
+def load(direction: str, config: int, out_f32: bool = False) -> _Library:
+    """The library of one instance, built on first use. Keyed by a plain tuple because launches
+    look it up on every call (building the frozen ``Instance`` first cost ~0.5 us per call)."""
+    key = (direction, config, out_f32)
+    lib = _loaded.get(key)
+    if lib is None:
+        with _build_lock:
+            lib = _loaded.get(key)
+            if lib is None:
+                inst = Instance(direction, config, out_f32)
+                lib = _loaded[key] = _Library(build_instance(inst), inst)
+    return lib
 
 
 def load_instance(inst: Instance) -> _Library:
-    lib = _loaded.get(inst)
-    if lib is None:
-        with _build_lock:
-            lib = _loaded.get(inst)
-            if lib is None:
-                lib = _loaded[inst] = _Library(build_instance(inst), inst)
-    return lib
+    return load(inst.direction, inst.config, inst.out_f32)

@@ -74,7 +74,7 @@ RULES = (
 def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132) -> int:
     """Config id for one call. ``n``/``k`` are the user-level out/in features."""
     m_avg = num_rows / max(num_groups, 1)
-    contraction = {"fwd": k, "dgrad": n}.get(direction, m_avg)
+    contraction = k if direction == "fwd" else n if direction == "dgrad" else m_avg
     for rule in RULES:
         if rule.direction not in ("*", direction):
             continue

@@ -75,25 +75,16 @@ def _f32(t):
     return None if t is None else t.float().contiguous()
 
 
-_libs: dict = {}  # (direction, config, out_f32) -> loaded instance: a hit skips building an Instance key
-
-
-def _library(ck, direction: str, config: int, out_f32: bool):
-    key = (direction, config, out_f32)
-    lib = _libs.get(key)
-    if lib is None:
-        lib = _libs[key] = ck.load_instance(ck.Instance(direction, config, out_f32))
-    return lib
+# torch's C getter of the current stream's cudaStream_t: ~0.3 us, where
+# ``torch.cuda.current_stream(device).cuda_stream`` cost ~6 us per call on the H200 host (a Stream
+# object each time); the public form stays as the fallback for a torch without it.
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _raw_stream(index: int) -> int:
-    """The current stream of device ``index`` as a cudaStream_t value. torch's C getter costs ~0.3 us
-    where ``torch.cuda.current_stream(device).cuda_stream`` cost ~6 us on the H200 host (a Stream
-    object per call); the public form stays as the fallback."""
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if getter is None:
+    if _CURRENT_RAW_STREAM is None:
         return torch.cuda.current_stream(index).cuda_stream
-    return getter(index)
+    return _CURRENT_RAW_STREAM(index)
 
 
 def _launch(direction: str, a, b, d, offsets_E, num_groups, n, k, scale, bias, num_rows, config=None):
@@ -103,7 +94,7 @@ def _launch(direction: str, a, b, d, offsets_E, num_groups, n, k, scale, bias, n
     sms = _sm_count(index)
     if config is None:
         config = ck.choose_config(direction, num_rows, n, k, num_groups, sms)
-    lib = _library(ck, direction, config, d.dtype == torch.float32)
+    lib = ck.load(direction, config, d.dtype == torch.float32)
     ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=device)
     stream = _raw_stream(index)
     rc = lib.run(a.data_ptr(), b.data_ptr(), d.data_ptr(), offsets_E.data_ptr(), num_groups, n, k,
