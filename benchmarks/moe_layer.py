@@ -16,6 +16,10 @@ of ``--iters`` steps after ``--warmup``):
   * dispatch     our dispatch all-to-all (count exchange + host read + variable-split token
                  all-to-all) against a raw ``all_to_all_single`` of the same bytes, as algorithm
                  bandwidth (bytes sent per rank / time).
+  * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
+                 and probability all-to-alls, sort by local expert) against the same work done by
+                 an oracle that knows the split sizes in advance (no count exchange, no host read,
+                 sort index precomputed): oracle time / dispatch time, calls back to back.
 Tokens/s is per rank (tokens of this rank's batch / layer step time). Each config runs 8192 and 2048
 tokens per rank by default, DeepSeek-like also 1024 (``--tokens`` to change): fewer tokens per expert is where a per-expert
 loop loses most (launch overhead, small GEMMs).
@@ -39,6 +43,7 @@ from te_dist import kernels
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
 from te_dist.moe import AllToAllDispatcher, TopKRouter
+from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=[8192, 2048]),
@@ -78,7 +83,12 @@ def sync(device):
 
 
 def timed(fn, args, device) -> float:
-    """Mean seconds per call, max over ranks."""
+    """Mean seconds per call, max over ranks (a step is as slow as its slowest rank)."""
+    return timed_ranks(fn, args, device)[0]
+
+
+def timed_ranks(fn, args, device):
+    """(max, min) over ranks of the mean seconds per call."""
     for _ in range(args.warmup):
         fn()
     sync(device)
@@ -87,9 +97,10 @@ def timed(fn, args, device) -> float:
     for _ in range(args.iters):
         fn()
     sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / args.iters], dtype=torch.float64, device=device)
+    mean = (time.perf_counter() - start) / args.iters
+    elapsed = torch.tensor([mean, -mean], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return float(elapsed[0]), -float(elapsed[1])
 
 
 def train_step(module, x, g):
@@ -156,13 +167,13 @@ def bench_layer_parts(layer, T, args, device, dtype):
     """Layer step, its grouped GEMMs alone, raw all-to-alls alone, dispatch bandwidth, for T tokens."""
     H, group = layer.hidden_size, layer.ep_group
     x, g = batch(T, H, dtype, device)
-    t_layer = timed(functools.partial(train_step, layer, x, g), args, device)
+    t_layer, t_layer_min = timed_ranks(functools.partial(train_step, layer, x, g), args, device)
     splits = layer.tokens_per_local_expert
     probe = torch.empty(int(splits.sum()), H, dtype=dtype, device=device)
     backend = kernels.select_backend("forward", probe, layer.fc1.weight.detach().transpose(1, 2))
     del probe
-    t_gemm = timed(gemm_fn(layer, splits, dtype, device), args, device)
-    t_a2a = t_ours = t_raw = 0.0
+    t_gemm, t_gemm_min = timed_ranks(gemm_fn(layer, splits, dtype, device), args, device)
+    t_a2a = t_ours = t_raw = t_step = t_oracle = 0.0
     sent_bytes = 0
     if layer.ep_size > 1:
         in_splits, out_splits = a2a_splits(layer)
@@ -188,13 +199,41 @@ def bench_layer_parts(layer, T, args, device, dtype):
         t_ours = timed(ours, args, device)
         t_raw = timed(lambda: raw_a2a(xs, out_splits, in_splits, group), args, device)
         sent_bytes = xs.numel() * xs.element_size()
+        t_step, t_oracle = in_step_dispatch(layer, x.detach(), args, device)
     return dict(
-        tokens=T, backend=backend, layer_ms=t_layer * 1e3, tok_s=T / t_layer, gemm_ms=t_gemm * 1e3,
+        tokens=T, backend=backend, layer_ms=t_layer * 1e3, layer_min_ms=t_layer_min * 1e3, gemm_min_ms=t_gemm_min * 1e3, tok_s=T / t_layer, gemm_ms=t_gemm * 1e3,
         a2a_ms=t_a2a * 1e3, overhead=t_layer / (t_gemm + t_a2a),
         ours_gbs=sent_bytes / t_ours / 1e9 if t_ours else float("nan"),
         raw_gbs=sent_bytes / t_raw / 1e9 if t_raw else float("nan"),
         a2a_ratio=t_raw / t_ours if t_ours else float("nan"),
+        step_ratio=t_oracle / t_step if t_step else float("nan"),
     )
+
+
+@torch.no_grad()
+def in_step_dispatch(layer, x, args, device):
+    """(dispatch, oracle) seconds: ``dispatcher.dispatch`` as the layer calls it, and the same
+    permutation, all-to-alls and local-expert sort with the split sizes known in advance."""
+    group, disp = layer.ep_group, layer.dispatcher
+    routing = layer.router(x, check_nan=False)
+    probs, indices = routing.probs_TK, routing.indices_TK
+    _, perm = permute_tokens(x, indices, layer.num_experts)
+    recv = exchange_counts(perm.counts_E, group)
+    in_splits = perm.counts_E.view(layer.ep_size, -1).sum(1).tolist()
+    out_splits = recv.view(layer.ep_size, -1).sum(1).tolist()
+    chunk = chunk_sort_index(recv.view(layer.ep_size, -1), sum(out_splits)) if layer.num_local_experts > 1 else None
+
+    def ours():
+        disp.dispatch(x, probs, indices, probs_in_expert=True)
+
+    def oracle():
+        x_SH, p = permute_tokens(x, indices, layer.num_experts)
+        x_NH = raw_a2a(x_SH, out_splits, in_splits, group)
+        p_N = raw_a2a(permute_probs(probs, p), out_splits, in_splits, group)
+        if chunk is not None:
+            x_NH.index_select(0, chunk), p_N.index_select(0, chunk)
+
+    return timed(ours, args, device), timed(oracle, args, device)
 
 
 def bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows):
@@ -210,11 +249,13 @@ def bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows):
     loop = LoopMoE(*shape, group, dtype, device)
     for row in new_rows:
         x, g = batch(row["tokens"], cfg["hidden"], dtype, device)
-        row["loop_ms"] = timed(functools.partial(train_step, loop, x, g), args, device) * 1e3
+        t_loop, t_loop_min = timed_ranks(functools.partial(train_step, loop, x, g), args, device)
+        row["loop_ms"], row["loop_min_ms"] = t_loop * 1e3, t_loop_min * 1e3
         row["speedup"] = row["loop_ms"] / row["layer_ms"]
         if dist.get_rank() == 0:
-            print(f"done {name} EP={ep_size} tokens={row['tokens']}: layer {row['layer_ms']:.2f} ms, "
-                  f"loop {row['loop_ms']:.2f} ms", flush=True)
+            print(f"done {name} EP={ep_size} tokens={row['tokens']}: slowest/fastest rank: layer {row['layer_ms']:.2f}/"
+                  f"{row['layer_min_ms']:.2f} ms, loop {row['loop_ms']:.2f}/{row['loop_min_ms']:.2f} ms, gemm "
+                  f"{row['gemm_ms']:.2f}/{row['gemm_min_ms']:.2f} ms", flush=True)
     del loop
     free(device)
     rows.extend(new_rows)
@@ -223,9 +264,9 @@ def bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows):
 def print_table(rows, header):
     cols = [("config", "{}"), ("ep", "{}"), ("tokens", "{}"), ("backend", "{}"), ("layer_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
             ("tok_s", "{:,.0f}"), ("gemm_ms", "{:.2f}"), ("a2a_ms", "{:.2f}"), ("overhead", "{:.2f}x"),
-            ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}")]
+            ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}"), ("step_ratio", "{:.2f}")]
     names = ["config", "EP", "tokens/rank", "fc1 backend", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
-             "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw"]
+             "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw", "in step: oracle/dispatch"]
     print(header)
     print("| " + " | ".join(names) + " |")
     print("|" + "---|" * len(names))
@@ -240,6 +281,7 @@ def main():
     parser.add_argument("--configs", default="mixtral,deepseek")
     parser.add_argument("--tokens", default=None,
                         help="comma-separated tokens per rank (default: the config's list)")
+    parser.add_argument("--ep-sizes", default=None, help="comma-separated EP sizes (default: 1 and the world size)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
@@ -257,7 +299,8 @@ def main():
         for name in args.configs.split(","):
             cfg = table[name]
             tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else cfg["tokens"]
-            for ep_size in sorted({1, world}):
+            ep_sizes = [int(e) for e in args.ep_sizes.split(",")] if args.ep_sizes else sorted({1, world})
+            for ep_size in ep_sizes:
                 bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows)
         if dist.get_rank() == 0:
             hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

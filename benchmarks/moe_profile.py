@@ -1,21 +1,28 @@
-"""Where one MoELayer forward+backward spends its GPU time, by kernel (single process, EP=1).
+"""Where one MoELayer forward+backward spends its GPU time, by kernel, and where the GPU waits.
 
-    python benchmarks/moe_profile.py --config mixtral --tokens 8192        # one H200
+    python benchmarks/moe_profile.py --config mixtral --tokens 8192        # one H200, EP=1
     python benchmarks/moe_profile.py --config deepseek --tokens 2048 --top 30
+    torchrun --nproc-per-node 2 benchmarks/moe_profile.py --config deepseek --tokens 1024   # EP=2, NCCL
 
 Runs ``--warmup`` steps, then profiles ``--steps`` steps with torch.profiler and prints the
 kernels sorted by total CUDA time (per step), grouped into the layer's stages by name, next to
-the step's wall time. It is the companion of benchmarks/moe_layer.py: that one says how far the
-layer is from its grouped GEMMs, this one says which kernels make up the difference.
+the step's wall time. Under torchrun the layer is expert-parallel over all ranks (NCCL) and rank 0
+reports. The idle table merges every kernel interval (all streams) and lists the longest gaps in
+which no kernel ran, with the kernels on either side: time the GPU spent waiting for the host.
+It is the companion of benchmarks/moe_layer.py: that one says how far the layer is from its grouped
+GEMMs, this one says which kernels and which waits make up the difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import te_dist as td
 
@@ -49,13 +56,32 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--gaps", type=int, default=8, help="longest GPU idle gaps to list")
+    ap.add_argument("--trace", default=None, help="write rank 0's chrome trace here")
+    ap.add_argument("--loop", action="store_true",
+                    help="profile the per-expert nn.Linear baseline of benchmarks/moe_layer.py instead of MoELayer")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    ep_group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        ep_group = dist.group.WORLD
+    rank = dist.get_rank() if ep_group is not None else 0
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = CONFIGS[args.config]
     torch.manual_seed(0)
-    layer = td.moe.MoELayer(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"], dtype=dtype, device=device)
+    if args.loop:
+        from moe_layer import LoopMoE  # benchmarks/ is on sys.path when this file runs as a script
+
+        layer = LoopMoE(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"], ep_group, dtype, device)
+    else:
+        layer = td.moe.MoELayer(cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"], ep_group=ep_group,
+                                dtype=dtype, device=device)
+    torch.manual_seed(1 + rank)
     x = torch.randn(args.tokens, cfg["hidden"], dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x)
 
@@ -63,7 +89,10 @@ def main(argv=None) -> None:
         for p in layer.parameters():
             p.grad = None
         x.grad = None
-        layer(x).backward(g)
+        with torch.profiler.record_function("moe_forward"):
+            out = layer(x)
+        with torch.profiler.record_function("moe_backward"):
+            out.backward(g)
 
     for _ in range(args.warmup):
         step()
@@ -84,24 +113,78 @@ def main(argv=None) -> None:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+    if rank == 0 and args.trace:
+        prof.export_chrome_trace(args.trace)
+    for r in range(dist.get_world_size() if ep_group is not None else 1):  # every rank, in order
+        if r == rank:
+            print(f"\n## rank {rank}{' (loop baseline)' if args.loop else ''}", flush=True)
+            report(prof, args, device, wall_ms)
+        if ep_group is not None:
+            dist.barrier()
+    if ep_group is not None:
+        dist.destroy_process_group()
+
+
+def report(prof, args, device, wall_ms) -> None:
     kernels = collections.Counter()
     calls = collections.Counter()
+    spans = []  # (start_us, end_us, name) of every kernel
+    host = collections.Counter()
     for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and (
+                getattr(evt, "is_user_annotation", False) or evt.name in ("moe_forward", "moe_backward")):
+            continue  # GPU copies of annotations (ours, c10d's "nccl:all_to_all") span kernels: not kernels
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels[evt.name] += evt.device_time / args.steps / 1e3
             calls[evt.name] += 1
+            spans.append((evt.time_range.start, evt.time_range.end, evt.name))
+        elif evt.name in ("moe_forward", "moe_backward"):
+            host[evt.name] += evt.time_range.elapsed_us() / args.steps / 1e3
     total = sum(kernels.values())
     by_stage = collections.Counter()
     for name, ms in kernels.items():
         by_stage[stage_of(name)] += ms
-    print(f"# {args.config} tokens={args.tokens} device={device} wall {wall_ms:.2f} ms/step, "
-          f"kernel time {total:.2f} ms/step")
+    ep = dist.get_world_size() if dist.is_initialized() else 1
+    sys.stdout.flush()
+    print(f"# {args.config} tokens={args.tokens} EP={ep} device={device} wall {wall_ms:.2f} ms/step, "
+          f"kernel time {total:.2f} ms/step, host time forward {host['moe_forward']:.2f} "
+          f"backward {host['moe_backward']:.2f} ms/step")
     print("| stage | ms/step | share |\n|---|---|---|")
     for stage, ms in by_stage.most_common():
         print(f"| {stage} | {ms:.3f} | {ms / max(total, 1e-9):.1%} |")
     print(f"\n| kernel (top {args.top}) | ms/step | calls/step |\n|---|---|---|")
     for name, ms in kernels.most_common(args.top):
         print(f"| {name[:110]} | {ms:.3f} | {calls[name] / args.steps:.0f} |")
+    print_gaps(sorted(spans), args)
+
+
+def print_gaps(spans, args) -> None:
+    """GPU busy time (union of kernel intervals, all streams) and the longest idle gaps."""
+    if not spans:
+        return
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = spans[0]
+    for start, end, name in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_name, name))
+            cur_start, cur_end = start, end
+        elif end > cur_end:
+            cur_end = end
+        cur_name = name if end >= cur_end else cur_name
+    busy += cur_end - cur_start
+    span = spans[-1][1] - spans[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    print(f"\nGPU busy {busy / args.steps / 1e3:.2f} ms/step, idle between kernels {idle / args.steps / 1e3:.2f} "
+          f"ms/step ({len(gaps) / args.steps:.0f} gaps/step; profiled span {span / args.steps / 1e3:.2f} ms/step)")
+    print("| gap us | kernel before | kernel after |\n|---|---|---|")
+    for gap, before, after in sorted(gaps, reverse=True)[:args.gaps]:
+        print(f"| {gap:.1f} | {before[:60]} | {after[:60]} |")
+    sys.stdout.flush()
+    sizes = collections.Counter()
+    for gap, _, _ in gaps:
+        sizes["<5 us" if gap < 5 else "5-20 us" if gap < 20 else "20-100 us" if gap < 100 else ">=100 us"] += gap
+    print("idle by gap size (ms/step): " + ", ".join(f"{k} {v / args.steps / 1e3:.3f}" for k, v in sizes.items()), flush=True)
 
 
 if __name__ == "__main__":

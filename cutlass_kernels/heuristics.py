@@ -45,28 +45,37 @@ TILES = {**CONFIGS, **CANDIDATES}
 
 class Rule(NamedTuple):
     """One row of the table: it holds when the direction matches and the call's average rows per
-    expert lie in (min_rows, max_rows] and its contraction length (fwd: K, dgrad: N, wgrad: the
-    rows) is at most max_k. None = no bound."""
+    expert lie in (min_rows, max_rows], its contraction length (fwd: K, dgrad: N, wgrad: the
+    rows) is at most max_k, and each group's output has at least min_out elements (fwd: rows x N,
+    dgrad: rows x K, wgrad: K x N). None = no bound."""
 
     direction: str  # "fwd", "dgrad", "wgrad" or "*"
     max_rows: Optional[int]
     config: int
     min_rows: int = 0
     max_k: Optional[int] = None
+    min_out: int = 0
 
 
 # From the H200 sweeps of 2026-11-29/30 (docs/kernels.md; run-to-run spread ~3%):
 RULES = (
+    # Short-K wgrad with large per-expert outputs (DeepSeek-like layer, 256 rows, 7168x4096 and
+    # 2048x7168 per expert): ping-pong overlaps each tile's big epilogue with the other warpgroup's
+    # 4-step K loop, +5% over coop 256x128 in both sweeps of the fifth session.
+    Rule("wgrad", 512, 2, min_rows=128, min_out=1 << 23),
     Rule("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
     Rule("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
     Rule("wgrad", None, 3),   # Mixtral (4096 rows per expert)
     Rule("*", 32, 1),         # decode: 64-row tiles waste least
     Rule("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
-    # Short contraction, many rows (DeepSeek-V3 fc2 EP8: 1024 rows, K 2048): ping-pong 128x128 beat the
-    # cooperative 128x256 in all ten sweeps (+1% to +11%); with a 32-step K loop each tile's epilogue is
-    # a large share, and ping-pong overlaps it with the other warpgroup's math. Not at 256 rows or
-    # fewer: Qwen3 fc1 (256 rows, K 2048) ran 2-7% faster on config 0.
-    Rule("fwd", 2048, 2, min_rows=256, max_k=2048),
+    # Contraction up to 4096 with up to 2048 rows: ping-pong 128x128 overlaps each tile's epilogue
+    # with the other warpgroup's math. Forward: DeepSeek-V3 fc2 EP8 (1024 rows, K 2048) won in all
+    # ten sweeps (+1% to +11%), the Mixtral-like layer's fc1 at EP=2 (1024 rows, K 4096) +5-7% in
+    # two; not at 256 rows or fewer (Qwen3 fc1: 2-7% slower) nor for K 7168 (DSv3 fc1 EP8: c0
+    # ahead by 0.4-4% in four of five sweeps). Dgrad (contraction = N): DSv3 fc1 EP8 (N 4096) +5%,
+    # the Mixtral-like fc2 at EP=2 (N 4096) +4-5%, Qwen3 (N 1536) +2%; c0 stays ahead for N 7168+.
+    Rule("fwd", 2048, 2, min_rows=256, max_k=4096),
+    Rule("dgrad", 2048, 2, max_k=4096),
     Rule("*", None, 0),       # large M: cooperative 128x256, cluster 2x1
 )
 
@@ -75,11 +84,12 @@ def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int
     """Config id for one call. ``n``/``k`` are the user-level out/in features."""
     m_avg = num_rows / max(num_groups, 1)
     contraction = k if direction == "fwd" else n if direction == "dgrad" else m_avg
+    out_per_group = m_avg * n if direction == "fwd" else m_avg * k if direction == "dgrad" else k * n
     for rule in RULES:
         if rule.direction not in ("*", direction):
             continue
         if (rule.max_rows is not None and m_avg > rule.max_rows) or m_avg <= rule.min_rows:
             continue
-        if rule.max_k is None or contraction <= rule.max_k:
+        if (rule.max_k is None or contraction <= rule.max_k) and out_per_group >= rule.min_out:
             return rule.config
     raise AssertionError("RULES must end with a catch-all row")

@@ -71,9 +71,13 @@ def test_forced_backend_validated():
 # (name, experts, rows per expert, K, N) -> configs for (fwd, dgrad, wgrad), as fitted in docs/kernels.md
 _TILE_TABLE = [
     ("mixtral_fc1", 8, 4096, 4096, 28672, (0, 0, 3)),
-    ("dsv3_fc1_ep8", 32, 1024, 7168, 4096, (0, 0, 2)),
+    ("dsv3_fc1_ep8", 32, 1024, 7168, 4096, (0, 2, 2)),  # dgrad contracts over N 4096: ping-pong
     ("dsv3_fc2_ep8", 32, 1024, 2048, 7168, (2, 0, 2)),  # short forward K with many rows: ping-pong
-    ("qwen3_fc1", 128, 256, 2048, 1536, (0, 0, 3)),  # short K but 256 rows: still cooperative
+    ("qwen3_fc1", 128, 256, 2048, 1536, (0, 2, 3)),  # short K but 256 rows: cooperative forward
+    ("ds_layer_fc1_256", 64, 256, 7168, 4096, (0, 2, 2)),  # short-K wgrad, 29M outputs per expert
+    ("ds_layer_fc2_256", 64, 256, 2048, 7168, (0, 0, 2)),
+    ("mx_layer_fc1_1024", 4, 1024, 4096, 28672, (2, 0, 2)),
+    ("mx_layer_fc2_1024", 4, 1024, 14336, 4096, (0, 2, 2)),
     ("small_m_E64", 64, 128, 4096, 2048, (2, 2, 3)),
     ("decode_E8_T64", 8, 8, 4096, 14336, (1, 1, 3)),
 ]
@@ -91,5 +95,5 @@ def test_tile_rules_end_with_a_catch_all():
     import cutlass_kernels.heuristics as h
 
     last = h.RULES[-1]
-    assert (last.direction, last.max_rows, last.min_rows, last.max_k) == ("*", None, 0, None)
+    assert (last.direction, last.max_rows, last.min_rows, last.max_k, last.min_out) == ("*", None, 0, None, 0)
     assert all(rule.config in h.CONFIGS for rule in h.RULES)  # only built-by-default tiles are chosen
