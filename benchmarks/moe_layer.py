@@ -231,7 +231,8 @@ def in_step_dispatch(layer, x, args, device):
         x_NH = raw_a2a(x_SH, out_splits, in_splits, group)
         p_N = raw_a2a(permute_probs(probs, p), out_splits, in_splits, group)
         if chunk is not None:
-            x_NH.index_select(0, chunk), p_N.index_select(0, chunk)
+            x_NH.index_select(0, chunk)
+            p_N.index_select(0, chunk)
 
     return timed(ours, args, device), timed(oracle, args, device)
 

@@ -6,8 +6,8 @@
 
 Runs ``--warmup`` steps, then profiles ``--steps`` steps with torch.profiler and prints the
 kernels sorted by total CUDA time (per step), grouped into the layer's stages by name, next to
-the step's wall time. Under torchrun the layer is expert-parallel over all ranks (NCCL) and rank 0
-reports. The idle table merges every kernel interval (all streams) and lists the longest gaps in
+the step's wall time. Under torchrun the layer is expert-parallel over all ranks (NCCL) and every
+rank reports, in rank order. The idle table merges every kernel interval (all streams) and lists the longest gaps in
 which no kernel ran, with the kernels on either side: time the GPU spent waiting for the host.
 It is the companion of benchmarks/moe_layer.py: that one says how far the layer is from its grouped
 GEMMs, this one says which kernels and which waits make up the difference.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import sys
 import time
 
 import torch
@@ -33,6 +32,8 @@ CONFIGS = {
 }
 
 # Kernel-name fragments -> stage (first match wins); everything else is "other".
+PHASES = ("moe_forward", "moe_backward")  # our record_function ranges around one step's two halves
+
 STAGES = (
     ("grouped gemm", ("te_gg", "cutlass", "gemm", "Kernel2", "sm90")),
     ("all-to-all", ("nccl",)),
@@ -89,9 +90,9 @@ def main(argv=None) -> None:
         for p in layer.parameters():
             p.grad = None
         x.grad = None
-        with torch.profiler.record_function("moe_forward"):
+        with torch.profiler.record_function(PHASES[0]):
             out = layer(x)
-        with torch.profiler.record_function("moe_backward"):
+        with torch.profiler.record_function(PHASES[1]):
             out.backward(g)
 
     for _ in range(args.warmup):
@@ -131,24 +132,22 @@ def report(prof, args, device, wall_ms) -> None:
     spans = []  # (start_us, end_us, name) of every kernel
     host = collections.Counter()
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and (
-                getattr(evt, "is_user_annotation", False) or evt.name in ("moe_forward", "moe_backward")):
-            continue  # GPU copies of annotations (ours, c10d's "nccl:all_to_all") span kernels: not kernels
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            if evt.name in PHASES:
+                host[evt.name] += evt.time_range.elapsed_us() / args.steps / 1e3
+        elif not (getattr(evt, "is_user_annotation", False) or evt.name in PHASES):
+            # (GPU copies of annotations, ours and c10d's "nccl:all_to_all", span kernels: skipped)
             kernels[evt.name] += evt.device_time / args.steps / 1e3
             calls[evt.name] += 1
             spans.append((evt.time_range.start, evt.time_range.end, evt.name))
-        elif evt.name in ("moe_forward", "moe_backward"):
-            host[evt.name] += evt.time_range.elapsed_us() / args.steps / 1e3
     total = sum(kernels.values())
     by_stage = collections.Counter()
     for name, ms in kernels.items():
         by_stage[stage_of(name)] += ms
     ep = dist.get_world_size() if dist.is_initialized() else 1
-    sys.stdout.flush()
     print(f"# {args.config} tokens={args.tokens} EP={ep} device={device} wall {wall_ms:.2f} ms/step, "
-          f"kernel time {total:.2f} ms/step, host time forward {host['moe_forward']:.2f} "
-          f"backward {host['moe_backward']:.2f} ms/step")
+          f"kernel time {total:.2f} ms/step, host time forward {host[PHASES[0]]:.2f} "
+          f"backward {host[PHASES[1]]:.2f} ms/step")
     print("| stage | ms/step | share |\n|---|---|---|")
     for stage, ms in by_stage.most_common():
         print(f"| {stage} | {ms:.3f} | {ms / max(total, 1e-9):.1%} |")
@@ -164,23 +163,21 @@ def print_gaps(spans, args) -> None:
         return
     busy, gaps = 0.0, []
     cur_start, cur_end, cur_name = spans[0]
-    for start, end, name in spans[1:]:
+    for start, end, name in spans[1:]:  # sorted by start; cur_name = the kernel that ends last so far
         if start > cur_end:
             busy += cur_end - cur_start
             gaps.append((start - cur_end, cur_name, name))
-            cur_start, cur_end = start, end
-        elif end > cur_end:
-            cur_end = end
-        cur_name = name if end >= cur_end else cur_name
+            cur_start, cur_end, cur_name = start, end, name
+        elif end >= cur_end:
+            cur_end, cur_name = end, name
     busy += cur_end - cur_start
-    span = spans[-1][1] - spans[0][0]
+    span = cur_end - spans[0][0]
     idle = sum(g for g, _, _ in gaps)
     print(f"\nGPU busy {busy / args.steps / 1e3:.2f} ms/step, idle between kernels {idle / args.steps / 1e3:.2f} "
           f"ms/step ({len(gaps) / args.steps:.0f} gaps/step; profiled span {span / args.steps / 1e3:.2f} ms/step)")
     print("| gap us | kernel before | kernel after |\n|---|---|---|")
     for gap, before, after in sorted(gaps, reverse=True)[:args.gaps]:
         print(f"| {gap:.1f} | {before[:60]} | {after[:60]} |")
-    sys.stdout.flush()
     sizes = collections.Counter()
     for gap, _, _ in gaps:
         sizes["<5 us" if gap < 5 else "5-20 us" if gap < 20 else "20-100 us" if gap < 100 else ">=100 us"] += gap
