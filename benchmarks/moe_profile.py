@@ -58,7 +58,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--gaps", type=int, default=8, help="longest GPU idle gaps to list")
-    ap.add_argument("--trace", default=None, help="write rank 0's chrome trace here")
+    ap.add_argument("--trace", default=None,
+                    help="write the chrome trace here (under torchrun, one file per rank: PATH.rankN.json)")
     ap.add_argument("--loop", action="store_true",
                     help="profile the per-expert nn.Linear baseline of benchmarks/moe_layer.py instead of MoELayer")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -114,8 +115,8 @@ def main(argv=None) -> None:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    if rank == 0 and args.trace:
-        prof.export_chrome_trace(args.trace)
+    if args.trace:
+        prof.export_chrome_trace(args.trace if ep_group is None else f"{args.trace}.rank{rank}.json")
     for r in range(dist.get_world_size() if ep_group is not None else 1):  # every rank, in order
         if r == rank:
             print(f"\n## rank {rank}{' (loop baseline)' if args.loop else ''}", flush=True)

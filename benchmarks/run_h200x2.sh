@@ -22,7 +22,8 @@ fi
   [ -n "${EXTRA:-}" ] && CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/megatron_experts.py --preset deepseek \
     --dispatcher alltoall > "$OUT/bench_megatron.txt" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/support_overhead.py --real-device > "$OUT/bench_support.txt" 2>&1
-  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/fuser_overhead.py --device cuda > "$OUT/bench_fuser.txt" 2>&1 ) &
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/fuser_overhead.py --device cuda > "$OUT/bench_fuser.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/swiglu_backward.py >> "$OUT/bench_fuser.txt" 2>&1 ) &
 CUDA_VISIBLE_DEVICES=1 timeout 330 python3 benchmarks/grouped_gemm.py ${GG_ARGS:-} > "$OUT/bench_gemm.txt" 2>&1 &
 wait
 fi

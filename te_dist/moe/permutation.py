@@ -12,7 +12,9 @@ permutation, computed once per step) plus a fixed-order sum over K, never an ato
 
 After the dispatch all-to-all, rows arrive grouped by (source rank, local expert); the grouped
 GEMM needs them grouped by (local expert, source rank). ``chunk_sort_index`` builds that row
-permutation from the received count matrix [R, El], on the counts' device (no host sync).
+permutation (``chunk_unsort_index`` its inverse) from the received count matrix [R, El], on the
+counts' device (no host sync), for any upper bound of the row count, so the dispatcher queues it
+before it reads the counts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "inverse_permutation",
     "gather_sum",
     "chunk_sort_index",
+    "chunk_unsort_index",
 ]
 
 
@@ -101,17 +104,17 @@ def gather_sum(y_SH: torch.Tensor, inverse_S: torch.Tensor, top_k: int) -> torch
 
 
 class _ExpandGather(torch.autograd.Function):
-    """out[i] = x[sort_idx[i] // K]: each token copied once per chosen expert.
+    """out[i] = x[token_S[i]] (token_S = sort_idx // K): each token copied once per chosen expert.
 
     Backward gathers each token's K row gradients (through the inverse permutation) and sums
     them in a fixed order: deterministic, and one pass when compiled.
     """
 
     @staticmethod
-    def forward(ctx, x_TH, sort_idx_S, inverse_S, top_k):
+    def forward(ctx, x_TH, token_S, inverse_S, top_k):
         ctx.save_for_backward(inverse_S)
         ctx.top_k = top_k
-        return x_TH.index_select(0, torch.div(sort_idx_S, top_k, rounding_mode="floor"))
+        return x_TH.index_select(0, token_S)
 
     @staticmethod
     def backward(ctx, grad_SH):
@@ -123,15 +126,14 @@ class _GatherSum(torch.autograd.Function):
     """Combine without probabilities: out[t] = sum_k y[row of (t, k)]; backward = expand gather."""
 
     @staticmethod
-    def forward(ctx, y_SH, sort_idx_S, inverse_S, top_k):
-        ctx.save_for_backward(sort_idx_S)
-        ctx.top_k = top_k
+    def forward(ctx, y_SH, token_S, inverse_S, top_k):
+        ctx.save_for_backward(token_S)
         return gather_sum(y_SH, inverse_S, top_k)
 
     @staticmethod
     def backward(ctx, grad_TH):
-        (sort_idx_S,) = ctx.saved_tensors
-        return grad_TH.index_select(0, torch.div(sort_idx_S, ctx.top_k, rounding_mode="floor")), None, None, None
+        (token_S,) = ctx.saved_tensors
+        return grad_TH.index_select(0, token_S), None, None, None
 
 
 @dataclass
@@ -143,6 +145,7 @@ class PermutationState:
     num_tokens: int
     top_k: int
     inverse_S: Optional[torch.Tensor] = None  # flat slot j sits at permuted row inverse_S[j]
+    token_S: Optional[torch.Tensor] = None  # permuted row i is a copy of token token_S[i] (sort_idx_S // K)
 
 
 def expert_counts_from_sorted(sorted_S: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -167,8 +170,9 @@ def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: in
     sorted_S, sort_idx_S = torch.sort(flat_S, stable=True)
     counts_E = expert_counts_from_sorted(sorted_S, num_experts)
     inverse_S = inverse_permutation(sort_idx_S)
-    x_SH = _ExpandGather.apply(x_TH, sort_idx_S, inverse_S, top_k)
-    return x_SH, PermutationState(sort_idx_S, counts_E, num_tokens, top_k, inverse_S)
+    token_S = torch.div(sort_idx_S, top_k, rounding_mode="floor")  # once: the combine's backward gathers by it too
+    x_SH = _ExpandGather.apply(x_TH, token_S, inverse_S, top_k)
+    return x_SH, PermutationState(sort_idx_S, counts_E, num_tokens, top_k, inverse_S, token_S)
 
 
 def permute_probs(probs_TK: torch.Tensor, state: PermutationState) -> torch.Tensor:
@@ -189,7 +193,9 @@ def unpermute_tokens(y_SH: torch.Tensor, state: PermutationState, probs_TK: Opti
     it is one gather-and-sum pass (compiled on CUDA), and its backward one gather.
     """
     if probs_TK is None:
-        return _GatherSum.apply(y_SH, state.sort_idx_S, _inverse(state), state.top_k)
+        if state.token_S is None:  # a state built by hand
+            state.token_S = torch.div(state.sort_idx_S, state.top_k, rounding_mode="floor")
+        return _GatherSum.apply(y_SH, state.token_S, _inverse(state), state.top_k)
     y_flat = unpermute_rows(y_SH, state.sort_idx_S, _inverse(state))
     y_TKH = y_flat.view(state.num_tokens, state.top_k, *y_SH.shape[1:])
     acc_dtype = torch.promote_types(y_SH.dtype, torch.float32)
@@ -197,17 +203,33 @@ def unpermute_tokens(y_SH: torch.Tensor, state: PermutationState, probs_TK: Opti
     return y_TKH.sum(dim=1, dtype=acc_dtype).to(y_SH.dtype)
 
 
-def chunk_sort_index(counts_RL: torch.Tensor, total: int) -> torch.Tensor:
+def _chunk_gather_index(lengths_out: torch.Tensor, starts_in: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Gather index of a chunk reorder: output row i, in chunk c of the output order, reads input row
+    ``starts_in[c] + (i - start of c in the output)``. Rows past the true total (``num_rows`` may be an
+    upper bound) get meaningless values, which callers slice off."""
+    ends_out = torch.cumsum(lengths_out, 0)
+    rows = torch.arange(num_rows, device=lengths_out.device, dtype=lengths_out.dtype)
+    chunk = torch.searchsorted(ends_out, rows, right=True).clamp_(max=lengths_out.numel() - 1)
+    return rows + (starts_in - (ends_out - lengths_out)).index_select(0, chunk)
+
+
+def chunk_sort_index(counts_RL: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Row permutation taking rows grouped [rank][local expert] to [local expert][rank].
 
-    ``counts_RL`` int64 [R, El] (row counts of each chunk, in arrival order); ``total`` its sum
-    (passed in so no device-to-host read happens here). ``x_by_expert = x[index]``.
+    ``counts_RL`` int64 [R, El] (row counts of each chunk, in arrival order); ``num_rows`` its sum,
+    or any upper bound of it (then only the first ``sum`` entries are the permutation): the index can
+    be built before the counts reach the host. ``x_by_expert = x[index[:total]]``. No host sync.
     """
     num_ranks, num_local = counts_RL.shape
     flat = counts_RL.reshape(-1)
-    starts_src = torch.cumsum(flat, 0) - flat  # start of chunk (r, e) in arrival order
-    lengths = counts_RL.t().reshape(-1)  # target order: (e, r)
-    starts = starts_src.view(num_ranks, num_local).t().reshape(-1)
-    dst_starts = torch.cumsum(lengths, 0) - lengths
-    base = torch.repeat_interleave(starts - dst_starts, lengths, output_size=total)
-    return base + torch.arange(total, device=counts_RL.device, dtype=counts_RL.dtype)
+    starts_rank_major = (torch.cumsum(flat, 0) - flat).view(num_ranks, num_local)
+    return _chunk_gather_index(counts_RL.t().reshape(-1), starts_rank_major.t().reshape(-1), num_rows)
+
+
+def chunk_unsort_index(counts_RL: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inverse of :func:`chunk_sort_index` (rows [local expert][rank] back to [rank][local expert]),
+    built the same way: ``num_rows`` may be an upper bound of the total."""
+    num_ranks, num_local = counts_RL.shape
+    by_expert = counts_RL.t().reshape(-1)
+    starts_expert_major = (torch.cumsum(by_expert, 0) - by_expert).view(num_local, num_ranks)
+    return _chunk_gather_index(counts_RL.reshape(-1), starts_expert_major.t().reshape(-1), num_rows)

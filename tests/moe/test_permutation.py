@@ -1,9 +1,11 @@
 """Permutation by global expert and its inverse, chunk re-sorting after the all-to-all."""
 
+import pytest
 import torch
 
 from te_dist.moe.permutation import (
     chunk_sort_index,
+    chunk_unsort_index,
     permute_probs,
     permute_rows,
     permute_tokens,
@@ -100,6 +102,22 @@ def test_chunk_sort_index_reorders_rank_major_to_expert_major():
     assert sorted(idx.tolist()) == list(range(len(labels)))
     # row order within a chunk is preserved
     assert idx.tolist() == [0, 1, 3, 4, 5, 6, 2]
+
+
+@pytest.mark.parametrize("ranks,local", [(1, 1), (2, 3), (4, 8), (3, 1)])
+def test_chunk_indices_from_an_upper_bound_of_the_row_count(ranks, local):
+    """The dispatcher builds both indices before the host knows the total: any bound >= the total
+    gives the exact permutation and its inverse in the first `total` entries (zero chunks too)."""
+    g = torch.Generator().manual_seed(ranks * 10 + local)
+    for trial in range(10):
+        counts = torch.zeros(ranks, local, dtype=torch.int64) if trial == 0 else torch.randint(0, 4, (ranks, local), generator=g)
+        total = int(counts.sum())
+        labels = [(r, e, j) for r in range(ranks) for e in range(local) for j in range(int(counts[r, e]))]
+        for bound in (total, total + 1, 3 * total + 5):
+            idx = chunk_sort_index(counts, bound)[:total]
+            inv = chunk_unsort_index(counts, bound)[:total]
+            assert [labels[i] for i in idx.tolist()] == sorted(labels, key=lambda x: (x[1], x[0], x[2]))
+            assert torch.equal(idx[inv], torch.arange(total)) and torch.equal(inv[idx], torch.arange(total))
 
 
 def test_inverse_permutation_and_gather_sum_match_references():

@@ -8,6 +8,7 @@ returns the gradient of the scales too.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -87,10 +88,31 @@ def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tenso
 
     Returns ``(dh, dprobs_fp32, swiglu(h) * probs)``: the last one is what the grouped MLP's second
     GEMM needs for its weight gradient, formed here so it costs one write instead of another pass.
+    On CUDA it runs the Triton kernel of :mod:`.swiglu_triton` when compilation is enabled (one
+    kernel instead of Inductor's two), else the compiled function, else eager ops.
     """
     if _compile_module().compile_enabled(h.device):
+        if h.is_cuda and h.dim() == 2:
+            triton_module = _triton_module()
+            if triton_module is not None:
+                return triton_module.scaled_swiglu_backward(da, h, probs, limit)
         return _fused(_scaled_swiglu_backward_kernel, da, h, probs, limit)
     return _scaled_swiglu_backward_eager(da, h, probs, limit)
+
+
+_triton_state: dict = {}
+
+
+def _triton_module():
+    """:mod:`.swiglu_triton`, imported on first CUDA use; None (with one warning) without Triton."""
+    if "module" not in _triton_state:
+        try:
+            from . import swiglu_triton as module
+        except Exception as exc:  # no Triton (CI) or a broken install: the compiled function serves
+            module = None
+            warnings.warn(f"te_dist SwiGLU Triton kernel unavailable ({exc!r:.200}); using the compiled function")
+        _triton_state["module"] = module
+    return _triton_state["module"]
 
 
 def _scaled_swiglu_backward_eager(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
