@@ -19,7 +19,10 @@ of ``--iters`` steps after ``--warmup``):
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
                  and probability all-to-alls, sort by local expert) against the same work done by
                  an oracle that knows the split sizes in advance (no count exchange, no host read,
-                 sort index precomputed): oracle time / dispatch time, calls back to back.
+                 sort index precomputed): oracle time / dispatch time, calls back to back. The
+                 dispatcher builds its sort indices before its host read, where in a layer step they
+                 run behind the previous work; back to back nothing hides them, so this column
+                 charges them in full.
 Tokens/s is per rank (tokens of this rank's batch / layer step time). Each config runs 8192 and 2048
 tokens per rank by default, DeepSeek-like also 1024 (``--tokens`` to change): fewer tokens per expert is where a per-expert
 loop loses most (launch overhead, small GEMMs).

@@ -6,6 +6,8 @@ Stand-in expert g multiplies its rows by (g + 1), so the combined output has a c
 Scenarios (argv[1], comma-separated): random, skewed (every token to rank 0's experts, so other
 ranks receive nothing), empty (rank 1 has zero tokens), nan (rank 1's routing is invalid: every
 rank must raise RoutingError, none may hang). ``--backend nccl`` runs on cuda:LOCAL_RANK.
+Ranks hold 5 + rank tokens, so in "skewed" (rank 0) and "empty" (rank 1) a rank receives more rows
+than R x its own: the dispatcher's pre-built sort index is too short there and it builds the exact one.
 """
 
 import argparse
