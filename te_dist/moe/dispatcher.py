@@ -57,6 +57,11 @@ __all__ = ["AllToAllDispatcher", "DispatchState", "RoutingError"]
 _BOUND_FACTOR = 4
 
 
+def _chunk_indices(counts_RL, num_rows):
+    """(sort index, its inverse) of the (rank, expert) -> (expert, rank) row reorder for ``num_rows`` rows."""
+    return chunk_sort_index(counts_RL, num_rows), chunk_unsort_index(counts_RL, num_rows)
+
+
 class RoutingError(ValueError):
     """Raised on every rank of the EP group when any rank's routing was invalid."""
 
@@ -116,7 +121,7 @@ class AllToAllDispatcher:
         sort_rows = R > 1 and El > 1
         if sort_rows:
             bound = min(R, _BOUND_FACTOR) * x_SH.shape[0]  # see _BOUND_FACTOR
-            chunk_idx, chunk_inv = chunk_sort_index(counts_recv_RL, bound), chunk_unsort_index(counts_recv_RL, bound)
+            chunk_idx, chunk_inv = _chunk_indices(counts_recv_RL, bound)
         # The single device→host read of the step: the all-to-all needs host split lists.
         host = torch.cat([counts_send, counts_recv]).tolist()
         sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
@@ -136,8 +141,8 @@ class AllToAllDispatcher:
             probs_N = all_to_all_tokens(probs_S, output_splits, input_splits, self.ep_group)
         if sort_rows:
             num_rows = x_NH.shape[0]
-            if num_rows > bound:  # other ranks had more tokens than this one: build the exact index now
-                chunk_idx, chunk_inv = chunk_sort_index(counts_recv_RL, num_rows), chunk_unsort_index(counts_recv_RL, num_rows)
+            if num_rows > bound:  # more rows than the bound (see _BOUND_FACTOR): build the exact indices now
+                chunk_idx, chunk_inv = _chunk_indices(counts_recv_RL, num_rows)
             chunk_idx, chunk_inv = chunk_idx[:num_rows], chunk_inv[:num_rows]
             x_NH = permute_rows(x_NH, chunk_idx, chunk_inv)
             if probs_N is not None:

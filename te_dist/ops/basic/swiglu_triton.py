@@ -8,7 +8,7 @@ writes both outputs and sums ``da * swiglu(h)`` on the way. Launching it also sk
 region's guards (~0.1 ms of host time per call on the H200 host).
 
 Same fp32 math as :func:`te_dist.ops.basic.swiglu._scaled_swiglu_backward_kernel` (the sum's
-order differs). Imported only through :mod:`.swiglu` on CUDA: CI has no Triton.
+order differs). The library imports it only through :mod:`.swiglu`, on CUDA: CI has no Triton.
 """
 
 from __future__ import annotations
