@@ -2,6 +2,7 @@
 
     python benchmarks/grouped_gemm.py [--iters 10] [--warmup 3] [--json out.json] [--skip-backward]
     python benchmarks/grouped_gemm.py --only layer      # the MoE-layer shapes of benchmarks/moe_layer.py
+    python benchmarks/grouped_gemm.py --ragged          # the MoE-layer rows with router-like ragged splits
 
 Prints TFLOP/s per backend (CUTLASS per config and with the heuristic's choice), the backend the
 selector picks ("auto") and its ratio to the best of the three, the CUTLASS/torch ratio and its
@@ -22,6 +23,13 @@ selector on the decode shapes of the H200 host), and (2) a variant timed right a
 (a slow tile, the per-expert loop) ran on the power headroom that one left: the same kernel measured
 up to 12% apart in two columns of one run. The selector's host cost is its own table:
 microseconds of host time per call, queued while the GPU is busy.
+
+``--ragged`` times the GEMMs of benchmarks/moe_layer.py's rows with the group sizes a router
+gives (seeded: expert shares softmax(0.2 * randn), rows drawn multinomially, this rank's experts
+kept), not equal ones: a grouped kernel pads every group to whole tiles, so uniform splits flatter
+it. There, as in the MoE layer, "auto" gets the group sizes on the host (``group_sizes=``) and may
+pick cuBLAS per expert; "loop" is cuBLAS per expert with the sizes on the host (no offsets read)
+in every table.
 """
 
 from __future__ import annotations
@@ -63,6 +71,34 @@ LAYER = [  # name, E, rows per expert, K, N
     ("mx_layer_fc1_1024", 4, 1024, 4096, 28672),
     ("mx_layer_fc2_1024", 4, 1024, 14336, 4096),
 ]
+# --ragged: benchmarks/moe_layer.py's rows (config, EP, tokens per rank) with router-like group sizes.
+LAYER_ROWS = [  # name, experts, local experts, rows routed over all ranks, hidden, ffn
+    ("mx_ep2_2048", 8, 4, 2 * 2048 * 2, 4096, 14336),
+    ("mx_ep1_2048", 8, 8, 2048 * 2, 4096, 14336),
+    ("mx_ep2_8192", 8, 4, 2 * 8192 * 2, 4096, 14336),
+    ("mx_ep1_8192", 8, 8, 8192 * 2, 4096, 14336),
+    ("ds_ep2_1024", 64, 32, 2 * 1024 * 8, 7168, 2048),
+    ("ds_ep1_1024", 64, 64, 1024 * 8, 7168, 2048),
+    ("ds_ep2_2048", 64, 32, 2 * 2048 * 8, 7168, 2048),
+    ("ds_ep1_8192", 64, 64, 8192 * 8, 7168, 2048),
+]
+
+
+def router_like_splits(seed, experts, local, rows):
+    """Rows of this rank's ``local`` experts when ``rows`` token copies are routed with skewed shares."""
+    g = torch.Generator().manual_seed(seed)
+    shares = torch.softmax(0.2 * torch.randn(experts, generator=g), 0)
+    picks = torch.multinomial(shares, rows, replacement=True, generator=g)
+    return picks.bincount(minlength=experts)[:local].tolist()
+
+
+def ragged_cases():
+    """(name, E, splits, K, N) for fc1 and fc2 of every LAYER_ROWS row."""
+    cases = []
+    for i, (name, E, El, rows, H, F) in enumerate(LAYER_ROWS):
+        splits = router_like_splits(100 + i, E, El, rows)
+        cases += [(f"{name}_fc1", El, splits, H, 2 * F), (f"{name}_fc2", El, splits, F, H)]
+    return cases
 
 
 _HOST_SPIN_CYCLES = 40_000_000  # ~20 ms at the H200's clock: longer than queueing 20 calls on a slow host
@@ -139,6 +175,23 @@ def make(E, splits, K, N, dev):
     return x, w, off
 
 
+def print_step_sums(results):
+    """--ragged: the six GEMMs of one layer step (fc1 and fc2, forward, dgrad, wgrad) summed per column."""
+    print("\n## six GEMMs of one MoE-layer step, ragged group sizes (ms; best = the fastest column of each GEMM)")
+    cols = ("auto", "cutlass", "torch", "loop", "best")
+    print(f"{'row':<14}" + "".join(f"{c:>9}" for c in cols) + f"{'best/auto':>10}{'cut/auto':>10}")
+    rows = {}
+    for entry in results["forward"] + results["backward"]:
+        ms = entry["ms"]
+        acc = rows.setdefault(entry["shape"].rsplit("_", 1)[0], dict.fromkeys(cols, 0.0))
+        for c in cols[:-1]:
+            acc[c] += ms[c]
+        acc["best"] += min(v for k, v in ms.items() if k != "auto")
+    for row, acc in rows.items():
+        print(f"{row:<14}" + "".join(f"{acc[c]:9.3f}" for c in cols)
+              + f"{acc['best'] / acc['auto']:10.3f}{acc['cutlass'] / acc['auto']:10.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
@@ -150,6 +203,8 @@ def main():
                     help="comma-separated shape names, or 'layer' for the MoE-layer shapes (default: ANCHORS + decode)")
     ap.add_argument("--candidates", action="store_true",
                     help="also time cutlass_kernels.CANDIDATES tiles in the forward table (built on first use)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="the MoE-layer rows with router-like group sizes (module docstring), not the default shapes")
     args = ap.parse_args()
     dev = torch.device("cuda")
     W, I = args.warmup, args.iters
@@ -168,6 +223,9 @@ def main():
         if "layer" in wanted:
             wanted |= {s[0] for s in LAYER}
         cases = [c for c in cases + [(n, E, [m] * E, K, N) for n, E, m, K, N in LAYER] if c[0] in wanted]
+    if args.ragged:
+        cases = ragged_cases()
+    sizes_for_auto = (lambda splits: splits) if args.ragged else (lambda splits: None)
 
     configs = sorted(CONFIGS)
     fwd_configs = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])
@@ -182,15 +240,15 @@ def main():
         fns = {f"c{c}": (lambda c=c: cutlass_backend.forward(x, w, off, config=c)) for c in fwd_configs}
         fns["cutlass"] = lambda: cutlass_backend.forward(x, w, off)
         fns["torch"] = lambda: torch_backend.forward(x, w, off)
-        fns["loop"] = lambda: loop_backend.forward(x, w, off)
-        fns["auto"] = lambda: kernels.grouped_mm_forward(x, w, off)
+        fns["loop"] = lambda: loop_backend.forward(x, w, off, group_sizes=splits)
+        fns["auto"] = lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes_for_auto(splits))
         ref = torch_backend.forward(x, w, off).float()
         wrong = [c for c in fwd_configs
                  if (cutlass_backend.forward(x, w, off, config=c).float() - ref).norm() > 1e-2 * ref.norm()]
         if wrong:  # a fast wrong kernel must not win a sweep
             print(f"# {name}: configs {wrong} disagree with torch._grouped_mm (relative error > 1e-2)")
         t = bench_interleaved(fns, W, I, args.rounds)
-        pick = kernels.select_backend("fwd", x, w)
+        pick = kernels.select_backend("fwd", x, w, group_sizes=sizes_for_auto(splits))
         if pick == "cutlass":
             pick += f"/c{choose_config('fwd', sum(splits), N, K, E)}"
         tf = {k: flop / v / 1e9 for k, v in t.items()}
@@ -202,7 +260,7 @@ def main():
         cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in fwd_configs)
         print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} {pick:<10}"
               f"{best_name:<6}{tf['auto'] / best3:10.3f}{ratio:10.3f}")
-        results["forward"].append({"shape": name, "tflops": tf, "pick": pick})
+        results["forward"].append({"shape": name, "tflops": tf, "ms": t, "pick": pick})
         torch.cuda.empty_cache()
     if len(geo) == len(SHAPES):
         gm = math.exp(sum(map(math.log, geo)) / len(geo))
@@ -215,7 +273,8 @@ def main():
     for name, E, splits, K, N in cases:
         x, w, off = make(E, splits, K, N, dev)
         h = {k: host_us(fn) for k, fn in (("cut", lambda: cutlass_backend.forward(x, w, off)),
-                                          ("auto", lambda: kernels.grouped_mm_forward(x, w, off)),
+                                          ("auto", lambda: kernels.grouped_mm_forward(
+                                              x, w, off, group_sizes=sizes_for_auto(splits))),
                                           ("torch", lambda: torch_backend.forward(x, w, off)))}
         print(f"{name:<16}{h['cut']:8.1f}{h['auto']:8.1f}{h['torch']:8.1f}{h['auto'] - h['cut']:9.1f}")
         results.setdefault("host_us", []).append({"shape": name, **h})
@@ -223,8 +282,8 @@ def main():
 
     if not args.skip_backward:
         for direction in ("dgrad", "wgrad"):
-            print(f"\n## {direction} bf16 (TFLOP/s; auto = grouped_mm_{direction})\n"
-                  f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
+            print(f"\n## {direction} bf16 (TFLOP/s; auto = grouped_mm_{direction}, loop = cuBLAS per expert)\n"
+                  f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
             for name, E, splits, K, N in cases:
                 x, w, off = make(E, splits, K, N, dev)
                 dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
@@ -233,19 +292,26 @@ def main():
                     fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in configs}
                     fns["cutlass"] = lambda: cutlass_backend.dgrad(dy, w, off)
                     fns["torch"] = lambda: torch_backend.dgrad(dy, w, off)
-                    fns["auto"] = lambda: kernels.grouped_mm_dgrad(dy, w, off)
+                    fns["loop"] = lambda: loop_backend.dgrad(dy, w, off, group_sizes=splits)
+                    fns["auto"] = lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes_for_auto(splits))
                 else:
                     fns = {f"c{c}": (lambda c=c: cutlass_backend.wgrad(x, dy, off, E, config=c)) for c in configs}
                     fns["cutlass"] = lambda: cutlass_backend.wgrad(x, dy, off, E)
                     fns["torch"] = lambda: torch_backend.wgrad(x, dy, off, E)
-                    fns["auto"] = lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E)
-                tf = {k: flop / v / 1e9 for k, v in bench_interleaved(fns, W, I, args.rounds).items()}
+                    fns["loop"] = lambda: loop_backend.wgrad(x, dy, off, E, group_sizes=splits)
+                    fns["auto"] = lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E,
+                                                                   group_sizes=sizes_for_auto(splits))
+                t = bench_interleaved(fns, W, I, args.rounds)
+                tf = {k: flop / v / 1e9 for k, v in t.items()}
                 best_name = max((k for k in tf if k != "auto"), key=lambda k: tf[k])
                 cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
-                print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['auto']:8.1f} {best_name:<8}"
-                      f"{tf['auto'] / tf[best_name]:10.3f}")
-                results["backward"].append({"shape": name, "direction": direction, "tflops": tf})
+                print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} "
+                      f"{best_name:<8}{tf['auto'] / tf[best_name]:10.3f}")
+                results["backward"].append({"shape": name, "direction": direction, "tflops": tf, "ms": t})
                 torch.cuda.empty_cache()
+
+    if args.ragged and not args.skip_backward:
+        print_step_sums(results)
 
     print("\n## fused bias + row-scale epilogue (ms; ratio = unfused / fused)")
     print(f"{'shape':<16}{'fused':>9}{'cut+sep':>9}{'torch+sep':>10}{'vs cut+sep':>11}{'vs torch+sep':>13}")

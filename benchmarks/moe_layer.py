@@ -118,7 +118,7 @@ def offsets_of(splits, device):
 
 
 def gemm_fn(layer, splits, dtype, device):
-    """The layer's six grouped GEMMs on its own weights and last split sizes."""
+    """The layer's six grouped GEMMs on its own weights and last split sizes (given on the host, as the layer does)."""
     H, Fd = layer.hidden_size, layer.ffn_hidden_size
     N = int(splits.sum())
     off = offsets_of(splits, device)
@@ -128,16 +128,28 @@ def gemm_fn(layer, splits, dtype, device):
     dy = torch.randn(N, H, dtype=dtype, device=device)
     dh = torch.randn(N, 2 * Fd, dtype=dtype, device=device)
     E = layer.num_local_experts
+    sizes = splits.tolist()  # on the host, as the layer hands them to its GEMMs
 
     def run():
-        kernels.grouped_mm_forward(x, w1, off)
-        kernels.grouped_mm_forward(s, w2, off)
-        kernels.grouped_mm_dgrad(dy, w2, off)
-        kernels.grouped_mm_wgrad(s, dy, off, num_groups=E)
-        kernels.grouped_mm_dgrad(dh, w1, off)
-        kernels.grouped_mm_wgrad(x, dh, off, num_groups=E)
+        kernels.grouped_mm_forward(x, w1, off, group_sizes=sizes)
+        kernels.grouped_mm_forward(s, w2, off, group_sizes=sizes)
+        kernels.grouped_mm_dgrad(dy, w2, off, group_sizes=sizes)
+        kernels.grouped_mm_wgrad(s, dy, off, num_groups=E, group_sizes=sizes)
+        kernels.grouped_mm_dgrad(dh, w1, off, group_sizes=sizes)
+        kernels.grouped_mm_wgrad(x, dh, off, num_groups=E, group_sizes=sizes)
 
     return run
+
+
+def gemm_backends(layer, splits, dtype, device) -> str:
+    """Which backends the layer's six GEMMs pick for these split sizes, e.g. "4 cutlass + 2 loop"."""
+    sizes = splits.tolist()
+    rows = torch.empty(sum(sizes), 0, dtype=dtype, device=device)  # only rows, dtype and device are read
+    picks = []
+    for w in (layer.fc1.weight.detach().transpose(1, 2), layer.fc2.weight.detach().transpose(1, 2)):
+        for direction in ("fwd", "dgrad", "wgrad"):
+            picks.append(kernels.select_backend(direction, rows, w, group_sizes=sizes))
+    return " + ".join(f"{picks.count(b)} {b}" for b in dict.fromkeys(picks))
 
 
 def a2a_splits(layer):
@@ -172,9 +184,7 @@ def bench_layer_parts(layer, T, args, device, dtype):
     x, g = batch(T, H, dtype, device)
     t_layer, t_layer_min = timed_ranks(functools.partial(train_step, layer, x, g), args, device)
     splits = layer.tokens_per_local_expert
-    probe = torch.empty(int(splits.sum()), H, dtype=dtype, device=device)
-    backend = kernels.select_backend("forward", probe, layer.fc1.weight.detach().transpose(1, 2))
-    del probe
+    backend = gemm_backends(layer, splits, dtype, device)
     t_gemm, t_gemm_min = timed_ranks(gemm_fn(layer, splits, dtype, device), args, device)
     t_a2a = t_ours = t_raw = t_step = t_oracle = 0.0
     sent_bytes = 0
@@ -269,7 +279,7 @@ def print_table(rows, header):
     cols = [("config", "{}"), ("ep", "{}"), ("tokens", "{}"), ("backend", "{}"), ("layer_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
             ("tok_s", "{:,.0f}"), ("gemm_ms", "{:.2f}"), ("a2a_ms", "{:.2f}"), ("overhead", "{:.2f}x"),
             ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}"), ("step_ratio", "{:.2f}")]
-    names = ["config", "EP", "tokens/rank", "fc1 backend", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
+    names = ["config", "EP", "tokens/rank", "GEMM backends", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
              "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw", "in step: oracle/dispatch"]
     print(header)
     print("| " + " | ".join(names) + " |")

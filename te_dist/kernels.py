@@ -60,11 +60,12 @@ def _cutlass_built(device: torch.device) -> bool:
     return _cutlass_module().is_available(device)
 
 
-def _problem(direction, a, k, n, num_groups, dtype, out_dtype, weight_k_major) -> Problem:
+def _problem(direction, a, k, n, num_groups, dtype, out_dtype, weight_k_major, group_sizes=None) -> Problem:
     device = a.device
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return Problem(direction, device.type, cap, dtype, out_dtype, a.shape[0], k, n, num_groups, weight_k_major, capturing)
+    return Problem(direction, device.type, cap, dtype, out_dtype, a.shape[0], k, n, num_groups, weight_k_major, capturing,
+                   group_sizes is not None)
 
 
 def _weight_k_major(w_EKN: torch.Tensor) -> bool:
@@ -78,17 +79,19 @@ def _select(p: Problem, device: torch.device, forced: Optional[str]) -> str:
 
 
 def _impl(name: str):
-    if name == "loop":
-        return loop_backend
     if name == "torch":
         return torch_backend
     return _cutlass_module()
 
 
-def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None, backend=None) -> str:
-    """The backend a call with these operands would use (for benchmarks, logs and `te-dist env`)."""
+def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None, backend=None,
+                   group_sizes=None) -> str:
+    """The backend a call with these operands would use (for benchmarks, logs and `te-dist env`).
+    ``x_TK`` is the call's row operand (dgrad: dy); ``group_sizes`` as the entry points take it."""
     E, K, N = w_EKN.shape
-    p = _problem(direction, x_TK, K, N, E, x_TK.dtype, out_dtype or x_TK.dtype, _weight_k_major(w_EKN))
+    if direction == "dgrad":
+        K, N = N, K  # dgrad contracts over N and writes K columns
+    p = _problem(direction, x_TK, K, N, E, x_TK.dtype, out_dtype or x_TK.dtype, _weight_k_major(w_EKN), group_sizes)
     return _select(p, x_TK.device, backend)
 
 
@@ -110,34 +113,40 @@ class _Dispatch:
     """Validated-input entry points used by the autograd function (one object, no state)."""
 
     @staticmethod
-    def forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend):
+    def forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
         out_dtype = out_dtype or x_TK.dtype
         if backend is None and x_TK.is_cpu:
             # The selection table's CPU row ("loop"), without building a Problem on the hot path.
-            return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+            return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
         E, K, N = w_EKN.shape
-        p = _problem("fwd", x_TK, K, N, E, x_TK.dtype, out_dtype, _weight_k_major(w_EKN))
+        p = _problem("fwd", x_TK, K, N, E, x_TK.dtype, out_dtype, _weight_k_major(w_EKN), group_sizes)
         name = _select(p, x_TK.device, backend)
+        if name == "loop":
+            return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
         return _impl(name).forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
 
     @staticmethod
-    def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend):
+    def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
         out_dtype = out_dtype or dy_TN.dtype
         if backend is None and dy_TN.is_cpu:
-            return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+            return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
         E, K, N = w_EKN.shape
         # dgrad contracts over N and writes K columns.
-        p = _problem("dgrad", dy_TN, N, K, E, dy_TN.dtype, out_dtype, _weight_k_major(w_EKN))
+        p = _problem("dgrad", dy_TN, N, K, E, dy_TN.dtype, out_dtype, _weight_k_major(w_EKN), group_sizes)
         name = _select(p, dy_TN.device, backend)
+        if name == "loop":
+            return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
         return _impl(name).dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
 
     @staticmethod
-    def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend):
+    def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
         out_dtype = out_dtype or x_TK.dtype
         if backend is None and x_TK.is_cpu:
-            return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
-        p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, x_TK.dtype, out_dtype, True)
+            return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
+        p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, x_TK.dtype, out_dtype, True, group_sizes)
         name = _select(p, x_TK.device, backend)
+        if name == "loop":
+            return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
         return _impl(name).wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
 
 
@@ -156,44 +165,59 @@ def grouped_mm(
     out_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     check_offsets: Optional[bool] = None,
+    group_sizes=None,
 ) -> torch.Tensor:
     """Differentiable grouped GEMM with a fused per-row scale and per-expert bias (see module doc).
 
     ``check_offsets``: read offsets' values on the host to validate them (default: only for CPU
     offsets; on CUDA this would sync and break graph capture).
+    ``group_sizes``: the rows of each expert as host ints (list, tuple or CPU tensor), when the
+    caller has them anyway (an MoE layer does, from its count exchange). They let the selector
+    see the actual group sizes and the per-expert loop skip reading the offsets; they must agree
+    with the offsets (checked against the row count, not read from the device).
     """
     _check_backend_arg(backend)
     validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
-    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch)
+    if group_sizes is not None:
+        group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], x_TK.shape[0])
+    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch, group_sizes)
 
 
 def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None,
-                       backend=None, check_offsets=None) -> torch.Tensor:
-    """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]."""
+                       backend=None, check_offsets=None, group_sizes=None) -> torch.Tensor:
+    """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]. ``group_sizes``: as
+    for grouped_mm."""
     _check_backend_arg(backend)
     validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
-    return _Dispatch.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend)
+    if group_sizes is not None:
+        group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], x_TK.shape[0])
+    return _Dispatch.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes)
 
 
 def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,
-                     check_offsets=None, validate: bool = True) -> torch.Tensor:
-    """dx = row_scale * (dy @ w[e]^T) for the rows of each expert.
+                     check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
+    """dx = row_scale * (dy @ w[e]^T) for the rows of each expert. ``group_sizes``: as for grouped_mm.
 
     ``validate=False`` skips the input checks: only for a backward pass whose operands its forward
     already validated (the forward's own weight and offsets; autograd fixes dy's shape and dtype)."""
     _check_backend_arg(backend)
     if validate:
         validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets)
-    return _Dispatch.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend)
+        if group_sizes is not None:
+            group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], dy_TN.shape[0])
+    return _Dispatch.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes)
 
 
 def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None, out_dtype=None, backend=None,
-                     check_offsets=None, validate: bool = True) -> torch.Tensor:
+                     check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
     """dw[e] = x_e^T @ dy_e as [E, K, N], a transposed view of a contiguous [E, N, K] buffer
-    (the weight's storage layout). Experts without rows get zeros. ``validate``: as for dgrad."""
+    (the weight's storage layout). Experts without rows get zeros. ``group_sizes``, ``validate``:
+    as for dgrad."""
     _check_backend_arg(backend)
     if num_groups is None:
         num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
     if validate:
         validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets)
-    return _Dispatch.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend)
+        if group_sizes is not None:
+            group_sizes = validation.check_group_sizes(group_sizes, num_groups, x_TK.shape[0])
+    return _Dispatch.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes)

@@ -30,9 +30,16 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.is_cpu else t.dtype
 
 
-def _bounds(offsets_E: torch.Tensor):
-    """(start, end) rows of each expert, read on the host (the loop's one sync)."""
-    ends = offsets_E.tolist()
+def _bounds(offsets_E: torch.Tensor, group_sizes=None):
+    """(start, end) rows of each expert: from ``group_sizes`` (host ints) when the caller has them,
+    else read from the offsets on the host (the loop's one sync)."""
+    if group_sizes is None:
+        ends = offsets_E.tolist()
+    else:
+        ends, end = [], 0
+        for size in group_sizes:
+            end += size
+            ends.append(end)
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -77,7 +84,7 @@ def _use_native(a: torch.Tensor, out_cols: int) -> bool:
     return a.is_cpu and out_cols % 4 == 0 and _cpu_grouped_mm_available()
 
 
-def _mm_rows(a_TX, b_EXY, offsets_E, cdt) -> torch.Tensor:
+def _mm_rows(a_TX, b_EXY, offsets_E, cdt, group_sizes=None) -> torch.Tensor:
     """acc[rows of e] = a[rows of e] @ b[e] in ``cdt``, written straight into one buffer (no
     per-expert temporaries): the C++ loop on CPU, else per-expert ``mm`` into slices (slicing
     measured faster than ``split`` for a handful of experts)."""
@@ -88,30 +95,31 @@ def _mm_rows(a_TX, b_EXY, offsets_E, cdt) -> torch.Tensor:
         if a_n is not None and b_n is not None:
             return torch._grouped_mm(a_n, b_n, offs=offsets_E)
     acc = torch.empty(a.shape[0], b.shape[2], device=a.device, dtype=cdt)
-    for e, (s, t) in enumerate(_bounds(offsets_E)):
+    for e, (s, t) in enumerate(_bounds(offsets_E, group_sizes)):
         if t > s:
             torch.mm(a[s:t], b[e], out=acc[s:t])
     return acc
 
 
-def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:
+def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
+    """``group_sizes`` (every entry point): the rows of each expert as host ints, so no offsets read."""
     out_dtype = out_dtype or x_TK.dtype
     if x_TK.shape[0] == 0:
         return torch.empty(0, w_EKN.shape[2], device=x_TK.device, dtype=out_dtype)
-    acc_TN = _mm_rows(x_TK, w_EKN, offsets_E, _compute_dtype(x_TK))
+    acc_TN = _mm_rows(x_TK, w_EKN, offsets_E, _compute_dtype(x_TK), group_sizes)
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype)
 
 
-def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Tensor:
+def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
     """dx[rows of e] = row_scale * (dy @ w[e]^T)."""
     out_dtype = out_dtype or dy_TN.dtype
     if dy_TN.shape[0] == 0:
         return torch.empty(0, w_EKN.shape[1], device=dy_TN.device, dtype=out_dtype)
-    acc_TK = _mm_rows(dy_TN, w_EKN.transpose(1, 2), offsets_E, _compute_dtype(dy_TN))
+    acc_TK = _mm_rows(dy_TN, w_EKN.transpose(1, 2), offsets_E, _compute_dtype(dy_TN), group_sizes)
     return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype)
 
 
-def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tensor:
+def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=None) -> torch.Tensor:
     """dw[e] = x_e^T @ dy_e, returned as [E, K, N] viewing a contiguous [E, N, K] buffer (weight layout)."""
     out_dtype = out_dtype or x_TK.dtype
     K, N = x_TK.shape[1], dy_TN.shape[1]
@@ -124,10 +132,12 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tens
         if x_n is not None and dy_n is not None:
             dw_ENK = torch._grouped_mm(dy_n.t(), x_n, offs=offsets_E)
             return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)
-    dw_ENK = torch.zeros(num_groups, N, K, device=x.device, dtype=out_dtype)
+    # Every expert's slice is written below (zeros for those without rows): no full zero pass first.
+    dw_ENK = torch.empty(num_groups, N, K, device=x.device, dtype=out_dtype)
     direct = out_dtype == cdt
-    for e, (s, t) in enumerate(_bounds(offsets_E)):
+    for e, (s, t) in enumerate(_bounds(offsets_E, group_sizes)):
         if t == s:
+            dw_ENK[e].zero_()
             continue
         if direct:
             torch.mm(dy[s:t].t(), x[s:t], out=dw_ENK[e])

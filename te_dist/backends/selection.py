@@ -6,6 +6,7 @@ Order of preference (first row whose conditions hold wins):
 |---|---|
 | forced  | ``backend=`` given: used if it can run, else ValueError saying why (``torch`` may be forced on CPU) |
 | loop    | CPU tensors (the float32 reference path) |
+| loop    | CUDA, the caller passed the group sizes (host ints, so no read), not capturing, fwd or dgrad, at most ``LOOP_MAX_GROUPS`` groups of ``LOOP_MIN_ROWS_PER_GROUP`` rows or more on average and a contraction of ``LOOP_MIN_CONTRACTION`` or more: cuBLAS per expert |
 | cutlass | CUDA SM 9.0, bf16 in, bf16/fp32 out, K and N multiples of 8 (16-byte TMA rows), weight stored [E, N, K] (K-major), our kernels built |
 | loop    | decode-sized problems (average rows per expert <= ``DECODE_ROWS_PER_EXPERT``) when not capturing a CUDA graph and no cutlass |
 | torch   | CUDA SM >= 9.0, bf16, K and N multiples of 8, ``torch._grouped_mm`` present |
@@ -14,6 +15,14 @@ Order of preference (first row whose conditions hold wins):
 The decode threshold comes from the H200 measurements in docs/kernels.md: on the two decode
 shapes measured there the loop lost to torch._grouped_mm, so the row is off (0) until a shape
 where it wins is measured; the knob stays so that finding needs a one-line change.
+
+The cuBLAS row comes from ragged splits (router-like group sizes, as a real MoE step has them;
+docs/kernels.md "Ragged group sizes"): a grouped kernel pads every group to its tile's rows and
+runs whole waves of tiles, while cuBLAS sizes each expert's GEMM on its own. For a few large
+experts with a long contraction (the Mixtral-like fc1 dgrad, K 28672, and fc2 forward, K 14336)
+cuBLAS per expert beat every grouped kernel by 4-22% in all four Mixtral-like rows measured; with
+many experts (32-64) or a short contraction it lost. It needs the sizes on the host, which the
+MoE layer has from its count exchange; without them the loop would have to read the offsets.
 """
 
 from __future__ import annotations
@@ -22,10 +31,23 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["BACKENDS", "DECODE_ROWS_PER_EXPERT", "Problem", "choose_backend", "why_not"]
+__all__ = [
+    "BACKENDS",
+    "DECODE_ROWS_PER_EXPERT",
+    "LOOP_MAX_GROUPS",
+    "LOOP_MIN_ROWS_PER_GROUP",
+    "LOOP_MIN_CONTRACTION",
+    "Problem",
+    "choose_backend",
+    "why_not",
+]
 
 BACKENDS = ("cutlass", "torch", "loop")
 DECODE_ROWS_PER_EXPERT = 0  # H200 sweep: the loop never beat torch._grouped_mm (docs/kernels.md)
+# cuBLAS per expert over the grouped kernels when the group sizes are known (module docstring).
+LOOP_MAX_GROUPS = 8
+LOOP_MIN_ROWS_PER_GROUP = 512
+LOOP_MIN_CONTRACTION = 8192
 
 
 class Problem(NamedTuple):
@@ -38,11 +60,12 @@ class Problem(NamedTuple):
     dtype: torch.dtype
     out_dtype: torch.dtype
     num_rows: int
-    k: int
+    k: int  # fwd: in-features, dgrad: out-features (each the contraction); wgrad: in-features
     n: int
     num_groups: int
     weight_k_major: bool = True
     capturing: bool = False
+    sizes_on_host: bool = False  # the caller passed the rows of each group as host ints
 
 
 def why_not(backend: str, p: Problem, *, cutlass_built: bool, torch_grouped: bool) -> Optional[str]:
@@ -87,6 +110,8 @@ def choose_backend(p: Problem, *, cutlass_built: bool, torch_grouped: bool, forc
         return forced
     if p.device_type != "cuda":
         return "loop"
+    if _cublas_per_expert_wins(p):
+        return "loop"
     if why_not("cutlass", p, cutlass_built=cutlass_built, torch_grouped=torch_grouped) is None:
         return "cutlass"
     decode = p.num_groups > 0 and p.num_rows <= DECODE_ROWS_PER_EXPERT * p.num_groups
@@ -98,3 +123,15 @@ def choose_backend(p: Problem, *, cutlass_built: bool, torch_grouped: bool, forc
     if reason is not None:
         raise ValueError(f"no grouped-GEMM backend can run this {p.direction} call: {reason}")
     return "loop"
+
+
+def _cublas_per_expert_wins(p: Problem) -> bool:
+    """The table's cuBLAS row: few large groups, a long contraction, sizes known on the host."""
+    return (
+        p.sizes_on_host
+        and not p.capturing
+        and p.direction != "wgrad"
+        and 0 < p.num_groups <= LOOP_MAX_GROUPS
+        and p.num_rows >= LOOP_MIN_ROWS_PER_GROUP * p.num_groups
+        and p.k >= LOOP_MIN_CONTRACTION
+    )

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "SUPPORTED_DTYPES",
     "check_offsets_values",
+    "check_group_sizes",
     "check_forward",
     "check_dgrad",
     "check_wgrad",
@@ -70,6 +71,27 @@ def check_offsets_values(offsets_E: torch.Tensor, num_rows: int) -> None:
         prev = end
     if ends[-1] != num_rows:
         raise ValueError(f"offsets_E must end at the number of rows: offsets_E[-1]={ends[-1]} != {num_rows=}")
+
+
+def check_group_sizes(group_sizes, num_groups: int, num_rows: int) -> tuple:
+    """The optional host copy of the split sizes (rows per group): ``num_groups`` non-negative ints
+    summing to ``num_rows``. Returned as a tuple. The offsets are not read to compare (no sync): a
+    caller that passes both vouches that they agree."""
+    if isinstance(group_sizes, torch.Tensor):
+        if not group_sizes.is_cpu:
+            raise TypeError("group_sizes must be host ints (a list, tuple or CPU tensor), "
+                            f"received a tensor on {group_sizes.device}")
+        group_sizes = group_sizes.tolist()
+    ints = isinstance(group_sizes, (list, tuple)) and all(type(v) is int for v in group_sizes)
+    if not ints:
+        raise TypeError(f"group_sizes must be a list or tuple of ints (rows per group), received {group_sizes!r}")
+    if len(group_sizes) != num_groups:
+        raise ValueError(f"group_sizes has {len(group_sizes)} entries but there are {num_groups} experts")
+    if group_sizes and min(group_sizes) < 0:
+        raise ValueError(f"group_sizes must be non-negative, received {list(group_sizes)}")
+    if sum(group_sizes) != num_rows:
+        raise ValueError(f"group_sizes sum to {sum(group_sizes)} but there are {num_rows} rows")
+    return tuple(group_sizes)
 
 
 def _maybe_check_values(offsets_E, num_rows, check_offsets: Optional[bool]) -> None:

@@ -13,7 +13,7 @@ Dispatch (combine runs the same steps backwards; autograd reverses every step):
       │ one device→host read of both count vectors (needed to size the variable all-to-all)
       │ all_to_all_tokens                   x_NH        rows by (source rank, local expert)
       │ permute_rows(chunk_sort_index)      x_NH        rows by (local expert, source rank)
-      ▼ expert MLP with split_sizes_El
+      ▼ expert MLP with split_sizes_El (also on the host: state.local_expert_sizes)
 
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
 two all-to-alls and the row gathers come after it. Everything that needs the counts only on the
@@ -76,6 +76,7 @@ class DispatchState:
     chunk_idx: Optional[torch.Tensor]  # (rank, expert) → (expert, rank) row permutation, or None
     chunk_inv: Optional[torch.Tensor]  # its inverse (combine and backward gather through it)
     probs_TK: Optional[torch.Tensor]  # set when probabilities are applied at combine
+    local_expert_sizes: list  # rows each local expert received (host ints: the read's by-product)
 
 
 class AllToAllDispatcher:
@@ -135,6 +136,7 @@ class AllToAllDispatcher:
             )
         input_splits = [sum(c) for c in sent_RL]
         output_splits = [sum(c) for c in recv_RL]
+        local_expert_sizes = [sum(col) for col in zip(*recv_RL)] if recv_RL else []
         x_NH = all_to_all_tokens(x_SH, output_splits, input_splits, self.ep_group)
         probs_N = None
         if probs_in_expert:
@@ -150,7 +152,8 @@ class AllToAllDispatcher:
         else:
             chunk_idx = chunk_inv = None
         state = DispatchState(
-            perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK
+            perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK,
+            local_expert_sizes,
         )
         return x_NH, split_sizes_El, probs_N, state
 

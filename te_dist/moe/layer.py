@@ -209,9 +209,12 @@ class MoELayer(nn.Module):
         self.tokens_per_expert = state.permutation.counts_E
         self.tokens_per_local_expert = split_sizes_El
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
+        # The experts get the split sizes the count exchange already brought to the host: the GEMM
+        # backend sees the actual group sizes (and may run cuBLAS per expert), with no device read.
+        sizes_El = torch.tensor(state.local_expert_sizes, dtype=torch.int64)
         if probs_in_expert:
-            y_NH = self.mlp(x_NH, split_sizes_El, probs_N, split_sizes_El)
+            y_NH = self.mlp(x_NH, sizes_El, probs_N, sizes_El)
         else:
-            y_NH = self.mlp(x_NH, split_sizes_El, split_sizes_El)
+            y_NH = self.mlp(x_NH, sizes_El, sizes_El)
         out_TH = self.dispatcher.combine(y_NH, state)
         return out_TH.reshape(shape)

@@ -190,3 +190,59 @@ def test_torch_backend_accepts_expanded_gradients():
         grads[backend] = (x.grad.clone(), w.grad.clone())
     for a, b in zip(grads["torch"], grads["loop"]):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+# --------------------------------------------------------------------------- host group sizes
+
+
+def test_group_sizes_give_the_same_results_forward_and_backward(monkeypatch):
+    from te_dist.backends import loop_backend
+
+    monkeypatch.setattr(loop_backend, "_use_native", lambda *a: False)  # the per-expert Python loop
+    torch.manual_seed(7)
+    splits = [3, 0, 2, 4]
+    E, K, N, T = 4, 8, 6, 9
+    offsets = _offsets(splits)
+    x, w, s, b = torch.randn(T, K), _weight(E, K, N), torch.rand(T), torch.randn(E, N)
+    outs = []
+    for sizes in (None, splits, tuple(splits), torch.tensor(splits)):
+        xs, ws, ss, bs = (t.detach().clone().requires_grad_(True) for t in (x, w, s, b))
+        y = grouped_mm(xs, ws, offsets, bias_EN=bs, row_scale_T=ss, group_sizes=sizes)
+        y.backward(torch.ones_like(y))
+        outs.append([y, xs.grad, ws.grad, ss.grad, bs.grad])
+    for got in outs[1:]:
+        for a, ref in zip(got, outs[0]):
+            torch.testing.assert_close(a, ref, rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][0].double(), _reference(x, w, splits, b, s), rtol=1e-5, atol=1e-5)
+
+
+def test_loop_bounds_come_from_group_sizes_without_reading_offsets():
+    from te_dist.backends.loop_backend import _bounds
+
+    assert _bounds(None, (2, 0, 3)) == [(0, 2), (2, 2), (2, 5)]
+    assert _bounds(_offsets([2, 0, 3])) == [(0, 2), (2, 2), (2, 5)]
+
+
+def test_loop_wgrad_zeroes_experts_without_rows(monkeypatch):
+    from te_dist.backends import loop_backend
+
+    monkeypatch.setattr(loop_backend, "_use_native", lambda *a: False)
+    x, dy = torch.randn(4, 8), torch.randn(4, 6)
+    dw = grouped_mm_wgrad(x, dy, _offsets([0, 4, 0]), group_sizes=[0, 4, 0], backend="loop")
+    assert torch.count_nonzero(dw[0]) == 0 and torch.count_nonzero(dw[2]) == 0
+    torch.testing.assert_close(dw[1], x.t() @ dy)
+
+
+def test_group_sizes_validation_names_expected_and_received():
+    x, w = torch.randn(5, 8), _weight(2, 8, 4)
+    good = _offsets([2, 3])
+    with pytest.raises(ValueError, match="group_sizes has 3 entries but there are 2 experts"):
+        grouped_mm(x, w, good, group_sizes=[2, 3, 0])
+    with pytest.raises(ValueError, match="non-negative"):
+        grouped_mm_forward(x, w, good, group_sizes=[6, -1])
+    with pytest.raises(ValueError, match="sum to 4 but there are 5 rows"):
+        grouped_mm_dgrad(torch.randn(5, 4), w, good, group_sizes=[2, 2])
+    with pytest.raises(TypeError, match="list or tuple of ints"):
+        grouped_mm_wgrad(x, torch.randn(5, 4), good, group_sizes=[2.0, 3.0])
+    with pytest.raises(TypeError, match="list or tuple of ints"):
+        grouped_mm(x, w, good, group_sizes="23")

@@ -149,6 +149,26 @@ def test_selection_on_h200_picks_cutlass():
     assert "cutlass" in kernels.available_backends(dev)
 
 
+def test_host_group_sizes_pick_cublas_per_expert_for_few_large_groups_and_match_reference():
+    """Mixtral-like ragged groups with a long contraction and the sizes on the host: the selector
+    runs cuBLAS per expert (forward with the row-scale epilogue, and dgrad); wgrad stays ours."""
+    dev = torch.device("cuda")
+    splits = [700, 512, 0, 900]
+    _, x, w = _inputs(4, 0, 8192, 256, dev, splits=splits, seed=4)
+    off = _offsets(splits, dev)
+    scale = torch.rand(x.shape[0], device=dev)
+    assert kernels.select_backend("fwd", x, w, group_sizes=splits) == "loop"
+    assert kernels.select_backend("fwd", x, w) == "cutlass"
+    y = kernels.grouped_mm_forward(x, w, off, row_scale_T=scale, group_sizes=splits)
+    _close(y, _ref_fwd(x, w, splits, None, scale), torch.bfloat16)
+    dy_long = torch.randn(x.shape[0], 8192, device=dev).bfloat16()
+    w_dgrad = (torch.randn(4, 8192, 256, device=dev) / 90).bfloat16().transpose(1, 2)  # [E, K=256, N=8192]
+    assert kernels.select_backend("dgrad", dy_long, w_dgrad, group_sizes=splits) == "loop"
+    dx = kernels.grouped_mm_dgrad(dy_long, w_dgrad, off, group_sizes=splits)
+    _close(dx, _ref_fwd(dy_long, w_dgrad.transpose(1, 2), splits), torch.bfloat16)
+    assert kernels.select_backend("wgrad", x, w, group_sizes=splits) == "cutlass"
+
+
 @pytest.mark.parametrize("with_bias,with_scale", [(False, False), (True, True), (False, True)])
 def test_autograd_through_cutlass_matches_fp32_reference(with_bias, with_scale):
     dev = torch.device("cuda")

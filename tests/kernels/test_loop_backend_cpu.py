@@ -142,3 +142,15 @@ def test_epilogue_consumes_a_float32_accumulator_in_place(acc_dtype):
         assert out.data_ptr() == acc.data_ptr()  # no extra buffer
     else:
         assert torch.equal(acc, before)  # a low-precision accumulator is left alone
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_row_scale_alone_is_one_pass_in_place_rounded_once(scale_dtype):
+    """bf16 accumulator, bf16 out, no bias: scaled in place, product in float32, one rounding."""
+    torch.manual_seed(4)
+    acc = torch.randn(6, 5).bfloat16()
+    scale = torch.rand(6).to(scale_dtype)
+    want = (acc.float() * scale.float()[:, None]).bfloat16()
+    out = epilogue.apply_epilogue(acc, _offsets([4, 2]), None, scale, torch.bfloat16)
+    assert out.data_ptr() == acc.data_ptr()
+    assert torch.equal(out, want)

@@ -97,3 +97,33 @@ def test_tile_rules_end_with_a_catch_all():
     last = h.RULES[-1]
     assert (last.direction, last.max_rows, last.min_rows, last.max_k, last.min_out) == ("*", None, 0, None, 0)
     assert all(rule.config in h.CONFIGS for rule in h.RULES)  # only built-by-default tiles are chosen
+
+
+def _mixtral_like(**kw):
+    # fc2 forward at EP=2: 4 local experts, ~1150 rows each, K 14336 (the ragged sweep's winner row).
+    base = dict(num_rows=4608, k=14336, n=4096, num_groups=4, sizes_on_host=True)
+    base.update(kw)
+    return _p(**base)
+
+
+def test_cublas_per_expert_needs_host_sizes_few_large_groups_and_long_contraction():
+    pick = lambda p: choose_backend(p, cutlass_built=True, torch_grouped=True)  # noqa: E731
+    assert pick(_mixtral_like()) == "loop"
+    assert pick(_mixtral_like(direction="dgrad")) == "loop"
+    assert pick(_mixtral_like(sizes_on_host=False)) == "cutlass"  # the loop would have to read the offsets
+    assert pick(_mixtral_like(capturing=True)) == "cutlass"  # replay would reuse this step's sizes
+    assert pick(_mixtral_like(direction="wgrad")) == "cutlass"  # our ping-pong wgrad won every row
+    assert pick(_mixtral_like(k=4096)) == "cutlass"  # short contraction
+    assert pick(_mixtral_like(num_groups=32)) == "cutlass"  # many experts (DeepSeek-like)
+    assert pick(_mixtral_like(num_rows=4 * 511)) == "cutlass"  # small groups
+
+
+def test_cublas_per_expert_thresholds_are_the_named_constants(monkeypatch):
+    from te_dist.backends import selection
+
+    p = _mixtral_like()
+    monkeypatch.setattr(selection, "LOOP_MIN_CONTRACTION", p.k + 1)
+    assert choose_backend(p, cutlass_built=True, torch_grouped=True) == "cutlass"
+    monkeypatch.setattr(selection, "LOOP_MIN_CONTRACTION", p.k)
+    monkeypatch.setattr(selection, "LOOP_MAX_GROUPS", p.num_groups - 1)
+    assert choose_backend(p, cutlass_built=True, torch_grouped=True) == "cutlass"

@@ -146,3 +146,21 @@ def test_experts_run_through_fused_grouped_mlp_plan_keyed_by_recipe():
         y = layer(x)
     assert layer.mlp.fusion_key == (str(recipe), 0)
     assert torch.isfinite(y).all() and not torch.equal(y, layer(x))  # quantized numerics differ
+
+
+def test_experts_get_the_host_split_sizes_of_the_count_exchange(monkeypatch):
+    from te_dist import kernels
+
+    seen = []
+    original = kernels.grouped_mm_forward
+
+    def recording(*args, **kw):
+        seen.append(kw.get("group_sizes"))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(kernels, "grouped_mm_forward", recording)
+    layer = _layer()
+    layer(_x(T=11))
+    want = tuple(layer.tokens_per_local_expert.tolist())
+    assert sum(want) == 11 * 2
+    assert seen == [want, want]

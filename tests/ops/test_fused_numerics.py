@@ -186,3 +186,29 @@ def test_partially_frozen_fusions_match_reference():
     assert_close(fc2.weight.grad, w2_64.grad, torch.float32, "dw2")
     assert_close(fc2.bias.grad, b2_64.grad, torch.float32, "db2")
     assert fc1.weight.grad is None
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_grouped_mlp_hands_host_split_sizes_to_every_gemm(monkeypatch, fused):
+    """Split sizes on the host reach all six GEMMs as ``group_sizes`` (the backend may then run
+    cuBLAS per expert without reading offsets), fused or not."""
+    from te_dist import kernels
+
+    seen = []
+    for name in ("grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_wgrad"):
+        original = getattr(kernels, name)
+
+        def recording(*args, _original=original, _name=name, **kw):
+            seen.append((_name, kw.get("group_sizes")))
+            return _original(*args, **kw)
+
+        monkeypatch.setattr(kernels, name, recording)
+    torch.manual_seed(14)
+    fuser = _grouped_mlp(3, 8, 4, scaled=True, bias=True)
+    splits = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 8, requires_grad=True)
+    with ops.fusion_rules_scope(disable=() if fused else ALL_RULES):
+        fuser(x, splits, torch.rand(5), splits).sum().backward()
+    want = ["grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_wgrad"] * 2
+    assert sorted(n for n, _ in seen) == sorted(want)
+    assert all(sizes == (2, 0, 3) for _, sizes in seen), seen

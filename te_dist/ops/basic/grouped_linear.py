@@ -5,7 +5,9 @@ The weight is stored ``[E, N, K]`` (like nn.Linear per expert); the GEMMs see it
 ``[E, K, N]`` view. The extra input ``split_sizes`` (int tensor [E], on CPU or the data's device,
 zeros allowed) becomes int32 cumulative END offsets on the data's device — computed on the device
 when the split sizes already live there, so no host sync. CPU split sizes are validated (non-negative,
-summing to T) before any kernel runs.
+summing to T) before any kernel runs, and are also handed to the GEMMs as host ints
+(``group_sizes``): the backend then sees the actual group sizes, and cuBLAS per expert may run
+where it beats the grouped kernels (te_dist.backends.selection), without reading the offsets.
 
 ``grouped_forward`` / ``grouped_backward`` are the functional core the grouped-MLP fused op calls.
 The saved input may carry a per-row scale (``input = x * row_scale[:, None]``) so the fused op can
@@ -22,7 +24,7 @@ import torch
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 
-__all__ = ["GroupedLinear", "split_sizes_to_offsets"]
+__all__ = ["GroupedLinear", "split_sizes_to_offsets", "host_split_sizes"]
 
 _kernels = None
 
@@ -54,10 +56,22 @@ def split_sizes_to_offsets(split_sizes, num_groups: int, x: torch.Tensor) -> tor
         if sum(sizes) != x.shape[0]:
             raise ValueError(f"split_sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
-        return offsets if x.is_cpu else offsets.to(x.device, non_blocking=True)
+        if x.is_cpu:
+            return offsets
+        # From pinned memory the copy is queued on the stream and the host moves on (no wait for the GPU).
+        return offsets.pin_memory().to(x.device, non_blocking=True)
     if split_sizes.device != x.device:
         raise ValueError(f"split_sizes on {split_sizes.device} but the input is on {x.device}")
     return torch.cumsum(split_sizes, 0, dtype=torch.int32)  # stays on the device: no sync
+
+
+def host_split_sizes(split_sizes):
+    """The split sizes as a tuple of host ints when they live on the host, else None (never reads a device)."""
+    if isinstance(split_sizes, (list, tuple)):
+        return tuple(split_sizes)
+    if isinstance(split_sizes, torch.Tensor) and split_sizes.is_cpu:
+        return tuple(split_sizes.tolist())
+    return None
 
 
 class GroupedLinear(BasicOperation):
@@ -102,8 +116,10 @@ class GroupedLinear(BasicOperation):
             raise TypeError(f"GroupedLinear input dtype {x.dtype} does not match weight dtype {self.weight.dtype}")
 
     # ------------------------------------------------------------------ functional core
-    def grouped_forward(self, ctx: OpContext, x, offsets, *, row_scale: Optional[torch.Tensor] = None):
-        """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only)."""
+    def grouped_forward(self, ctx: OpContext, x, offsets, *, row_scale: Optional[torch.Tensor] = None,
+                        group_sizes: Optional[tuple] = None):
+        """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only).
+        ``group_sizes``: host_split_sizes of the split sizes the offsets came from (None if on the device)."""
         q = self._quantizers
         w = self.weight
         if q.active:
@@ -114,13 +130,14 @@ class GroupedLinear(BasicOperation):
             xq, wq = x, w
         wq_EKN = wq.transpose(1, 2)
         y = kernels().grouped_mm_forward(
-            xq, wq_EKN, offsets, bias_EN=self.bias, row_scale_T=row_scale, check_offsets=False
+            xq, wq_EKN, offsets, bias_EN=self.bias, row_scale_T=row_scale, check_offsets=False, group_sizes=group_sizes
         )
         if ctx.requires_grad:
             # The weight is saved as the [E, K, N] view the GEMMs take (dgrad uses it as is).
             saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
             bias_rg = self.bias is not None and self.bias.requires_grad
-            ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, offsets, w.requires_grad, bias_rg)
+            ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, offsets, w.requires_grad, bias_rg,
+                         group_sizes)
         return y
 
     def grouped_backward(self, ctx: OpContext, dy):
@@ -138,21 +155,21 @@ class GroupedLinear(BasicOperation):
         """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: dy as quantized."""
         if not ctx.input_requires_grad:
             return None
-        saved_w_EKN, offsets = ctx.saved[2], ctx.saved[3]
+        saved_w_EKN, offsets, group_sizes = ctx.saved[2], ctx.saved[3], ctx.saved[6]
         # Operands checked by this op's forward (autograd fixes dy's shape and dtype): no re-validation.
-        return kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, validate=False)
+        return kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, group_sizes=group_sizes, validate=False)
 
     def grouped_wgrad(self, ctx: OpContext, dy, dyq, x_in):
         """``(dweight, dbias)`` from the GEMM input ``x_in`` (None when unused); releases the saved tensors.
 
         Separate from dgrad so the grouped-MLP fusion can form ``x_in`` in the same pass as its
         activation backward, which needs dgrad's result."""
-        _, _, _, offsets, weight_rg, bias_rg = ctx.saved
+        _, _, _, offsets, weight_rg, bias_rg, group_sizes = ctx.saved
         ctx.saved = ()
         dw = None
         if weight_rg:
             dw = kernels().grouped_mm_wgrad(
-                x_in, dyq, offsets, num_groups=self.num_groups, validate=False
+                x_in, dyq, offsets, num_groups=self.num_groups, group_sizes=group_sizes, validate=False
             ).transpose(1, 2)
         db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
         return dw, db
@@ -161,7 +178,7 @@ class GroupedLinear(BasicOperation):
     def op_forward(self, ctx, x, extra_inputs, recipe):
         self.check_input(x)
         offsets = self.offsets(extra_inputs[0], x)
-        return self.grouped_forward(ctx, x, offsets), ()
+        return self.grouped_forward(ctx, x, offsets, group_sizes=host_split_sizes(extra_inputs[0])), ()
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         dx, dw, db = self.grouped_backward(ctx, dy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
+from ..basic.grouped_linear import host_split_sizes
 from ..basic.swiglu import scaled_swiglu_backward, swiglu_forward
 from ..op import FusedOperation
 from ..rules import FusionRule
@@ -29,7 +30,9 @@ class GroupedMLP(FusedOperation):
         fc1.check_input(x)
         offsets1 = fc1.offsets(splits1, x)
         offsets2 = offsets1 if splits2 is splits1 else fc2.offsets(splits2, x)
-        h = fc1.grouped_forward(c1, x, offsets1)
+        sizes1 = host_split_sizes(splits1)
+        sizes2 = sizes1 if splits2 is splits1 else host_split_sizes(splits2)
+        h = fc1.grouped_forward(c1, x, offsets1, group_sizes=sizes1)
         s = swiglu_forward(h, act.limit)
         fc2.check_input(s)
         if isinstance(act, ScaledSwiGLU):
@@ -38,13 +41,13 @@ class GroupedMLP(FusedOperation):
             if c2.requires_grad:
                 c2.saved = (h, probs, probs_in.shape, probs_in.requires_grad)
             if fc2.quantizers.active:
-                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), offsets2)
+                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), offsets2, group_sizes=sizes2)
             else:
-                y = fc2.grouped_forward(c3, s, offsets2, row_scale=probs)
+                y = fc2.grouped_forward(c3, s, offsets2, row_scale=probs, group_sizes=sizes2)
         else:
             if c2.requires_grad:
                 c2.saved = (h,)
-            y = fc2.grouped_forward(c3, s, offsets2)
+            y = fc2.grouped_forward(c3, s, offsets2, group_sizes=sizes2)
         return y, [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
