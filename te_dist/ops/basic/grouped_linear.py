@@ -24,7 +24,7 @@ import torch
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 
-__all__ = ["GroupedLinear", "split_sizes_to_offsets", "host_split_sizes"]
+__all__ = ["GroupedLinear", "split_sizes_to_groups"]
 
 _kernels = None
 
@@ -39,8 +39,10 @@ def kernels():
     return _kernels
 
 
-def split_sizes_to_offsets(split_sizes, num_groups: int, x: torch.Tensor) -> torch.Tensor:
-    """int32 cumulative end offsets [E] on ``x.device``; validates CPU split sizes without a device sync."""
+def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor):
+    """``(offsets, group_sizes)``: int32 cumulative end offsets [E] on ``x.device``, and the sizes as a
+    tuple of host ints when they live on the host (else None: a device tensor is never read).
+    CPU split sizes are validated, without a device sync."""
     if isinstance(split_sizes, (list, tuple)):
         split_sizes = torch.tensor(split_sizes, dtype=torch.int64)
     if not isinstance(split_sizes, torch.Tensor):
@@ -56,22 +58,13 @@ def split_sizes_to_offsets(split_sizes, num_groups: int, x: torch.Tensor) -> tor
         if sum(sizes) != x.shape[0]:
             raise ValueError(f"split_sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
-        if x.is_cpu:
-            return offsets
-        # From pinned memory the copy is queued on the stream and the host moves on (no wait for the GPU).
-        return offsets.pin_memory().to(x.device, non_blocking=True)
+        if not x.is_cpu:
+            # From pinned memory the copy is queued on the stream and the host moves on (no wait for the GPU).
+            offsets = offsets.pin_memory().to(x.device, non_blocking=True)
+        return offsets, tuple(sizes)
     if split_sizes.device != x.device:
         raise ValueError(f"split_sizes on {split_sizes.device} but the input is on {x.device}")
-    return torch.cumsum(split_sizes, 0, dtype=torch.int32)  # stays on the device: no sync
-
-
-def host_split_sizes(split_sizes):
-    """The split sizes as a tuple of host ints when they live on the host, else None (never reads a device)."""
-    if isinstance(split_sizes, (list, tuple)):
-        return tuple(split_sizes)
-    if isinstance(split_sizes, torch.Tensor) and split_sizes.is_cpu:
-        return tuple(split_sizes.tolist())
-    return None
+    return torch.cumsum(split_sizes, 0, dtype=torch.int32), None  # stays on the device: no sync
 
 
 class GroupedLinear(BasicOperation):
@@ -105,8 +98,9 @@ class GroupedLinear(BasicOperation):
     def quantizers(self) -> GemmQuantizers:
         return self._quantizers
 
-    def offsets(self, split_sizes, x: torch.Tensor) -> torch.Tensor:
-        return split_sizes_to_offsets(split_sizes, self.num_groups, x)
+    def groups(self, split_sizes, x: torch.Tensor):
+        """``(offsets, group_sizes)`` of ``split_sizes`` for input ``x`` (see split_sizes_to_groups)."""
+        return split_sizes_to_groups(split_sizes, self.num_groups, x)
 
     def check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
@@ -119,7 +113,7 @@ class GroupedLinear(BasicOperation):
     def grouped_forward(self, ctx: OpContext, x, offsets, *, row_scale: Optional[torch.Tensor] = None,
                         group_sizes: Optional[tuple] = None):
         """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only).
-        ``group_sizes``: host_split_sizes of the split sizes the offsets came from (None if on the device)."""
+        ``group_sizes``: the host sizes ``groups`` returned with the offsets (None for device split sizes)."""
         q = self._quantizers
         w = self.weight
         if q.active:
@@ -177,8 +171,8 @@ class GroupedLinear(BasicOperation):
     # ------------------------------------------------------------------ op interface
     def op_forward(self, ctx, x, extra_inputs, recipe):
         self.check_input(x)
-        offsets = self.offsets(extra_inputs[0], x)
-        return self.grouped_forward(ctx, x, offsets, group_sizes=host_split_sizes(extra_inputs[0])), ()
+        offsets, sizes = self.groups(extra_inputs[0], x)
+        return self.grouped_forward(ctx, x, offsets, group_sizes=sizes), ()
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         dx, dw, db = self.grouped_backward(ctx, dy)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
-from ..basic.grouped_linear import host_split_sizes
 from ..basic.swiglu import scaled_swiglu_backward, swiglu_forward
 from ..op import FusedOperation
 from ..rules import FusionRule
@@ -28,10 +27,8 @@ class GroupedMLP(FusedOperation):
         c1, c2, c3 = ctxs
         splits1, splits2 = extra_inputs[0][0], extra_inputs[2][0]
         fc1.check_input(x)
-        offsets1 = fc1.offsets(splits1, x)
-        offsets2 = offsets1 if splits2 is splits1 else fc2.offsets(splits2, x)
-        sizes1 = host_split_sizes(splits1)
-        sizes2 = sizes1 if splits2 is splits1 else host_split_sizes(splits2)
+        offsets1, sizes1 = fc1.groups(splits1, x)
+        offsets2, sizes2 = (offsets1, sizes1) if splits2 is splits1 else fc2.groups(splits2, x)
         h = fc1.grouped_forward(c1, x, offsets1, group_sizes=sizes1)
         s = swiglu_forward(h, act.limit)
         fc2.check_input(s)
