@@ -110,10 +110,10 @@ class GroupedLinear(BasicOperation):
             raise TypeError(f"GroupedLinear input dtype {x.dtype} does not match weight dtype {self.weight.dtype}")
 
     # ------------------------------------------------------------------ functional core
-    def grouped_forward(self, ctx: OpContext, x, offsets, *, row_scale: Optional[torch.Tensor] = None,
-                        group_sizes: Optional[tuple] = None):
+    def grouped_forward(self, ctx: OpContext, x, groups, *, row_scale: Optional[torch.Tensor] = None):
         """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only).
-        ``group_sizes``: the host sizes ``groups`` returned with the offsets (None for device split sizes)."""
+        ``groups``: the ``(offsets, group_sizes)`` pair of :meth:`groups`, kept together for the backward."""
+        offsets, group_sizes = groups
         q = self._quantizers
         w = self.weight
         if q.active:
@@ -130,8 +130,7 @@ class GroupedLinear(BasicOperation):
             # The weight is saved as the [E, K, N] view the GEMMs take (dgrad uses it as is).
             saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
             bias_rg = self.bias is not None and self.bias.requires_grad
-            ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, offsets, w.requires_grad, bias_rg,
-                         group_sizes)
+            ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, groups, w.requires_grad, bias_rg)
         return y
 
     def grouped_backward(self, ctx: OpContext, dy):
@@ -149,7 +148,7 @@ class GroupedLinear(BasicOperation):
         """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: dy as quantized."""
         if not ctx.input_requires_grad:
             return None
-        saved_w_EKN, offsets, group_sizes = ctx.saved[2], ctx.saved[3], ctx.saved[6]
+        saved_w_EKN, (offsets, group_sizes) = ctx.saved[2], ctx.saved[3]
         # Operands checked by this op's forward (autograd fixes dy's shape and dtype): no re-validation.
         return kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, group_sizes=group_sizes, validate=False)
 
@@ -158,7 +157,7 @@ class GroupedLinear(BasicOperation):
 
         Separate from dgrad so the grouped-MLP fusion can form ``x_in`` in the same pass as its
         activation backward, which needs dgrad's result."""
-        _, _, _, offsets, weight_rg, bias_rg, group_sizes = ctx.saved
+        _, _, _, (offsets, group_sizes), weight_rg, bias_rg = ctx.saved
         ctx.saved = ()
         dw = None
         if weight_rg:
@@ -171,8 +170,7 @@ class GroupedLinear(BasicOperation):
     # ------------------------------------------------------------------ op interface
     def op_forward(self, ctx, x, extra_inputs, recipe):
         self.check_input(x)
-        offsets, sizes = self.groups(extra_inputs[0], x)
-        return self.grouped_forward(ctx, x, offsets, group_sizes=sizes), ()
+        return self.grouped_forward(ctx, x, self.groups(extra_inputs[0], x)), ()
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         dx, dw, db = self.grouped_backward(ctx, dy)

@@ -27,9 +27,9 @@ class GroupedMLP(FusedOperation):
         c1, c2, c3 = ctxs
         splits1, splits2 = extra_inputs[0][0], extra_inputs[2][0]
         fc1.check_input(x)
-        offsets1, sizes1 = fc1.groups(splits1, x)
-        offsets2, sizes2 = (offsets1, sizes1) if splits2 is splits1 else fc2.groups(splits2, x)
-        h = fc1.grouped_forward(c1, x, offsets1, group_sizes=sizes1)
+        groups1 = fc1.groups(splits1, x)
+        groups2 = groups1 if splits2 is splits1 else fc2.groups(splits2, x)
+        h = fc1.grouped_forward(c1, x, groups1)
         s = swiglu_forward(h, act.limit)
         fc2.check_input(s)
         if isinstance(act, ScaledSwiGLU):
@@ -38,13 +38,13 @@ class GroupedMLP(FusedOperation):
             if c2.requires_grad:
                 c2.saved = (h, probs, probs_in.shape, probs_in.requires_grad)
             if fc2.quantizers.active:
-                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), offsets2, group_sizes=sizes2)
+                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), groups2)
             else:
-                y = fc2.grouped_forward(c3, s, offsets2, row_scale=probs, group_sizes=sizes2)
+                y = fc2.grouped_forward(c3, s, groups2, row_scale=probs)
         else:
             if c2.requires_grad:
                 c2.saved = (h,)
-            y = fc2.grouped_forward(c3, s, offsets2, group_sizes=sizes2)
+            y = fc2.grouped_forward(c3, s, groups2)
         return y, [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
