@@ -3,6 +3,7 @@
     python benchmarks/grouped_gemm.py [--iters 10] [--warmup 3] [--json out.json] [--skip-backward]
     python benchmarks/grouped_gemm.py --only layer      # the MoE-layer shapes of benchmarks/moe_layer.py
     python benchmarks/grouped_gemm.py --ragged          # the MoE-layer rows with router-like ragged splits
+    python benchmarks/grouped_gemm.py --ragged --candidates --seed 200   # also the candidate tiles, other sizes
 
 Prints TFLOP/s per backend (CUTLASS per config and with the heuristic's choice), the backend the
 selector picks ("auto") and its ratio to the best of the three, the CUTLASS/torch ratio and its
@@ -92,11 +93,11 @@ def router_like_splits(seed, experts, local, rows):
     return picks.bincount(minlength=experts)[:local].tolist()
 
 
-def ragged_cases():
+def ragged_cases(seed=100):
     """(name, E, splits, K, N) for fc1 and fc2 of every LAYER_ROWS row."""
     cases = []
     for i, (name, E, El, rows, H, F) in enumerate(LAYER_ROWS):
-        splits = router_like_splits(100 + i, E, El, rows)
+        splits = router_like_splits(seed + i, E, El, rows)
         cases += [(f"{name}_fc1", El, splits, H, 2 * F), (f"{name}_fc2", El, splits, F, H)]
     return cases
 
@@ -202,9 +203,10 @@ def main():
     ap.add_argument("--only", default=None,
                     help="comma-separated shape names, or 'layer' for the MoE-layer shapes (default: ANCHORS + decode)")
     ap.add_argument("--candidates", action="store_true",
-                    help="also time cutlass_kernels.CANDIDATES tiles in the forward table (built on first use)")
+                    help="also time cutlass_kernels.CANDIDATES tiles in the forward and dgrad tables (built on first use)")
     ap.add_argument("--ragged", action="store_true",
                     help="the MoE-layer rows with router-like group sizes (module docstring), not the default shapes")
+    ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     W, I = args.warmup, args.iters
@@ -224,15 +226,14 @@ def main():
             wanted |= {s[0] for s in LAYER}
         cases = [c for c in cases + [(n, E, [m] * E, K, N) for n, E, m, K, N in LAYER] if c[0] in wanted]
     if args.ragged:
-        cases = ragged_cases()
+        cases = ragged_cases(args.seed)
     sizes_for_auto = (lambda splits: splits) if args.ragged else (lambda splits: None)
 
     configs = sorted(CONFIGS)
-    fwd_configs = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])
-    cfg_cols = "".join(f"{'c' + str(c):>8}" for c in configs)
+    fwd_configs = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])  # fwd and dgrad
     fwd_cols = "".join(f"{'c' + str(c):>8}" for c in fwd_configs)
     hdr = f"{'shape':<16}{fwd_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
-    print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = heuristic's config, auto = grouped_mm_forward)\n" + hdr)
+    print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = the tile table's config from the shape alone, auto = grouped_mm_forward)\n" + hdr)
     geo = []
     for name, E, splits, K, N in cases:
         x, w, off = make(E, splits, K, N, dev)
@@ -250,7 +251,7 @@ def main():
         t = bench_interleaved(fns, W, I, args.rounds)
         pick = kernels.select_backend("fwd", x, w, group_sizes=sizes_for_auto(splits))
         if pick == "cutlass":
-            pick += f"/c{choose_config('fwd', sum(splits), N, K, E)}"
+            pick += f"/c{choose_config('fwd', sum(splits), N, K, E, group_sizes=sizes_for_auto(splits))}"
         tf = {k: flop / v / 1e9 for k, v in t.items()}
         best_name = max(["cutlass", "torch", "loop"] + [f"c{c}" for c in fwd_configs], key=lambda k: tf[k])
         best3 = max(tf[k] for k in tf if k != "auto")
@@ -282,6 +283,8 @@ def main():
 
     if not args.skip_backward:
         for direction in ("dgrad", "wgrad"):
+            dir_configs = fwd_configs if direction == "dgrad" else configs
+            cfg_cols = "".join(f"{'c' + str(c):>8}" for c in dir_configs)
             print(f"\n## {direction} bf16 (TFLOP/s; auto = grouped_mm_{direction}, loop = cuBLAS per expert)\n"
                   f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
             for name, E, splits, K, N in cases:
@@ -289,7 +292,7 @@ def main():
                 dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
                 flop = 2.0 * x.shape[0] * K * N
                 if direction == "dgrad":
-                    fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in configs}
+                    fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in dir_configs}
                     fns["cutlass"] = lambda: cutlass_backend.dgrad(dy, w, off)
                     fns["torch"] = lambda: torch_backend.dgrad(dy, w, off)
                     fns["loop"] = lambda: loop_backend.dgrad(dy, w, off, group_sizes=splits)
@@ -304,7 +307,7 @@ def main():
                 t = bench_interleaved(fns, W, I, args.rounds)
                 tf = {k: flop / v / 1e9 for k, v in t.items()}
                 best_name = max((k for k in tf if k != "auto"), key=lambda k: tf[k])
-                cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in configs)
+                cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in dir_configs)
                 print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} "
                       f"{best_name:<8}{tf['auto'] / tf[best_name]:10.3f}")
                 results["backward"].append({"shape": name, "direction": direction, "tflops": tf, "ms": t})

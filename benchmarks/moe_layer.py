@@ -43,6 +43,7 @@ from torch import nn
 
 import te_dist as td
 from te_dist import kernels
+from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
 from te_dist.moe import AllToAllDispatcher, TopKRouter
@@ -142,14 +143,23 @@ def gemm_fn(layer, splits, dtype, device):
 
 
 def gemm_backends(layer, splits, dtype, device) -> str:
-    """Which backends the layer's six GEMMs pick for these split sizes, e.g. "4 cutlass + 2 loop"."""
+    """What the layer's six GEMMs run on for these split sizes, forward/dgrad/wgrad per linear, e.g.
+    "fc1 c8/loop/c2, fc2 loop/c8/c2" (cN: our CUTLASS kernels with tile config N)."""
     sizes = splits.tolist()
     rows = torch.empty(sum(sizes), 0, dtype=dtype, device=device)  # only rows, dtype and device are read
-    picks = []
-    for w in (layer.fc1.weight.detach().transpose(1, 2), layer.fc2.weight.detach().transpose(1, 2)):
+    choose_config = cutlass_backend.kernels_module().choose_config
+    out = []
+    for name, w in (("fc1", layer.fc1.weight), ("fc2", layer.fc2.weight)):
+        w_EKN = w.detach().transpose(1, 2)
+        E, K, N = w_EKN.shape
+        picks = []
         for direction in ("fwd", "dgrad", "wgrad"):
-            picks.append(kernels.select_backend(direction, rows, w, group_sizes=sizes))
-    return " + ".join(f"{picks.count(b)} {b}" for b in dict.fromkeys(picks))
+            pick = kernels.select_backend(direction, rows, w_EKN, group_sizes=sizes)
+            if pick == "cutlass":
+                pick = f"c{choose_config(direction, sum(sizes), N, K, E, group_sizes=sizes)}"
+            picks.append(pick)
+        out.append(f"{name} {'/'.join(picks)}")
+    return ", ".join(out)
 
 
 def a2a_splits(layer):

@@ -8,18 +8,20 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 1  | ping-pong   | 64 x 128 x 64    | 1x1x1   | decode (a few rows per expert): smallest wgmma M, least padding |
 | 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
+| 8  | cooperative | 128 x 256 x 64   | 1x1x1   | ragged groups: config 0 without its cluster, so no group is padded to an even tile count |
 
-``CANDIDATES`` (ids 4-9) are further tiles for sweeps; they are not built by default.
+``CANDIDATES`` (ids 4-7, 9) are further tiles for sweeps; they are not built by default. Config 8
+was candidate 8 and kept its id, so the sweep tables of docs/benchmarks.md still name it right.
 
 Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
-GEMM's M for fwd/dgrad and its K for wgrad, and in one row on the forward's K). Thresholds come
-from the H200 sweeps in docs/kernels.md (benchmarks/grouped_gemm.py times every config per shape
-and prints the winner).
+GEMM's M for fwd/dgrad and its K for wgrad, on the contraction length, and on whether the caller's
+host group sizes are unequal). Thresholds come from the H200 sweeps in docs/kernels.md
+(benchmarks/grouped_gemm.py times every config per shape and prints the winner).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["CONFIGS", "CANDIDATES", "TILES", "Rule", "RULES", "choose_config"]
 
@@ -29,6 +31,7 @@ CONFIGS = {
     1: ("pingpong", 64, 128, 64, (1, 1)),
     2: ("pingpong", 128, 128, 64, (1, 2)),
     3: ("cooperative", 256, 128, 64, (1, 2)),
+    8: ("cooperative", 128, 256, 64, (1, 1)),
 }
 # Candidates for the small-M (weight-streaming) shapes, built only when a sweep asks for them
 # (``benchmarks/grouped_gemm.py --candidates``); a candidate that wins moves into CONFIGS and RULES.
@@ -37,7 +40,6 @@ CANDIDATES = {
     5: ("cooperative", 128, 128, 128, (1, 1)),
     6: ("pingpong", 128, 128, 128, (1, 1)),
     7: ("cooperative", 128, 128, 64, (1, 2)),
-    8: ("cooperative", 128, 256, 64, (1, 1)),
     9: ("cooperative", 128, 256, 64, (1, 2)),
 }
 TILES = {**CONFIGS, **CANDIDATES}
@@ -46,8 +48,9 @@ TILES = {**CONFIGS, **CANDIDATES}
 class Rule(NamedTuple):
     """One row of the table: it holds when the direction matches and the call's average rows per
     expert lie in (min_rows, max_rows], its contraction length (fwd: K, dgrad: N, wgrad: the
-    rows) is at most max_k, and each group's output has at least min_out elements (fwd: rows x N,
-    dgrad: rows x K, wgrad: K x N). None = no bound."""
+    rows) is at most max_k, each group's output has at least min_out elements (fwd: rows x N,
+    dgrad: rows x K, wgrad: K x N) and, for a ``ragged`` row, the caller gave the group sizes on
+    the host and they are not all equal. None = no bound."""
 
     direction: str  # "fwd", "dgrad", "wgrad" or "*"
     max_rows: Optional[int]
@@ -55,6 +58,7 @@ class Rule(NamedTuple):
     min_rows: int = 0
     max_k: Optional[int] = None
     min_out: int = 0
+    ragged: bool = False
 
 
 # From the H200 sweeps of 2026-11-29/30 (docs/kernels.md; run-to-run spread ~3%):
@@ -66,6 +70,12 @@ RULES = (
     Rule("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
     Rule("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
     Rule("wgrad", None, 3),   # Mixtral (4096 rows per expert)
+    # Forward and dgrad from here on. Ragged groups (unequal host sizes, as a router gives them) of
+    # 64-512 rows on average: every group is padded to whole 128-row tiles, and config 0's 2x1
+    # cluster pads each group to an even tile count on top (1.06-1.39x the tiles of config 8 in the
+    # sweeps' rows). Config 8 was faster than this table's equal-split pick in 19 of 20 such GEMMs
+    # of two sweeps (18 of them by 5-34%) and 2% slower in one (docs/kernels.md "Ragged group sizes").
+    Rule("*", 512, 8, min_rows=64, ragged=True),
     Rule("*", 32, 1),         # decode: 64-row tiles waste least
     Rule("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
     # Contraction up to 4096 with up to 2048 rows: ping-pong 128x128 overlaps each tile's epilogue
@@ -80,13 +90,16 @@ RULES = (
 )
 
 
-def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132) -> int:
-    """Config id for one call. ``n``/``k`` are the user-level out/in features."""
+def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132,
+                  group_sizes: Optional[Sequence[int]] = None) -> int:
+    """Config id for one call. ``n``/``k`` are the user-level out/in features; ``group_sizes`` the
+    rows of each group when the caller has them on the host (the MoE layer does), else None."""
     m_avg = num_rows / max(num_groups, 1)
+    ragged = group_sizes is not None and len(set(group_sizes)) > 1
     contraction = k if direction == "fwd" else n if direction == "dgrad" else m_avg
     out_per_group = m_avg * n if direction == "fwd" else m_avg * k if direction == "dgrad" else k * n
     for rule in RULES:
-        if rule.direction not in ("*", direction):
+        if rule.direction not in ("*", direction) or (rule.ragged and not ragged):
             continue
         if (rule.max_rows is not None and m_avg > rule.max_rows) or m_avg <= rule.min_rows:
             continue

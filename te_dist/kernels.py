@@ -123,7 +123,10 @@ class _Dispatch:
         name = _select(p, x_TK.device, backend)
         if name == "loop":
             return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
-        return _impl(name).forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+        if name == "cutlass":  # the host sizes also pick its tile (cutlass_kernels/heuristics.py)
+            return _cutlass_module().forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype,
+                                             group_sizes=group_sizes)
+        return torch_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
 
     @staticmethod
     def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
@@ -136,7 +139,9 @@ class _Dispatch:
         name = _select(p, dy_TN.device, backend)
         if name == "loop":
             return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
-        return _impl(name).dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+        if name == "cutlass":
+            return _cutlass_module().dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes=group_sizes)
+        return torch_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
 
     @staticmethod
     def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):

@@ -87,13 +87,13 @@ def _raw_stream(index: int) -> int:
     return _CURRENT_RAW_STREAM(index)
 
 
-def _launch(direction: str, a, b, d, offsets_E, num_groups, n, k, scale, bias, num_rows, config=None):
+def _launch(direction: str, a, b, d, offsets_E, num_groups, n, k, scale, bias, num_rows, config=None, group_sizes=None):
     ck = kernels_module()
     device = a.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _sm_count(index)
     if config is None:
-        config = ck.choose_config(direction, num_rows, n, k, num_groups, sms)
+        config = ck.choose_config(direction, num_rows, n, k, num_groups, sms, group_sizes)
     lib = ck.load(direction, config, d.dtype == torch.float32)
     ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=device)
     stream = _raw_stream(index)
@@ -115,7 +115,8 @@ def _guard(fallback):
                     return fn(*args, **kwargs)
                 except kernels_module().BuildError as exc:
                     disable(str(exc))
-            kwargs.pop("config", None)  # a tile config means nothing to the fallback
+            kwargs.pop("config", None)  # a tile config means nothing to the fallback,
+            kwargs.pop("group_sizes", None)  # nor do sizes that only pick one
             return fallback(*args, **kwargs)
 
         return inner
@@ -124,7 +125,7 @@ def _guard(fallback):
 
 
 @_guard(torch_backend.forward)
-def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, *, config=None):
+def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
     out_dtype = out_dtype or x_TK.dtype
     E, K, N = w_EKN.shape
     T = x_TK.shape[0]
@@ -134,12 +135,12 @@ def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=No
     w_ENK = w_EKN.transpose(1, 2)
     assert w_ENK.is_contiguous(), "selection only routes K-major weights here"
     _launch("fwd", _aligned(x_TK), _aligned(w_ENK), y_TN, offsets_E, E, N, K, _f32(row_scale_T), _f32(bias_EN), T,
-            config)
+            config, group_sizes)
     return y_TN
 
 
 @_guard(torch_backend.dgrad)
-def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, *, config=None):
+def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
     out_dtype = out_dtype or dy_TN.dtype
     E, K, N = w_EKN.shape
     T = dy_TN.shape[0]
@@ -148,7 +149,8 @@ def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, *, config=N
         return dx_TK
     w_ENK = w_EKN.transpose(1, 2)
     assert w_ENK.is_contiguous(), "selection only routes K-major weights here"
-    _launch("dgrad", _aligned(dy_TN), _aligned(w_ENK), dx_TK, offsets_E, E, N, K, _f32(row_scale_T), None, T, config)
+    _launch("dgrad", _aligned(dy_TN), _aligned(w_ENK), dx_TK, offsets_E, E, N, K, _f32(row_scale_T), None, T, config,
+            group_sizes)
     return dx_TK
 
 

@@ -169,6 +169,29 @@ def test_host_group_sizes_pick_cublas_per_expert_for_few_large_groups_and_match_
     assert kernels.select_backend("wgrad", x, w, group_sizes=splits) == "cutlass"
 
 
+def test_ragged_host_group_sizes_pick_tile_config_8_and_match_reference(monkeypatch):
+    """DeepSeek-like ragged groups (~246 rows, 32 experts) with the sizes on the host: forward (with
+    bias and row scale) and dgrad run on our kernels with config 8, which the tile table picks only
+    because the sizes are given and unequal; the results match the float32 reference."""
+    dev = torch.device("cuda")
+    ck = cutlass_backend.kernels_module()
+    picked = []
+    real = ck.choose_config
+    monkeypatch.setattr(ck, "choose_config", lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
+    splits = [147, 372, 246, 219, 0, 301, 260, 255] * 4
+    _, x, w = _inputs(32, 0, 1024, 512, dev, splits=splits, seed=5)
+    off = _offsets(splits, dev)
+    bias = torch.randn(32, 512, device=dev)
+    scale = torch.rand(x.shape[0], device=dev)
+    y = kernels.grouped_mm_forward(x, w, off, bias_EN=bias, row_scale_T=scale, group_sizes=splits)
+    _close(y, _ref_fwd(x, w, splits, bias, scale), torch.bfloat16)
+    dy = torch.randn(x.shape[0], 512, device=dev).bfloat16()
+    dx = kernels.grouped_mm_dgrad(dy, w, off, group_sizes=splits)
+    _close(dx, _ref_fwd(dy, w.transpose(1, 2), splits), torch.bfloat16)
+    kernels.grouped_mm_forward(x, w, off, bias_EN=bias, row_scale_T=scale)  # no sizes: the equal-split table
+    assert picked == [8, 8, real("fwd", x.shape[0], 512, 1024, 32)] and picked[-1] != 8
+
+
 @pytest.mark.parametrize("with_bias,with_scale", [(False, False), (True, True), (False, True)])
 def test_autograd_through_cutlass_matches_fp32_reference(with_bias, with_scale):
     dev = torch.device("cuda")
