@@ -203,7 +203,7 @@ def main():
     ap.add_argument("--only", default=None,
                     help="comma-separated shape names, or 'layer' for the MoE-layer shapes (default: ANCHORS + decode)")
     ap.add_argument("--candidates", action="store_true",
-                    help="also time cutlass_kernels.CANDIDATES tiles in the forward and dgrad tables (built on first use)")
+                    help="also time cutlass_kernels.CANDIDATES tiles in every table (built on first use)")
     ap.add_argument("--ragged", action="store_true",
                     help="the MoE-layer rows with router-like group sizes (module docstring), not the default shapes")
     ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i)")
@@ -230,21 +230,21 @@ def main():
     sizes_for_auto = (lambda splits: splits) if args.ragged else (lambda splits: None)
 
     configs = sorted(CONFIGS)
-    fwd_configs = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])  # fwd and dgrad
-    fwd_cols = "".join(f"{'c' + str(c):>8}" for c in fwd_configs)
+    tiles = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])  # every table times these
+    fwd_cols = "".join(f"{'c' + str(c):>8}" for c in tiles)
     hdr = f"{'shape':<16}{fwd_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
     print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = the tile table's config from the shape alone, auto = grouped_mm_forward)\n" + hdr)
     geo = []
     for name, E, splits, K, N in cases:
         x, w, off = make(E, splits, K, N, dev)
         flop = 2.0 * sum(splits) * K * N
-        fns = {f"c{c}": (lambda c=c: cutlass_backend.forward(x, w, off, config=c)) for c in fwd_configs}
+        fns = {f"c{c}": (lambda c=c: cutlass_backend.forward(x, w, off, config=c)) for c in tiles}
         fns["cutlass"] = lambda: cutlass_backend.forward(x, w, off)
         fns["torch"] = lambda: torch_backend.forward(x, w, off)
         fns["loop"] = lambda: loop_backend.forward(x, w, off, group_sizes=splits)
         fns["auto"] = lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes_for_auto(splits))
         ref = torch_backend.forward(x, w, off).float()
-        wrong = [c for c in fwd_configs
+        wrong = [c for c in tiles
                  if (cutlass_backend.forward(x, w, off, config=c).float() - ref).norm() > 1e-2 * ref.norm()]
         if wrong:  # a fast wrong kernel must not win a sweep
             print(f"# {name}: configs {wrong} disagree with torch._grouped_mm (relative error > 1e-2)")
@@ -253,12 +253,12 @@ def main():
         if pick == "cutlass":
             pick += f"/c{choose_config('fwd', sum(splits), N, K, E, group_sizes=sizes_for_auto(splits))}"
         tf = {k: flop / v / 1e9 for k, v in t.items()}
-        best_name = max(["cutlass", "torch", "loop"] + [f"c{c}" for c in fwd_configs], key=lambda k: tf[k])
+        best_name = max(["cutlass", "torch", "loop"] + [f"c{c}" for c in tiles], key=lambda k: tf[k])
         best3 = max(tf[k] for k in tf if k != "auto")
         ratio = tf["cutlass"] / tf["torch"]
         if name in [s[0] for s in SHAPES]:
             geo.append(ratio)
-        cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in fwd_configs)
+        cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in tiles)
         print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} {pick:<10}"
               f"{best_name:<6}{tf['auto'] / best3:10.3f}{ratio:10.3f}")
         results["forward"].append({"shape": name, "tflops": tf, "ms": t, "pick": pick})
@@ -283,8 +283,7 @@ def main():
 
     if not args.skip_backward:
         for direction in ("dgrad", "wgrad"):
-            dir_configs = fwd_configs if direction == "dgrad" else configs
-            cfg_cols = "".join(f"{'c' + str(c):>8}" for c in dir_configs)
+            cfg_cols = "".join(f"{'c' + str(c):>8}" for c in tiles)
             print(f"\n## {direction} bf16 (TFLOP/s; auto = grouped_mm_{direction}, loop = cuBLAS per expert)\n"
                   f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
             for name, E, splits, K, N in cases:
@@ -292,13 +291,13 @@ def main():
                 dy = torch.randn(x.shape[0], N, device=dev).bfloat16()
                 flop = 2.0 * x.shape[0] * K * N
                 if direction == "dgrad":
-                    fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in dir_configs}
+                    fns = {f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in tiles}
                     fns["cutlass"] = lambda: cutlass_backend.dgrad(dy, w, off)
                     fns["torch"] = lambda: torch_backend.dgrad(dy, w, off)
                     fns["loop"] = lambda: loop_backend.dgrad(dy, w, off, group_sizes=splits)
                     fns["auto"] = lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes_for_auto(splits))
                 else:
-                    fns = {f"c{c}": (lambda c=c: cutlass_backend.wgrad(x, dy, off, E, config=c)) for c in configs}
+                    fns = {f"c{c}": (lambda c=c: cutlass_backend.wgrad(x, dy, off, E, config=c)) for c in tiles}
                     fns["cutlass"] = lambda: cutlass_backend.wgrad(x, dy, off, E)
                     fns["torch"] = lambda: torch_backend.wgrad(x, dy, off, E)
                     fns["loop"] = lambda: loop_backend.wgrad(x, dy, off, E, group_sizes=splits)
@@ -307,7 +306,7 @@ def main():
                 t = bench_interleaved(fns, W, I, args.rounds)
                 tf = {k: flop / v / 1e9 for k, v in t.items()}
                 best_name = max((k for k in tf if k != "auto"), key=lambda k: tf[k])
-                cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in dir_configs)
+                cols = "".join(f"{tf[f'c{c}']:8.1f}" for c in tiles)
                 print(f"{name:<16}{cols}{tf['cutlass']:8.1f}{tf['torch']:8.1f}{tf['loop']:8.1f}{tf['auto']:8.1f} "
                       f"{best_name:<8}{tf['auto'] / tf[best_name]:10.3f}")
                 results["backward"].append({"shape": name, "direction": direction, "tflops": tf, "ms": t})

@@ -144,7 +144,7 @@ def gemm_fn(layer, splits, dtype, device):
 
 def gemm_backends(layer, splits, dtype, device) -> str:
     """What the layer's six GEMMs run on for these split sizes, forward/dgrad/wgrad per linear, e.g.
-    "fc1 c8/loop/c2, fc2 loop/c8/c2" (cN: our CUTLASS kernels with tile config N)."""
+    "fc1 c10/loop/c2, fc2 loop/c10/c2" (cN: our CUTLASS kernels with tile config N)."""
     sizes = splits.tolist()
     rows = torch.empty(sum(sizes), 0, dtype=dtype, device=device)  # only rows, dtype and device are read
     choose_config = cutlass_backend.kernels_module().choose_config

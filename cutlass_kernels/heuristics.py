@@ -8,10 +8,10 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 1  | ping-pong   | 64 x 128 x 64    | 1x1x1   | decode (a few rows per expert): smallest wgmma M, least padding |
 | 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
-| 8  | cooperative | 128 x 256 x 64   | 1x1x1   | ragged groups: config 0 without its cluster, so no group is padded to an even tile count |
+| 10 | ping-pong   | 64 x 256 x 64    | 1x1x1   | ragged groups: 64-row padding, no cluster rounding, the widest wgmma (m64n256) per warpgroup |
 
-``CANDIDATES`` (ids 4-7, 9) are further tiles for sweeps; they are not built by default. Config 8
-was candidate 8 and kept its id, so the sweep tables of docs/benchmarks.md still name it right.
+``CANDIDATES`` (ids 4-9) are further tiles for sweeps; they are not built by default. Config 10 was
+candidate 10 and kept its id, so the sweep tables of docs/benchmarks.md still name it right.
 
 Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
 GEMM's M for fwd/dgrad and its K for wgrad, on the contraction length, and on whether the caller's
@@ -31,15 +31,17 @@ CONFIGS = {
     1: ("pingpong", 64, 128, 64, (1, 1)),
     2: ("pingpong", 128, 128, 64, (1, 2)),
     3: ("cooperative", 256, 128, 64, (1, 2)),
-    8: ("cooperative", 128, 256, 64, (1, 1)),
+    10: ("pingpong", 64, 256, 64, (1, 1)),
 }
-# Candidates for the small-M (weight-streaming) shapes, built only when a sweep asks for them
-# (``benchmarks/grouped_gemm.py --candidates``); a candidate that wins moves into CONFIGS and RULES.
+# Candidates for sweeps (the small-M weight-streaming shape, ragged groups, short-K wgrad), built
+# only when a sweep asks for them (``benchmarks/grouped_gemm.py --candidates``); a candidate that
+# wins moves into CONFIGS and RULES.
 CANDIDATES = {
     4: ("pingpong", 128, 128, 64, (1, 1)),
     5: ("cooperative", 128, 128, 128, (1, 1)),
     6: ("pingpong", 128, 128, 128, (1, 1)),
     7: ("cooperative", 128, 128, 64, (1, 2)),
+    8: ("cooperative", 128, 256, 64, (1, 1)),  # config 0 without its cluster; ragged groups' second best
     9: ("cooperative", 128, 256, 64, (1, 2)),
 }
 TILES = {**CONFIGS, **CANDIDATES}
@@ -71,11 +73,12 @@ RULES = (
     Rule("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
     Rule("wgrad", None, 3),   # Mixtral (4096 rows per expert)
     # Forward and dgrad from here on. Ragged groups (unequal host sizes, as a router gives them) of
-    # 64-512 rows on average: every group is padded to whole 128-row tiles, and config 0's 2x1
-    # cluster pads each group to an even tile count on top (1.06-1.39x the tiles of config 8 in the
-    # sweeps' rows). Config 8 was faster than this table's equal-split pick in 19 of 20 such GEMMs
-    # of two sweeps (18 of them by 5-34%) and 2% slower in one (docs/kernels.md "Ragged group sizes").
-    Rule("*", 512, 8, min_rows=64, ragged=True),
+    # 65-768 rows on average: a grouped kernel pads every group to whole M tiles, 128 rows for the
+    # tiles below and, with config 0's 2x1 cluster, an even count of them. Config 10 pads to 64 rows.
+    # In two sweeps it beat this table's equal-split pick in 26 of 28 such GEMMs (+5% to +40%; 1%
+    # slower twice) and the cluster-free 128x256 tile (candidate 8) in 27 of 28; at 1024 rows per
+    # expert it lost (docs/kernels.md "Ragged group sizes").
+    Rule("*", 768, 10, min_rows=64, ragged=True),
     Rule("*", 32, 1),         # decode: 64-row tiles waste least
     Rule("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
     # Contraction up to 4096 with up to 2048 rows: ping-pong 128x128 overlaps each tile's epilogue

@@ -100,18 +100,20 @@ def test_tile_rules_end_with_a_catch_all():
     assert all(rule.config in h.CONFIGS for rule in h.RULES)  # only built-by-default tiles are chosen
 
 
-def test_ragged_host_sizes_pick_config_8_for_forward_and_dgrad_of_64_to_512_rows():
+def test_ragged_host_sizes_pick_config_10_for_forward_and_dgrad_of_64_to_768_rows():
     from cutlass_kernels import choose_config
 
     ragged = [147, 372, 246, 219] * 8  # 32 experts, 246 rows on average (DeepSeek-like, EP=2)
     T = sum(ragged)
     for d in ("fwd", "dgrad"):
-        assert choose_config(d, T, 4096, 7168, 32, group_sizes=ragged) == 8
-        assert choose_config(d, T, 4096, 7168, 32) != 8  # without the sizes: the equal-split table
+        assert choose_config(d, T, 4096, 7168, 32, group_sizes=ragged) == 10
+        assert choose_config(d, T, 4096, 7168, 32) != 10  # without the sizes: the equal-split table
         # equal host sizes are what that table was fitted on
         assert choose_config(d, 256 * 32, 4096, 7168, 32, group_sizes=[256] * 32) == choose_config(d, 256 * 32, 4096, 7168, 32)
-        big = [3 * r for r in ragged]  # 738 rows on average: past the measured range
-        assert choose_config(d, 3 * T, 4096, 7168, 32, group_sizes=big) == choose_config(d, 3 * T, 4096, 7168, 32)
+        wide = [3 * r for r in ragged]  # 738 rows on average: still config 10
+        assert choose_config(d, 3 * T, 4096, 7168, 32, group_sizes=wide) == 10
+        big = [4 * r for r in ragged]  # 984 rows on average: past the range (config 10 lost at 1024)
+        assert choose_config(d, 4 * T, 4096, 7168, 32, group_sizes=big) == choose_config(d, 4 * T, 4096, 7168, 32)
         small = [r // 8 for r in ragged]  # ~30 rows: the decode tile
         assert choose_config(d, sum(small), 4096, 7168, 32, group_sizes=small) == 1
     # wgrad contracts over the rows: nothing is padded, the table's pick stands
