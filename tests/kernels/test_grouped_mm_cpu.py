@@ -246,3 +246,39 @@ def test_group_sizes_validation_names_expected_and_received():
         grouped_mm_wgrad(x, torch.randn(5, 4), good, group_sizes=[2.0, 3.0])
     with pytest.raises(TypeError, match="list or tuple of ints"):
         grouped_mm(x, w, good, group_sizes="23")
+
+
+def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch):
+    """The CUTLASS tile table reads the host sizes (its ragged row), so forward and dgrad, also the
+    dgrad of the autograd backward, hand them on; wgrad has no size-dependent tile."""
+    from te_dist.backends import loop_backend
+
+    seen = []
+
+    class RecordingCutlass:  # stands in for cutlass_backend; the math runs on the loop backend
+        @staticmethod
+        def forward(x, w, off, bias, scale, out_dtype, *, group_sizes=None):
+            seen.append(("fwd", group_sizes))
+            return loop_backend.forward(x, w, off, bias, scale, out_dtype)
+
+        @staticmethod
+        def dgrad(dy, w, off, scale, out_dtype, *, group_sizes=None):
+            seen.append(("dgrad", group_sizes))
+            return loop_backend.dgrad(dy, w, off, scale, out_dtype)
+
+        @staticmethod
+        def wgrad(x, dy, off, num_groups, out_dtype):
+            seen.append(("wgrad", None))
+            return loop_backend.wgrad(x, dy, off, num_groups, out_dtype)
+
+    monkeypatch.setattr(kernels, "_select", lambda p, device, forced: "cutlass")
+    monkeypatch.setattr(kernels, "_cutlass_module", lambda: RecordingCutlass)
+    splits = [3, 0, 5]
+    x = torch.randn(8, 4, requires_grad=True)
+    w = _weight(3, 4, 6).detach().clone().requires_grad_(True)
+    y = grouped_mm(x, w, _offsets(splits), group_sizes=splits, backend="cutlass")
+    y.backward(torch.ones_like(y))
+    assert seen == [("fwd", (3, 0, 5)), ("dgrad", (3, 0, 5)), ("wgrad", None)]
+    torch.testing.assert_close(y.double(), _reference(x.detach(), w.detach(), splits), rtol=1e-5, atol=1e-5)
+    grouped_mm_forward(x.detach(), w.detach(), _offsets(splits), backend="cutlass")
+    assert seen[-1] == ("fwd", None)
