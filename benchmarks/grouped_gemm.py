@@ -231,8 +231,8 @@ def main():
 
     configs = sorted(CONFIGS)
     tiles = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])  # every table times these
-    fwd_cols = "".join(f"{'c' + str(c):>8}" for c in tiles)
-    hdr = f"{'shape':<16}{fwd_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
+    tile_cols = "".join(f"{'c' + str(c):>8}" for c in tiles)
+    hdr = f"{'shape':<16}{tile_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
     print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = the tile table's config from the shape alone, auto = grouped_mm_forward)\n" + hdr)
     geo = []
     for name, E, splits, K, N in cases:
@@ -283,9 +283,8 @@ def main():
 
     if not args.skip_backward:
         for direction in ("dgrad", "wgrad"):
-            cfg_cols = "".join(f"{'c' + str(c):>8}" for c in tiles)
             print(f"\n## {direction} bf16 (TFLOP/s; auto = grouped_mm_{direction}, loop = cuBLAS per expert)\n"
-                  f"{'shape':<16}{cfg_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
+                  f"{'shape':<16}{tile_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'best':<8}{'auto/best':>10}")
             for name, E, splits, K, N in cases:
                 x, w, off = make(E, splits, K, N, dev)
                 dy = torch.randn(x.shape[0], N, device=dev).bfloat16()

@@ -78,12 +78,6 @@ def _select(p: Problem, device: torch.device, forced: Optional[str]) -> str:
     return choose_backend(p, cutlass_built=cutlass_ok, torch_grouped=torch_backend.is_available(), forced=forced)
 
 
-def _impl(name: str):
-    if name == "torch":
-        return torch_backend
-    return _cutlass_module()
-
-
 def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None, backend=None,
                    group_sizes=None) -> str:
     """The backend a call with these operands would use (for benchmarks, logs and `te-dist env`).
@@ -152,7 +146,9 @@ class _Dispatch:
         name = _select(p, x_TK.device, backend)
         if name == "loop":
             return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
-        return _impl(name).wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+        if name == "cutlass":  # no size-dependent tile for wgrad: it pads no rows
+            return _cutlass_module().wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+        return torch_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
 
 
 def _check_backend_arg(backend) -> None:
