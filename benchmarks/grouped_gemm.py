@@ -4,6 +4,7 @@
     python benchmarks/grouped_gemm.py --only layer      # the MoE-layer shapes of benchmarks/moe_layer.py
     python benchmarks/grouped_gemm.py --ragged          # the MoE-layer rows with router-like ragged splits
     python benchmarks/grouped_gemm.py --ragged --candidates --seed 200   # also the candidate tiles, other sizes
+    python benchmarks/grouped_gemm.py --only small_m_E64 --candidates 11,12   # two of the candidate tiles
 
 Prints TFLOP/s per backend (CUTLASS per config and with the heuristic's choice), the backend the
 selector picks ("auto") and its ratio to the best of the three, the CUTLASS/torch ratio and its
@@ -193,6 +194,20 @@ def print_step_sums(results):
               + f"{acc['best'] / acc['auto']:10.3f}{acc['cutlass'] / acc['auto']:10.3f}")
 
 
+def candidate_ids(spec):
+    """The candidate tiles ``--candidates`` names: none, "all", or comma-separated ids."""
+    if spec is None:
+        return []
+    if spec == "all":
+        return sorted(cutlass_kernels.CANDIDATES)
+    ids = [int(c) if c.strip().isdigit() else c for c in spec.split(",")]
+    unknown = [c for c in ids if c not in cutlass_kernels.CANDIDATES]
+    if unknown:
+        raise SystemExit(f"--candidates expects ids of cutlass_kernels.CANDIDATES {sorted(cutlass_kernels.CANDIDATES)}, "
+                         f"received {unknown}")
+    return ids
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
@@ -201,9 +216,11 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-backward", action="store_true")
     ap.add_argument("--only", default=None,
-                    help="comma-separated shape names, or 'layer' for the MoE-layer shapes (default: ANCHORS + decode)")
-    ap.add_argument("--candidates", action="store_true",
-                    help="also time cutlass_kernels.CANDIDATES tiles in every table (built on first use)")
+                    help="comma-separated shape names, or 'layer' for the MoE-layer shapes (default: ANCHORS + "
+                         "decode); with --ragged, LAYER_ROWS names")
+    ap.add_argument("--candidates", nargs="?", const="all", default=None,
+                    help="also time cutlass_kernels.CANDIDATES tiles in every table (built on first use): all, "
+                         "or comma-separated ids (e.g. 11,12)")
     ap.add_argument("--ragged", action="store_true",
                     help="the MoE-layer rows with router-like group sizes (module docstring), not the default shapes")
     ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i)")
@@ -225,12 +242,13 @@ def main():
         if "layer" in wanted:
             wanted |= {s[0] for s in LAYER}
         cases = [c for c in cases + [(n, E, [m] * E, K, N) for n, E, m, K, N in LAYER] if c[0] in wanted]
-    if args.ragged:
-        cases = ragged_cases(args.seed)
+    if args.ragged:  # --only then names LAYER_ROWS rows (both GEMMs) or single GEMMs, e.g. ds_ep2_1024,mx_ep2_2048_fc1
+        cases = [c for c in ragged_cases(args.seed)
+                 if not args.only or {c[0], c[0].rsplit("_", 1)[0]} & set(args.only.split(","))]
     sizes_for_auto = (lambda splits: splits) if args.ragged else (lambda splits: None)
 
     configs = sorted(CONFIGS)
-    tiles = configs + (sorted(cutlass_kernels.CANDIDATES) if args.candidates else [])  # every table times these
+    tiles = configs + candidate_ids(args.candidates)  # every table times these
     tile_cols = "".join(f"{'c' + str(c):>8}" for c in tiles)
     hdr = f"{'shape':<16}{tile_cols}{'cut':>8}{'torch':>8}{'loop':>8}{'auto':>8} {'pick':<10}{'best':<6}{'auto/best':>10}{'cut/torch':>10}"
     print("\n## forward bf16 (TFLOP/s; cN = CUTLASS config N, cut = the tile table's config from the shape alone, auto = grouped_mm_forward)\n" + hdr)

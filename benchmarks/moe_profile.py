@@ -11,13 +11,20 @@ rank reports, in rank order. The idle table merges every kernel interval (all st
 which no kernel ran, with the kernels on either side: time the GPU spent waiting for the host.
 It is the companion of benchmarks/moe_layer.py: that one says how far the layer is from its grouped
 GEMMs, this one says which kernels and which waits make up the difference.
+
+``--host N`` also runs the steps under cProfile (without torch.profiler) and prints the N functions
+with the most host time of their own: what the host spends queueing a step. The header's "queued"
+is the host's time per step before the final synchronize (it includes the waits in the forward's
+host read); when it is close to the wall time the step is paced by the host.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import os
+import pstats
 import time
 
 import torch
@@ -63,6 +70,8 @@ def main(argv=None) -> None:
     ap.add_argument("--loop", action="store_true",
                     help="profile the per-expert nn.Linear baseline of benchmarks/moe_layer.py instead of MoELayer")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--host", type=int, default=0, metavar="N",
+                    help="also print the N functions with the most own host time under cProfile (module docstring)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     ep_group = None
@@ -103,9 +112,19 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
+    queued_ms = (time.perf_counter() - t0) / args.steps * 1e3
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    host_profile = None
+    if args.host:
+        host_profile = cProfile.Profile()
+        host_profile.enable()
+        for _ in range(args.steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        host_profile.disable()
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -120,14 +139,17 @@ def main(argv=None) -> None:
     for r in range(dist.get_world_size() if ep_group is not None else 1):  # every rank, in order
         if r == rank:
             print(f"\n## rank {rank}{' (loop baseline)' if args.loop else ''}", flush=True)
-            report(prof, args, device, wall_ms)
+            report(prof, args, device, wall_ms, queued_ms)
+            if host_profile is not None:
+                print(f"host time by function, {args.steps} steps under cProfile (own time first):", flush=True)
+                pstats.Stats(host_profile).sort_stats("tottime").print_stats(args.host)
         if ep_group is not None:
             dist.barrier()
     if ep_group is not None:
         dist.destroy_process_group()
 
 
-def report(prof, args, device, wall_ms) -> None:
+def report(prof, args, device, wall_ms, queued_ms) -> None:
     kernels = collections.Counter()
     calls = collections.Counter()
     spans = []  # (start_us, end_us, name) of every kernel
@@ -146,9 +168,9 @@ def report(prof, args, device, wall_ms) -> None:
     for name, ms in kernels.items():
         by_stage[stage_of(name)] += ms
     ep = dist.get_world_size() if dist.is_initialized() else 1
-    print(f"# {args.config} tokens={args.tokens} EP={ep} device={device} wall {wall_ms:.2f} ms/step, "
-          f"kernel time {total:.2f} ms/step, host time forward {host[PHASES[0]]:.2f} "
-          f"backward {host[PHASES[1]]:.2f} ms/step")
+    print(f"# {args.config} tokens={args.tokens} EP={ep} device={device} wall {wall_ms:.2f} ms/step "
+          f"(queued {queued_ms:.2f}), kernel time {total:.2f} ms/step, host time under the profiler: forward "
+          f"{host[PHASES[0]]:.2f} backward {host[PHASES[1]]:.2f} ms/step")
     print("| stage | ms/step | share |\n|---|---|---|")
     for stage, ms in by_stage.most_common():
         print(f"| {stage} | {ms:.3f} | {ms / max(total, 1e-9):.1%} |")

@@ -10,7 +10,7 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
 | 10 | ping-pong   | 64 x 256 x 64    | 1x1x1   | ragged groups: 64-row padding, no cluster rounding, the widest wgmma (m64n256) per warpgroup |
 
-``CANDIDATES`` (ids 4-9) are further tiles for sweeps; they are not built by default. Config 10 was
+``CANDIDATES`` (ids 4-9, 11-15) are further tiles for sweeps; they are not built by default. Config 10 was
 candidate 10 and kept its id, so the sweep tables of docs/benchmarks.md still name it right.
 
 Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
@@ -43,6 +43,13 @@ CANDIDATES = {
     7: ("cooperative", 128, 128, 64, (1, 2)),
     8: ("cooperative", 128, 256, 64, (1, 1)),  # config 0 without its cluster; ragged groups' second best
     9: ("cooperative", 128, 256, 64, (1, 2)),
+    # Ninth session (docs/benchmarks.md grouped GEMM run 10): each lost to the table's pick everywhere it
+    # was aimed; kept so that sweep can be rerun.
+    11: ("pingpong", 128, 128, 64, (1, 4)),    # small-M: A multicast to 4 N tiles (441 vs c2 452 TFLOP/s)
+    12: ("pingpong", 128, 128, 64, (2, 2)),    # short-K wgrad, both operands multicast (328-378 vs c2 367-411)
+    13: ("cooperative", 256, 128, 64, (2, 2)),  # short-K wgrad, bigger tile (302-359)
+    14: ("pingpong", 64, 256, 64, (1, 2)),     # ragged groups: config 10 with A multicast (335-396 vs 518-582)
+    15: ("pingpong", 64, 256, 64, (2, 1)),     # small-M, B multicast to its two 64-row tiles (438-444 vs c2 443-445)
 }
 TILES = {**CONFIGS, **CANDIDATES}
 
