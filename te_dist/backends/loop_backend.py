@@ -18,6 +18,7 @@ loop. (That torch kernel logs "fallback path" at INFO level, silent unless TORCH
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -33,13 +34,7 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 def _bounds(offsets_E: torch.Tensor, group_sizes=None):
     """(start, end) rows of each expert: from ``group_sizes`` (host ints) when the caller has them,
     else read from the offsets on the host (the loop's one sync)."""
-    if group_sizes is None:
-        ends = offsets_E.tolist()
-    else:
-        ends, end = [], 0
-        for size in group_sizes:
-            end += size
-            ends.append(end)
+    ends = offsets_E.tolist() if group_sizes is None else list(itertools.accumulate(group_sizes))
     return list(zip([0] + ends[:-1], ends))
 
 
