@@ -11,13 +11,14 @@ of ``--iters`` steps after ``--warmup``):
   * gemm         the layer's six grouped GEMMs alone (fc1/fc2 forward, dgrad, wgrad) on the split
                  sizes of the layer's last step.
   * a2a          raw ``all_to_all_single`` calls alone for the same token moves (dispatch and
-                 combine, forward and backward, plus the probabilities); 0 at EP=1.
+                 combine, forward and backward; the probabilities in the dispatch's rows where the
+                 dispatcher packs them, te_dist.moe.payload, else one more call); 0 at EP=1.
   * overhead     layer / (gemm + a2a); the goal is <= 1.3.
   * dispatch     our dispatch all-to-all (count exchange + host read + variable-split token
                  all-to-all) against a raw ``all_to_all_single`` of the same bytes, as algorithm
                  bandwidth (bytes sent per rank / time).
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
-                 and probability all-to-alls, sort by local expert) against the same work done by
+                 (and probability) all-to-alls, sort by local expert) against the same work done by
                  an oracle that knows the split sizes in advance (no count exchange, no host read,
                  sort index precomputed): oracle time / dispatch time, calls back to back. The
                  dispatcher builds its sort indices before its host read, where in a layer step they
@@ -47,7 +48,8 @@ from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
 from te_dist.moe import AllToAllDispatcher, TopKRouter
-from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens
+from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
+from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=[8192, 2048]),
@@ -203,13 +205,21 @@ def bench_layer_parts(layer, T, args, device, dtype):
         xs = torch.randn(sum(in_splits), H, dtype=dtype, device=device)
         xr = torch.randn(sum(out_splits), H, dtype=dtype, device=device)
         ps = torch.rand(sum(in_splits), dtype=torch.float32, device=device)
+        # The layer's own moves: where the dispatcher packs the probabilities into the token rows
+        # (te_dist.moe.payload), its dispatch and dispatch backward move payload rows, and no
+        # separate probability all-to-all runs.
+        packed = layer.num_local_experts > 1 and layer.probs_position == "expert"
+        cols = payload_columns(H, dtype) if packed else H
+        pay_s = torch.randn(sum(in_splits), cols, dtype=dtype, device=device)
+        pay_r = torch.randn(sum(out_splits), cols, dtype=dtype, device=device)
 
         def raw_all():
-            raw_a2a(xs, out_splits, in_splits, group)  # dispatch
-            raw_a2a(ps, out_splits, in_splits, group)  # probabilities
+            raw_a2a(pay_s, out_splits, in_splits, group)  # dispatch
+            if not packed:
+                raw_a2a(ps, out_splits, in_splits, group)  # probabilities
             raw_a2a(xr, in_splits, out_splits, group)  # combine
             raw_a2a(xs, out_splits, in_splits, group)  # combine backward (same direction as dispatch)
-            raw_a2a(xr, in_splits, out_splits, group)  # dispatch backward
+            raw_a2a(pay_r, in_splits, out_splits, group)  # dispatch backward
 
         t_a2a = timed(raw_all, args, device)
         counts = layer.tokens_per_expert
@@ -250,12 +260,14 @@ def in_step_dispatch(layer, x, args, device):
         disp.dispatch(x, probs, indices, probs_in_expert=True)
 
     def oracle():
+        if chunk is not None:  # packed, as the dispatcher does it here (te_dist.moe.payload)
+            p = sort_by_expert(x, indices, layer.num_experts)
+            payload = raw_a2a(pack_expand(x, permute_probs(probs, p), p), out_splits, in_splits, group)
+            unpack_rows(payload, chunk, chunk, x.shape[1], probs.dtype)
+            return
         x_SH, p = permute_tokens(x, indices, layer.num_experts)
-        x_NH = raw_a2a(x_SH, out_splits, in_splits, group)
-        p_N = raw_a2a(permute_probs(probs, p), out_splits, in_splits, group)
-        if chunk is not None:
-            x_NH.index_select(0, chunk)
-            p_N.index_select(0, chunk)
+        raw_a2a(x_SH, out_splits, in_splits, group)
+        raw_a2a(permute_probs(probs, p), out_splits, in_splits, group)
 
     return timed(ours, args, device), timed(oracle, args, device)
 

@@ -220,6 +220,42 @@ static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l
   return args;
 }
 
+// What te_gg_run keeps between calls (per host thread). CUTLASS's initialize() turns the
+// Arguments into kernel Params (TMA descriptors encoded on the host, the scheduler's grid, a
+// cudaFuncSetAttribute call), and our Arguments hold nothing but the workspace's sub-pointers,
+// the group count, whether scale/bias are present and the SM count: the same key gives the same
+// Params. The per-call data (operand pointers, group sizes) reaches the kernel through the
+// device arrays prepare_kernel writes. So a call whose key matches an earlier one launches with
+// that call's Params. The caching allocator hands the workspace back at the same address call after
+// call, so the key repeats in a training step.
+struct LaunchKey {
+  const void* workspace;
+  int num_groups, sm_count, device_id;
+  bool has_scale, has_bias;
+  bool operator==(const LaunchKey& o) const {
+    return workspace == o.workspace && num_groups == o.num_groups && sm_count == o.sm_count &&
+           device_id == o.device_id && has_scale == o.has_scale && has_bias == o.has_bias;
+  }
+};
+
+struct PreparedLaunch {
+  LaunchKey key{};
+  bool valid = false;
+  WsLayout layout{};
+  typename GemmKernel::Params params{};
+};
+
+constexpr int kPreparedSlots = 8;  // distinct (workspace, groups, scale/bias) keys of one step, with room
+static thread_local PreparedLaunch t_prepared[kPreparedSlots];
+static thread_local int t_next_slot = 0;
+
+static PreparedLaunch* find_prepared(const LaunchKey& key) {
+  for (auto& slot : t_prepared) {
+    if (slot.valid && slot.key == key) return &slot;
+  }
+  return nullptr;
+}
+
 }  // namespace te_gg
 
 extern "C" {
@@ -248,14 +284,19 @@ int te_gg_run(const void* a, const void* b, void* d, const int32_t* offsets, int
               int device_id, cudaStream_t stream) {
   using namespace te_gg;
   if (num_groups <= 0) return 0;
-  size_t need = 0;
-  te_gg_workspace_bytes(num_groups, sm_count, &need);
-  if (workspace_bytes < need) return fail("te_gg_run", "workspace too small");
-  WsLayout probe = make_layout_for(num_groups, 0);
-  auto probe_args = make_arguments(num_groups, probe, reinterpret_cast<char*>(256), true, true, sm_count, device_id);
-  WsLayout l = make_layout_for(num_groups, Gemm::get_workspace_size(probe_args));
   char* ws = static_cast<char*>(workspace);
   bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
+  LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
+  PreparedLaunch* prepared = find_prepared(key);
+  WsLayout l;
+  if (prepared != nullptr) {
+    l = prepared->layout;
+  } else {
+    WsLayout probe = make_layout_for(num_groups, 0);
+    auto probe_args = make_arguments(num_groups, probe, reinterpret_cast<char*>(256), true, true, sm_count, device_id);
+    l = make_layout_for(num_groups, Gemm::get_workspace_size(probe_args));
+  }
+  if (workspace_bytes < l.total) return fail("te_gg_run", "workspace too small");
 
   int threads = 128, blocks = (num_groups + threads - 1) / threads;
   prepare_kernel<<<blocks, threads, 0, stream>>>(
@@ -273,13 +314,21 @@ int te_gg_run(const void* a, const void* b, void* d, const int32_t* offsets, int
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return fail("prepare launch", cudaGetErrorString(err));
 
-  auto args = make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id);
-  Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) return fail("can_implement", cutlassGetStatusString(st));
-  st = gemm.initialize(args, ws + l.cutlass_ws, stream);
-  if (st != cutlass::Status::kSuccess) return fail("initialize", cutlassGetStatusString(st));
-  st = gemm.run(stream);
+  if (prepared == nullptr) {  // first call with this key: let CUTLASS build the Params (see LaunchKey)
+    auto args = make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id);
+    Gemm gemm;
+    cutlass::Status st = gemm.can_implement(args);
+    if (st != cutlass::Status::kSuccess) return fail("can_implement", cutlassGetStatusString(st));
+    st = gemm.initialize(args, ws + l.cutlass_ws, stream);
+    if (st != cutlass::Status::kSuccess) return fail("initialize", cutlassGetStatusString(st));
+    prepared = &t_prepared[t_next_slot];
+    t_next_slot = (t_next_slot + 1) % kPreparedSlots;
+    prepared->key = key;
+    prepared->layout = l;
+    prepared->params = gemm.params();
+    prepared->valid = true;
+  }
+  cutlass::Status st = Gemm::run(prepared->params, stream);
   if (st != cutlass::Status::kSuccess) return fail("run", cutlassGetStatusString(st));
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail("gemm launch", cudaGetErrorString(err));

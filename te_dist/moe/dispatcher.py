@@ -7,18 +7,26 @@ Dispatch (combine runs the same steps backwards; autograd reverses every step):
 
     x_TH, indices_TK
       │ permute_tokens                      x_SH        rows by global expert 0..E-1
+      │                                     (with R > 1 and El > 1 and probabilities in the expert:
+      │                                      a payload of x rows + probability bytes, one all-to-all
+      │                                      for both, te_dist.moe.payload)
       │ exchange_counts (all-to-all, int64) counts_recv [R, El]
-      │ (queued on the device: probabilities in row order, split_sizes_El = counts_recv.sum(0),
-      │  the local-expert sort index and its inverse for an upper bound of the row count)
+      │ (queued on the device: probabilities in row order, split_sizes_El = counts_recv.sum(0)
+      │  and its int32 cumulative offsets for the grouped GEMMs, the local-expert sort index and
+      │  its inverse for an upper bound of the row count)
       │ one device→host read of both count vectors (needed to size the variable all-to-all)
       │ all_to_all_tokens                   x_NH        rows by (source rank, local expert)
       │ permute_rows(chunk_sort_index)      x_NH        rows by (local expert, source rank)
-      ▼ expert MLP with split_sizes_El (also on the host: state.local_expert_sizes)
+      │ (payload: unpack_rows, the same gather for x_NH and probs_N)
+      ▼ expert MLP with split_sizes_El (offsets on the device: state.local_expert_offsets,
+                                         sizes on the host: state.local_expert_sizes)
 
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
-two all-to-alls and the row gathers come after it. Everything that needs the counts only on the
+token all-to-all(s) and the row gathers come after it. Everything that needs the counts only on the
 device is queued before it and runs while the host waits (profiled on 2×H200, the ~20 small
-kernels of the sort index took ~0.3 ms of idle GPU time per step when queued after the read).
+kernels of the sort index took ~0.3 ms of idle GPU time per step when queued after the read), and
+the host work after it is kept short (one all-to-all where the payload applies, no host→device
+copy of the split sizes: docs/moe.md "The host read").
 
 Experts are sharded contiguously: rank r owns global experts [r*El, (r+1)*El), so the
 permuted rows for rank r are one contiguous block of x_SH and no extra gather is needed.
@@ -36,6 +44,7 @@ import torch
 
 from ..distributed.all_to_all import all_to_all_tokens, exchange_counts
 from ..distributed.groups import group_rank, group_size
+from .payload import pack_expand, unpack_rows
 from .permutation import (
     PermutationState,
     chunk_sort_index,
@@ -43,6 +52,7 @@ from .permutation import (
     permute_probs,
     permute_rows,
     permute_tokens,
+    sort_by_expert,
     unpermute_rows,
     unpermute_tokens,
 )
@@ -77,6 +87,7 @@ class DispatchState:
     chunk_inv: Optional[torch.Tensor]  # its inverse (combine and backward gather through it)
     probs_TK: Optional[torch.Tensor]  # set when probabilities are applied at combine
     local_expert_sizes: list  # rows each local expert received (host ints: the read's by-product)
+    local_expert_offsets: torch.Tensor  # int32 cumulative end rows of the local experts, on the device
 
 
 class AllToAllDispatcher:
@@ -110,18 +121,27 @@ class AllToAllDispatcher:
         bad (e.g. NaN logits); it travels in-band with the counts (see module docstring).
         """
         R, El = self.ep_size, self.num_local_experts
-        x_SH, perm = permute_tokens(x_TH, indices_TK, self.num_experts)
+        sort_rows = R > 1 and El > 1
+        # With an all-to-all and a local sort, the probabilities ride in the token rows: one
+        # all-to-all instead of two, each way (te_dist.moe.payload).
+        packed = probs_in_expert and sort_rows
+        if packed:
+            perm = sort_by_expert(x_TH, indices_TK, self.num_experts)
+        else:
+            rows_S, perm = permute_tokens(x_TH, indices_TK, self.num_experts)
         counts_send = perm.counts_E
         if invalid is not None:
             counts_send = torch.where(invalid, torch.full_like(counts_send, -1), counts_send)
         counts_recv = exchange_counts(counts_send, self.ep_group)
         # Queued before the host read (module docstring): none of it needs the counts on the host.
         probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
+        if packed:
+            rows_S = pack_expand(x_TH, probs_S, perm)
         counts_recv_RL = counts_recv.view(R, El)
         split_sizes_El = counts_recv_RL.sum(dim=0)
-        sort_rows = R > 1 and El > 1
+        offsets_El = torch.cumsum(split_sizes_El, 0, dtype=torch.int32)  # the grouped GEMMs' offsets
         if sort_rows:
-            bound = min(R, _BOUND_FACTOR) * x_SH.shape[0]  # see _BOUND_FACTOR
+            bound = min(R, _BOUND_FACTOR) * rows_S.shape[0]  # see _BOUND_FACTOR
             chunk_idx, chunk_inv = _chunk_indices(counts_recv_RL, bound)
         # The single device→host read of the step: the all-to-all needs host split lists.
         host = torch.cat([counts_send, counts_recv]).tolist()
@@ -137,23 +157,24 @@ class AllToAllDispatcher:
         input_splits = [sum(c) for c in sent_RL]
         output_splits = [sum(c) for c in recv_RL]
         local_expert_sizes = [sum(col) for col in zip(*recv_RL)] if recv_RL else []
-        x_NH = all_to_all_tokens(x_SH, output_splits, input_splits, self.ep_group)
+        rows_N = all_to_all_tokens(rows_S, output_splits, input_splits, self.ep_group)
         probs_N = None
-        if probs_in_expert:
-            probs_N = all_to_all_tokens(probs_S, output_splits, input_splits, self.ep_group)
         if sort_rows:
-            num_rows = x_NH.shape[0]
+            num_rows = rows_N.shape[0]
             if num_rows > bound:  # more rows than the bound (see _BOUND_FACTOR): build the exact indices now
                 chunk_idx, chunk_inv = _chunk_indices(counts_recv_RL, num_rows)
             chunk_idx, chunk_inv = chunk_idx[:num_rows], chunk_inv[:num_rows]
-            x_NH = permute_rows(x_NH, chunk_idx, chunk_inv)
-            if probs_N is not None:
-                probs_N = permute_rows(probs_N, chunk_idx, chunk_inv)
+            if packed:
+                x_NH, probs_N = unpack_rows(rows_N, chunk_idx, chunk_inv, x_TH.shape[1], probs_S.dtype)
+            else:
+                x_NH = permute_rows(rows_N, chunk_idx, chunk_inv)
         else:
-            chunk_idx = chunk_inv = None
+            x_NH, chunk_idx, chunk_inv = rows_N, None, None
+            if probs_in_expert:
+                probs_N = all_to_all_tokens(probs_S, output_splits, input_splits, self.ep_group)
         state = DispatchState(
             perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK,
-            local_expert_sizes,
+            local_expert_sizes, offsets_El,
         )
         return x_NH, split_sizes_El, probs_N, state
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..distributed.groups import group_rank, group_size
+from ..ops import GroupSplits
 from .dispatcher import AllToAllDispatcher
 from .init import draw_base_seed, expert_seed, init_expert_slice_
 from .router import TopKRouter
@@ -206,15 +207,18 @@ class MoELayer(nn.Module):
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid
         )
+        # The experts get the split both ways: the offsets the dispatcher queued on the device before
+        # its host read, and the sizes that read brought. The GEMM backend sees the actual group sizes
+        # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
+        # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
+        splits = GroupSplits(state.local_expert_offsets, tuple(state.local_expert_sizes))
+        if probs_in_expert:
+            y_NH = self.mlp(x_NH, splits, probs_N, splits)
+        else:
+            y_NH = self.mlp(x_NH, splits, splits)
+        # Statistics only: set after the MLP is queued, for the same reason (nn.Module attributes are slow).
         self.tokens_per_expert = state.permutation.counts_E
         self.tokens_per_local_expert = split_sizes_El
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
-        # The experts get the split sizes the count exchange already brought to the host: the GEMM
-        # backend sees the actual group sizes (and may run cuBLAS per expert), with no device read.
-        sizes_El = torch.tensor(state.local_expert_sizes, dtype=torch.int64)
-        if probs_in_expert:
-            y_NH = self.mlp(x_NH, sizes_El, probs_N, sizes_El)
-        else:
-            y_NH = self.mlp(x_NH, sizes_El, sizes_El)
         out_TH = self.dispatcher.combine(y_NH, state)
         return out_TH.reshape(shape)

@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "PermutationState",
+    "sort_by_expert",
     "permute_tokens",
     "expert_counts_from_sorted",
     "permute_probs",
@@ -158,11 +159,9 @@ def expert_counts_from_sorted(sorted_S: torch.Tensor, num_experts: int) -> torch
     return torch.diff(torch.searchsorted(sorted_S, bounds)).to(torch.int64)
 
 
-def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: int):
-    """Sort token copies by global expert. Returns ``(x_SH, state)``.
-
-    ``indices_TK`` int64 global expert ids in ``[0, num_experts)``.
-    """
+def sort_by_expert(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: int) -> PermutationState:
+    """The permutation of :func:`permute_tokens` without moving any rows (for callers that gather
+    the rows themselves, like the dispatcher's packed payload, te_dist.moe.payload)."""
     if x_TH.dim() != 2 or indices_TK.dim() != 2 or x_TH.shape[0] != indices_TK.shape[0]:
         raise ValueError(f"expected x [T, H] and indices [T, K], got {tuple(x_TH.shape)} and {tuple(indices_TK.shape)}")
     num_tokens, top_k = indices_TK.shape
@@ -171,8 +170,17 @@ def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: in
     counts_E = expert_counts_from_sorted(sorted_S, num_experts)
     inverse_S = inverse_permutation(sort_idx_S)
     token_S = torch.div(sort_idx_S, top_k, rounding_mode="floor")  # once: the combine's backward gathers by it too
-    x_SH = _ExpandGather.apply(x_TH, token_S, inverse_S, top_k)
-    return x_SH, PermutationState(sort_idx_S, counts_E, num_tokens, top_k, inverse_S, token_S)
+    return PermutationState(sort_idx_S, counts_E, num_tokens, top_k, inverse_S, token_S)
+
+
+def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: int):
+    """Sort token copies by global expert. Returns ``(x_SH, state)``.
+
+    ``indices_TK`` int64 global expert ids in ``[0, num_experts)``.
+    """
+    state = sort_by_expert(x_TH, indices_TK, num_experts)
+    x_SH = _ExpandGather.apply(x_TH, state.token_S, state.inverse_S, state.top_k)
+    return x_SH, state
 
 
 def permute_probs(probs_TK: torch.Tensor, state: PermutationState) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .basic import (
     BasicLinear,
     Bias,
     GroupedLinear,
+    GroupSplits,
     Quantize,
     ReduceScatter,
     ReLU,
@@ -29,7 +30,7 @@ __all__ = [
     "FusibleOperation", "BasicOperation", "FusedOperation", "OpContext",
     "OperationFuser", "FusionPlan", "PlanStep", "Sequential",
     "FusionRule", "FusionRuleRegistry", "fusion_rules_scope", "default_fusion_rules",
-    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "Quantize",
+    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "Quantize",
     "AllGather", "ReduceScatter", "AllReduce",
     "ForwardLinearBiasActivation", "BackwardActivationBias", "GroupedMLP",
 ]

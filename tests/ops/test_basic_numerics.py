@@ -183,6 +183,41 @@ def test_grouped_linear_rejects_bad_split_sizes():
         op(x.double(), torch.tensor([2, 3]))
 
 
+def test_grouped_linear_takes_group_splits_as_given():
+    """Offsets on the device plus host sizes (what the MoE dispatcher hands over) give the same
+    result as split sizes, and the op uses the caller's offsets tensor itself (no copy)."""
+    torch.manual_seed(3)
+    op = ops.GroupedLinear(3, 8, 6, bias=True)
+    x = torch.randn(16, 8, requires_grad=True)
+    sizes = (5, 0, 11)
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    y_ref = op(x, torch.tensor(sizes))
+    y = op(x, ops.GroupSplits(offsets, sizes))
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    got_offsets, got_sizes = op.groups(ops.GroupSplits(offsets, list(sizes)), x)
+    assert got_offsets is offsets and got_sizes == sizes
+    y.sum().backward()
+    assert torch.count_nonzero(op.weight.grad[1]) == 0
+
+
+def test_grouped_linear_rejects_bad_group_splits():
+    op = ops.GroupedLinear(2, 4, 4)
+    x = torch.randn(5, 4)
+    good = torch.tensor([2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sum to 4 but the input has 5 rows"):
+        op(x, ops.GroupSplits(good, (2, 2)))
+    with pytest.raises(ValueError, match="non-negative"):
+        op(x, ops.GroupSplits(good, (6, -1)))
+    with pytest.raises(ValueError, match="2 entries"):
+        op(x, ops.GroupSplits(good, (5,)))
+    with pytest.raises(TypeError, match=r"int32 tensor of shape \[2\], got torch.int64"):
+        op(x, ops.GroupSplits(good.long(), (2, 3)))
+    with pytest.raises(TypeError, match="got list"):
+        op(x, ops.GroupSplits([2, 5], (2, 3)))
+    with pytest.raises(ValueError, match="on meta but the input is on cpu"):
+        op(x, ops.GroupSplits(good.to("meta"), (2, 3)))
+
+
 def test_linear_rejects_wrong_shape_and_dtype():
     op = ops.BasicLinear(4, 3)
     with pytest.raises(ValueError, match="last dim 4"):

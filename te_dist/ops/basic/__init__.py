@@ -3,12 +3,12 @@
 from .activation import GELU, ReLU
 from .bias import Bias
 from .communication import AllGather, AllReduce, ReduceScatter
-from .grouped_linear import GroupedLinear
+from .grouped_linear import GroupedLinear, GroupSplits
 from .linear import BasicLinear
 from .quantize import Quantize
 from .swiglu import ScaledSwiGLU, SwiGLU
 
 __all__ = [
-    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "Quantize",
+    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "Quantize",
     "AllGather", "ReduceScatter", "AllReduce",
 ]

@@ -8,6 +8,7 @@ when the split sizes already live there, so no host sync. CPU split sizes are va
 summing to T) before any kernel runs, and are also handed to the GEMMs as host ints
 (``group_sizes``): the backend then sees the actual group sizes, and cuBLAS per expert may run
 where it beats the grouped kernels (te_dist.backends.selection), without reading the offsets.
+A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher, see there).
 
 ``grouped_forward`` / ``grouped_backward`` are the functional core the grouped-MLP fused op calls.
 The saved input may carry a per-row scale (``input = x * row_scale[:, None]``) so the fused op can
@@ -17,14 +18,14 @@ use grouped_mm's row-scale epilogue without materialising the scaled activation.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 
-__all__ = ["GroupedLinear", "split_sizes_to_groups"]
+__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups"]
 
 _kernels = None
 
@@ -39,10 +40,44 @@ def kernels():
     return _kernels
 
 
+class GroupSplits(NamedTuple):
+    """A row split given both ways: ``offsets``, int32 cumulative end rows [E] on the data's device,
+    and ``sizes``, the rows of each group as host ints.
+
+    Why: the MoE dispatcher builds the offsets on the device before its one host read of the
+    counts, and the read brings the sizes. Handing both over spares the op the host→device copy of
+    CPU split sizes, which would be queued just after that read, while the GPU waits for work
+    (docs/moe.md "The host read"). The two must agree: ``sizes`` are validated, ``offsets`` are
+    never read (that would sync)."""
+
+    offsets: torch.Tensor
+    sizes: tuple
+
+
+def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor):
+    offsets, sizes = splits
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (num_groups,):
+        got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+        raise TypeError(f"GroupSplits.offsets must be an int32 tensor of shape [{num_groups}], got {got}")
+    if offsets.device != x.device:
+        raise ValueError(f"GroupSplits.offsets on {offsets.device} but the input is on {x.device}")
+    sizes = tuple(sizes)
+    if len(sizes) != num_groups:
+        raise ValueError(f"GroupSplits.sizes must have {num_groups} entries (one per group), got {len(sizes)}")
+    if sizes and min(sizes) < 0:
+        raise ValueError(f"GroupSplits.sizes must be non-negative, got {sizes}")
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"GroupSplits.sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
+    return offsets, sizes
+
+
 def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor):
     """``(offsets, group_sizes)``: int32 cumulative end offsets [E] on ``x.device``, and the sizes as a
     tuple of host ints when they live on the host (else None: a device tensor is never read).
-    CPU split sizes are validated, without a device sync."""
+    CPU split sizes are validated, without a device sync; a :class:`GroupSplits` is taken as it is
+    (its sizes validated)."""
+    if isinstance(split_sizes, GroupSplits):
+        return _check_group_splits(split_sizes, num_groups, x)
     if isinstance(split_sizes, (list, tuple)):
         split_sizes = torch.tensor(split_sizes, dtype=torch.int64)
     if not isinstance(split_sizes, torch.Tensor):

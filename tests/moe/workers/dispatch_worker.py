@@ -53,6 +53,10 @@ def run(scenario, args, device, dtype):
             x_NH, splits, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=probs_in_expert, invalid=invalid)
             assert splits.numel() == dispatcher.num_local_experts
             assert int(splits.sum()) == x_NH.shape[0]
+            # The host sizes and the device offsets handed to the experts agree with the split sizes.
+            assert state.local_expert_sizes == splits.tolist()
+            assert state.local_expert_offsets.dtype == torch.int32 and state.local_expert_offsets.device == x.device
+            assert state.local_expert_offsets.tolist() == splits.cumsum(0).tolist()
             y_NH = stand_in_experts(x_NH, splits, dispatcher.first_expert)
             if probs_in_expert:
                 y_NH = y_NH * probs_N[:, None]
