@@ -64,11 +64,16 @@ def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor):
     sizes = tuple(sizes)
     if len(sizes) != num_groups:
         raise ValueError(f"GroupSplits.sizes must have {num_groups} entries (one per group), got {len(sizes)}")
-    if sizes and min(sizes) < 0:
-        raise ValueError(f"GroupSplits.sizes must be non-negative, got {sizes}")
-    if sum(sizes) != x.shape[0]:
-        raise ValueError(f"GroupSplits.sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
+    _check_host_sizes(sizes, x.shape[0], "GroupSplits.sizes")
     return offsets, sizes
+
+
+def _check_host_sizes(sizes, num_rows: int, name: str) -> None:
+    """Host split sizes (of either form) are non-negative and cover the input's rows."""
+    if sizes and min(sizes) < 0:
+        raise ValueError(f"{name} must be non-negative, got {sizes}")
+    if sum(sizes) != num_rows:
+        raise ValueError(f"{name} sum to {sum(sizes)} but the input has {num_rows} rows: {sizes}")
 
 
 def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor):
@@ -88,10 +93,7 @@ def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor):
         raise ValueError(f"split_sizes must have shape [{num_groups}] (one per group), got {tuple(split_sizes.shape)}")
     if split_sizes.is_cpu:
         sizes = split_sizes.tolist()
-        if sizes and min(sizes) < 0:
-            raise ValueError(f"split_sizes must be non-negative, got {sizes}")
-        if sum(sizes) != x.shape[0]:
-            raise ValueError(f"split_sizes sum to {sum(sizes)} but the input has {x.shape[0]} rows: {sizes}")
+        _check_host_sizes(sizes, x.shape[0], "split_sizes")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
         if not x.is_cpu:
             # From pinned memory the copy is queued on the stream and the host moves on (no wait for the GPU).
