@@ -14,9 +14,14 @@ of ``--iters`` steps after ``--warmup``):
                  combine, forward and backward; the probabilities in the dispatch's rows where the
                  dispatcher packs them, te_dist.moe.payload, else one more call); 0 at EP=1.
   * overhead     layer / (gemm + a2a); the goal is <= 1.3.
-  * dispatch     our dispatch all-to-all (count exchange + host read + variable-split token
-                 all-to-all) against a raw ``all_to_all_single`` of the same bytes, as algorithm
-                 bandwidth (bytes sent per rank / time).
+  * dispatch     the layer's dispatch move against a raw ``all_to_all_single`` of the same bytes, as
+                 algorithm bandwidth (bytes sent per rank / time). With the peer-rows transport
+                 (te_dist.distributed.peer_rows, the default on the GPUs of one host): count
+                 exchange, row map and push, host read of the counts, copy-out of the received
+                 rows; with the all-to-all transport: count exchange + host read + variable-split
+                 token all-to-all (column "a2a dispatch/raw", measured in both cases).
+  * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=nccl (the NCCL all-to-all transport),
+                 in the same process right after the default one; EP>1 only.
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
                  (and probability) all-to-alls, sort by local expert) against the same work done by
                  an oracle that knows the split sizes in advance (no count exchange, no host read,
@@ -47,6 +52,7 @@ from te_dist import kernels
 from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
+from te_dist.distributed.peer_rows import TRANSPORT_ENV, exchange_and_push, peer_workspace, receive_rows
 from te_dist.moe import AllToAllDispatcher, TopKRouter
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
@@ -190,6 +196,21 @@ def batch(T, H, dtype, device):
     return x, torch.randn(T, H, dtype=dtype, device=device, generator=gen)
 
 
+def with_transport(name, fn):
+    """``fn`` run with TE_DIST_EP_TRANSPORT=name (read on every dispatch; the same on every rank)."""
+    def run():
+        old = os.environ.get(TRANSPORT_ENV)
+        os.environ[TRANSPORT_ENV] = name
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[TRANSPORT_ENV]
+            else:
+                os.environ[TRANSPORT_ENV] = old
+    return run
+
+
 def bench_layer_parts(layer, T, args, device, dtype):
     """Layer step, its grouped GEMMs alone, raw all-to-alls alone, dispatch bandwidth, for T tokens."""
     H, group = layer.hidden_size, layer.ep_group
@@ -198,9 +219,11 @@ def bench_layer_parts(layer, T, args, device, dtype):
     splits = layer.tokens_per_local_expert
     backend = gemm_backends(layer, splits, dtype, device)
     t_gemm, t_gemm_min = timed_ranks(gemm_fn(layer, splits, dtype, device), args, device)
-    t_a2a = t_ours = t_raw = t_step = t_oracle = 0.0
+    t_a2a = t_ours = t_ours_a2a = t_raw = t_step = t_oracle = t_layer_a2a = 0.0
     sent_bytes = 0
+    transport = layer.dispatcher.transport
     if layer.ep_size > 1:
+        t_layer_a2a = timed(with_transport("nccl", functools.partial(train_step, layer, x, g)), args, device)
         in_splits, out_splits = a2a_splits(layer)
         xs = torch.randn(sum(in_splits), H, dtype=dtype, device=device)
         xr = torch.randn(sum(out_splits), H, dtype=dtype, device=device)
@@ -224,21 +247,25 @@ def bench_layer_parts(layer, T, args, device, dtype):
         t_a2a = timed(raw_all, args, device)
         counts = layer.tokens_per_expert
 
-        def ours():
+        def ours_a2a():
             recv = exchange_counts(counts, group)
             torch.cat([counts, recv]).tolist()
             all_to_all_tokens(xs, out_splits, in_splits, group)
 
-        t_ours = timed(ours, args, device)
+        t_ours_a2a = t_ours = timed(ours_a2a, args, device)
+        if transport == "peer":
+            ws = peer_workspace(group, device)
+            t_ours = timed(lambda: receive_rows(xs, exchange_and_push(ws, counts, xs)), args, device)
         t_raw = timed(lambda: raw_a2a(xs, out_splits, in_splits, group), args, device)
         sent_bytes = xs.numel() * xs.element_size()
         t_step, t_oracle = in_step_dispatch(layer, x.detach(), args, device)
     return dict(
-        tokens=T, backend=backend, layer_ms=t_layer * 1e3, layer_min_ms=t_layer_min * 1e3, gemm_min_ms=t_gemm_min * 1e3, tok_s=T / t_layer, gemm_ms=t_gemm * 1e3,
+        tokens=T, backend=backend, transport=transport, layer_a2a_ms=t_layer_a2a * 1e3, layer_ms=t_layer * 1e3, layer_min_ms=t_layer_min * 1e3, gemm_min_ms=t_gemm_min * 1e3, tok_s=T / t_layer, gemm_ms=t_gemm * 1e3,
         a2a_ms=t_a2a * 1e3, overhead=t_layer / (t_gemm + t_a2a),
         ours_gbs=sent_bytes / t_ours / 1e9 if t_ours else float("nan"),
         raw_gbs=sent_bytes / t_raw / 1e9 if t_raw else float("nan"),
         a2a_ratio=t_raw / t_ours if t_ours else float("nan"),
+        nccl_ratio=t_raw / t_ours_a2a if t_ours_a2a else float("nan"),
         step_ratio=t_oracle / t_step if t_step else float("nan"),
     )
 
@@ -298,11 +325,13 @@ def bench_config(name, cfg, ep_size, tokens_list, args, device, dtype, rows):
 
 
 def print_table(rows, header):
-    cols = [("config", "{}"), ("ep", "{}"), ("tokens", "{}"), ("backend", "{}"), ("layer_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
+    cols = [("config", "{}"), ("ep", "{}"), ("tokens", "{}"), ("backend", "{}"), ("transport", "{}"), ("layer_ms", "{:.2f}"),
+            ("layer_a2a_ms", "{:.2f}"), ("loop_ms", "{:.2f}"), ("speedup", "{:.2f}x"),
             ("tok_s", "{:,.0f}"), ("gemm_ms", "{:.2f}"), ("a2a_ms", "{:.2f}"), ("overhead", "{:.2f}x"),
-            ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}"), ("step_ratio", "{:.2f}")]
-    names = ["config", "EP", "tokens/rank", "GEMM backends", "layer ms", "loop ms", "vs loop", "tokens/s/rank", "gemm ms", "raw a2a ms",
-             "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw", "in step: oracle/dispatch"]
+            ("ours_gbs", "{:.1f}"), ("raw_gbs", "{:.1f}"), ("a2a_ratio", "{:.2f}"), ("nccl_ratio", "{:.2f}"), ("step_ratio", "{:.2f}")]
+    names = ["config", "EP", "tokens/rank", "GEMM backends", "transport", "layer ms", "layer ms, a2a transport", "loop ms", "vs loop",
+             "tokens/s/rank", "gemm ms", "raw a2a ms", "layer/(gemm+a2a)", "dispatch GB/s", "raw a2a GB/s", "dispatch/raw",
+             "a2a dispatch/raw", "in step: oracle/dispatch"]
     print(header)
     print("| " + " | ".join(names) + " |")
     print("|" + "---|" * len(names))

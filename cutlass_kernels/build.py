@@ -36,6 +36,7 @@ __all__ = [
     "build_command",
     "cache_key",
     "build_instance",
+    "build_plain_source",
     "load",
     "load_instance",
     "all_instances",
@@ -170,18 +171,44 @@ _build_lock = threading.Lock()
 def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
     """Path of the cached .so for ``inst``, compiling it first if needed."""
     target = cache_dir() / f"{inst.name}-{cache_key(inst)}.so"
+    return _compile_cached(target, lambda out: build_command(inst, out), inst.name, verbose)
+
+
+def plain_source_key(source: Path) -> str:
+    """Cache key of a plain CUDA source (no CUTLASS headers): source, flags, nvcc version."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    h = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(ARCH_FLAGS + BASE_FLAGS).encode(), nvcc_version(nvcc).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
+    """Path of the cached .so of a plain CUDA source of this package, compiling it first if needed."""
+    target = cache_dir() / f"{source.stem}-{plain_source_key(source)}.so"
+
+    def command(out: Path) -> List[str]:
+        return [find_nvcc(), *ARCH_FLAGS, *BASE_FLAGS, "-o", str(out), str(source)]
+
+    return _compile_cached(target, command, source.stem, verbose)
+
+
+def _compile_cached(target: Path, command, name: str, verbose: bool) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{inst.name}-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
         out = Path(tmp) / target.name
-        cmd = build_command(inst, out)
+        cmd = command(out)
         if verbose:
             print(" ".join(cmd), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stdout + proc.stderr)[-4000:]
-            raise BuildError(f"nvcc failed for {inst.name} (rc={proc.returncode}):\n{tail}")
+            raise BuildError(f"nvcc failed for {name} (rc={proc.returncode}):\n{tail}")
         os.replace(out, target)  # atomic: a racing rank sees either nothing or the whole file
     return target
 

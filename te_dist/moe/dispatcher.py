@@ -33,6 +33,14 @@ permuted rows for rank r are one contiguous block of x_SH and no extra gather is
 
 A rank that must fail (NaN router logits) sends -1 counts: every rank sees the flag in the
 count exchange and raises the same error before the token all-to-all, so no rank hangs.
+
+Transport. On the GPUs of one host (NCCL backend, symmetric memory available on every rank, the
+choice agreed once per group: te_dist.distributed.peer_rows.use_peer_rows) the rows move through
+peer-mapped memory instead: counts and rows both travel on the device, rows land already grouped
+by (local expert, source rank), so neither the host read before the move nor the sort after it
+exists, and the probabilities always ride in the rows when applied in the expert. The host still
+reads the count matrix once, while the rows move, for the GEMMs' host sizes.
+``TE_DIST_EP_TRANSPORT=nccl`` (on every rank) keeps the all-to-all path.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ import torch
 
 from ..distributed.all_to_all import all_to_all_tokens, exchange_counts
 from ..distributed.groups import group_rank, group_size
-from .payload import pack_expand, unpack_rows
+from ..distributed.peer_rows import RowPlan, exchange_and_push, peer_workspace, receive_rows, send_back, use_peer_rows
+from .payload import PROB_BYTES, pack_expand, probs_from_tail, unpack_rows
 from .permutation import (
     PermutationState,
     chunk_sort_index,
@@ -88,6 +97,7 @@ class DispatchState:
     probs_TK: Optional[torch.Tensor]  # set when probabilities are applied at combine
     local_expert_sizes: list  # rows each local expert received (host ints: the read's by-product)
     local_expert_offsets: torch.Tensor  # int32 cumulative end rows of the local experts, on the device
+    peer_plan: Optional[RowPlan] = None  # set when the rows moved through peer memory (module docstring)
 
 
 class AllToAllDispatcher:
@@ -105,6 +115,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts
+        self.transport = None  # of the last dispatch: "local" (EP=1), "all-to-all" or "peer"
 
     def dispatch(
         self,
@@ -121,6 +132,10 @@ class AllToAllDispatcher:
         bad (e.g. NaN logits); it travels in-band with the counts (see module docstring).
         """
         R, El = self.ep_size, self.num_local_experts
+        if R > 1 and use_peer_rows(self.ep_group, x_TH.device, self.num_experts, x_TH.shape[1] * x_TH.element_size()):
+            self.transport = "peer"
+            return self._dispatch_peer(x_TH, probs_TK, indices_TK, probs_in_expert, invalid)
+        self.transport = "all-to-all" if R > 1 else "local"
         sort_rows = R > 1 and El > 1
         # With an all-to-all and a local sort, the probabilities ride in the token rows: one
         # all-to-all instead of two, each way (te_dist.moe.payload).
@@ -147,13 +162,8 @@ class AllToAllDispatcher:
         host = torch.cat([counts_send, counts_recv]).tolist()
         sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
         recv_RL = [host[self.num_experts + r * El:self.num_experts + (r + 1) * El] for r in range(R)]
-        bad_ranks = sorted({r for r in range(R) if min(recv_RL[r], default=0) < 0}
-                           | ({self.ep_rank} if min(host[:self.num_experts], default=0) < 0 else set()))
-        if bad_ranks:
-            raise RoutingError(
-                f"router logits contain NaN on EP rank(s) {bad_ranks} (this is EP rank {self.ep_rank}); "
-                "check the hidden states fed to the MoE layer and the router weight"
-            )
+        self._raise_if_invalid({r for r in range(R) if min(recv_RL[r], default=0) < 0}
+                               | ({self.ep_rank} if min(host[:self.num_experts], default=0) < 0 else set()))
         input_splits = [sum(c) for c in sent_RL]
         output_splits = [sum(c) for c in recv_RL]
         local_expert_sizes = [sum(col) for col in zip(*recv_RL)] if recv_RL else []
@@ -178,8 +188,46 @@ class AllToAllDispatcher:
         )
         return x_NH, split_sizes_El, probs_N, state
 
+    def _raise_if_invalid(self, bad_ranks) -> None:
+        if bad_ranks:
+            raise RoutingError(
+                f"router logits contain NaN on EP rank(s) {sorted(bad_ranks)} (this is EP rank {self.ep_rank}); "
+                "check the hidden states fed to the MoE layer and the router weight"
+            )
+
+    def _dispatch_peer(self, x_TH, probs_TK, indices_TK, probs_in_expert, invalid):
+        """The peer-memory transport (module docstring): same results as the all-to-all path."""
+        E, R, El = self.num_experts, self.ep_size, self.num_local_experts
+        H = x_TH.shape[1]
+        if probs_in_expert:
+            perm = sort_by_expert(x_TH, indices_TK, E)
+            probs_S = permute_probs(probs_TK, perm)
+            rows_S = pack_expand(x_TH, probs_S, perm)
+        else:
+            rows_S, perm = permute_tokens(x_TH, indices_TK, E)
+        counts_send = perm.counts_E
+        if invalid is not None:
+            counts_send = torch.where(invalid, torch.full_like(counts_send, -1), counts_send)
+        plan = exchange_and_push(peer_workspace(self.ep_group, x_TH.device), counts_send, rows_S)
+        self._raise_if_invalid({r for r in range(R) if min(plan.matrix_row(r), default=0) < 0})
+        if probs_in_expert:
+            x_NH, tail = receive_rows(rows_S, plan, (H, PROB_BYTES // x_TH.dtype.itemsize))
+            probs_N = probs_from_tail(tail, probs_S.dtype)
+        else:
+            (x_NH,), probs_N = receive_rows(rows_S, plan), None
+        rows = [plan.matrix_row(r) for r in range(R)]
+        mine = slice(self.first_expert, self.first_expert + El)
+        state = DispatchState(
+            perm, [sum(rows[self.ep_rank][d * El:(d + 1) * El]) for d in range(R)], [sum(row[mine]) for row in rows],
+            None, None, None if probs_in_expert else probs_TK, [sum(col) for col in zip(*(row[mine] for row in rows))],
+            plan.local_offsets, plan,
+        )
+        return x_NH, plan.local_sizes, probs_N, state
+
     def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert outputs (rows by local expert) → [T, H] in the original token order."""
+        if state.peer_plan is not None:
+            return unpermute_tokens(send_back(y_NH, state.peer_plan), state.permutation, state.probs_TK)
         if state.chunk_idx is not None:
             y_NH = unpermute_rows(y_NH, state.chunk_idx, state.chunk_inv)
         y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group)

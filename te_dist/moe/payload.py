@@ -14,6 +14,10 @@ all-to-all reads straight from it.
     pack_expand(x_TH, probs_S, state)                 -> payload_SP   rows by global expert
     (all-to-all of payload rows)
     unpack_rows(payload_NP, idx, inverse, H, dtype)   -> x_NH, probs_N  rows gathered by idx
+
+Where rows arrive already in local-expert order (the peer-rows transport), the receiver copies
+the payload out as two column blocks, x_NH and the tail, and ``probs_from_tail`` reads the
+probabilities from the tail block.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from .permutation import PermutationState, gather_sum
 
-__all__ = ["PROB_BYTES", "pack_expand", "unpack_rows", "payload_columns"]
+__all__ = ["PROB_BYTES", "pack_expand", "unpack_rows", "payload_columns", "probs_from_tail"]
 
 PROB_BYTES = 16  # per row: the probability (at most 16 bytes wide) and padding to 16-byte rows
 
@@ -85,6 +89,21 @@ class _UnpackRows(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _TailProbs(torch.autograd.Function):
+    """The probabilities stored in a payload's tail columns; backward writes their gradient there."""
+
+    @staticmethod
+    def forward(ctx, tail, probs_dtype):
+        ctx.tail_shape, ctx.tail_dtype, ctx.probs_dtype = tail.shape, tail.dtype, probs_dtype
+        return _prob_view(tail, 0, probs_dtype).clone()
+
+    @staticmethod
+    def backward(ctx, grad_probs):
+        grad = grad_probs.new_zeros(ctx.tail_shape, dtype=ctx.tail_dtype)
+        _prob_view(grad, 0, ctx.probs_dtype).copy_(grad_probs)
+        return grad, None
+
+
 def pack_expand(x_TH: torch.Tensor, probs_S: torch.Tensor, state: PermutationState) -> torch.Tensor:
     """Payload rows in expert order: token ``state.token_S[i]`` of ``x_TH`` and ``probs_S[i]`` (differentiable)."""
     if probs_S.shape != state.token_S.shape:  # (every torch dtype fits in PROB_BYTES)
@@ -97,3 +116,8 @@ def unpack_rows(payload: torch.Tensor, idx: torch.Tensor, inverse: torch.Tensor,
                 probs_dtype: torch.dtype):
     """``(x_NH, probs_N)``: the payload's rows gathered by ``idx`` (``inverse``: its inverse permutation)."""
     return _UnpackRows.apply(payload, idx, inverse, hidden, probs_dtype)
+
+
+def probs_from_tail(tail: torch.Tensor, probs_dtype: torch.dtype) -> torch.Tensor:
+    """``probs_N`` from the payload's tail columns ``[N, PROB_BYTES / itemsize]`` (differentiable)."""
+    return _TailProbs.apply(tail, probs_dtype)

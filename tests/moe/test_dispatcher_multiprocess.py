@@ -15,7 +15,7 @@ def test_dispatch_combine_forward_backward(nproc, num_experts):
     result = run_torchrun(WORKER, nproc, args=["random,skewed,empty", "--num-experts", num_experts], timeout=180).check()
     for rank in range(nproc):
         for scenario in ("random", "skewed", "empty"):
-            assert f"rank={rank} scenario={scenario} ok" in result.log(rank)
+            assert f"rank={rank} scenario={scenario} ok transport=all-to-all" in result.log(rank)
 
 
 @pytest.mark.multiprocess
@@ -28,11 +28,17 @@ def test_nan_routing_on_one_rank_raises_on_every_rank_without_hang():
 
 @pytest.mark.gpu
 @pytest.mark.multiprocess
-def test_dispatch_combine_nccl():
+@pytest.mark.parametrize("transport,expected", [("peer", "peer"), ("nccl", "all-to-all")])
+def test_dispatch_combine_nccl(transport, expected):
+    """Both GPU transports: rows through peer memory (forced: it raises where unavailable) and the
+    NCCL all-to-all. Hidden 8 fp32 rows are 32 bytes, a multiple of the peer path's 16."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    result = run_torchrun(WORKER, 2, args=["random,skewed,empty,nan", "--backend", "nccl"], timeout=300).check()
+    result = run_torchrun(WORKER, 2, args=["random,skewed,empty,nan", "--backend", "nccl", "--hidden", 8],
+                          env={"TE_DIST_EP_TRANSPORT": transport}, timeout=300).check()
     for rank in range(2):
-        assert f"rank={rank} scenario=skewed ok" in result.log(rank)
+        for scenario in ("random", "skewed", "empty"):
+            assert f"rank={rank} scenario={scenario} ok transport={expected}" in result.log(rank)
+        assert f"rank={rank} scenario=nan raised RoutingError" in result.log(rank)

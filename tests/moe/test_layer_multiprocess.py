@@ -41,14 +41,18 @@ def test_ep2_ep4_equal_ep1_and_checkpoint_moves_between_ep_sizes(tmp_path_factor
 
 @pytest.mark.gpu
 @pytest.mark.multiprocess
-def test_nccl_bf16_ep2_equals_ep1(tmp_path):
+@pytest.mark.parametrize("transport,expected", [("peer", "peer"), ("nccl", "all-to-all")])
+def test_nccl_bf16_ep2_equals_ep1(tmp_path, transport, expected):
+    """Both GPU transports of the EP=2 layer (peer memory forced, then the NCCL all-to-all)."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
     scenarios = ["equivalence", "sigmoid", "skewed", "one_expert", "empty"]
     result = run_torchrun(WORKER, 2, args=[",".join(scenarios) + f",save:{tmp_path},load:{tmp_path}", "--backend", "nccl"],
-                          timeout=400).check()
+                          env={"TE_DIST_EP_TRANSPORT": transport}, timeout=400).check()
     _assert_ok(result, 2, scenarios + ["equivalence-combine"], [2])
     for rank in range(2):
         assert f"rank={rank} loaded EP=2 checkpoint at EP=1 ok" in result.log(rank)
+        ep2_lines = [line for line in result.log(rank).splitlines() if f"rank={rank} ep=2 scenario=" in line]
+        assert ep2_lines and all(line.endswith(f"transport={expected}") for line in ep2_lines), ep2_lines

@@ -4,7 +4,7 @@ two separate gathers it replaces, for every dtype pairing the layer uses."""
 import pytest
 import torch
 
-from te_dist.moe.payload import PROB_BYTES, pack_expand, payload_columns, unpack_rows
+from te_dist.moe.payload import PROB_BYTES, pack_expand, payload_columns, probs_from_tail, unpack_rows
 from te_dist.moe.permutation import inverse_permutation, permute_probs, permute_rows, permute_tokens, sort_by_expert
 
 
@@ -81,3 +81,23 @@ def test_pack_rejects_wrong_probabilities():
         pack_expand(x, probs.reshape(-1)[:5], perm)
     with pytest.raises(ValueError, match="got shape"):
         pack_expand(x, probs, perm)  # [T, K], not in row order [S]
+
+
+@pytest.mark.parametrize("x_dtype,probs_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_probs_from_tail_reads_and_writes_the_tail_bytes(x_dtype, probs_dtype):
+    """Where rows arrive in expert order (peer rows), x and the tail are copied out as column blocks."""
+    x, probs, indices = _case(x_dtype, probs_dtype)
+    _, state = permute_tokens(x.detach(), indices, 5)
+    probs_S = permute_probs(probs, state)
+    payload = pack_expand(x, probs_S, state)
+    H = x.shape[1]
+    tail = payload[:, H:].clone()
+    assert tail.shape[1] == PROB_BYTES // x_dtype.itemsize
+    got = probs_from_tail(tail, probs_dtype)
+    assert torch.equal(got, probs_S)  # bit-exact
+    g = torch.randn(got.shape, dtype=torch.float64).to(probs_dtype)
+    (grad_tail,) = torch.autograd.grad(got, tail, g)
+    assert grad_tail.dtype == x_dtype and grad_tail.shape == tail.shape
+    assert torch.equal(probs_from_tail(grad_tail, probs_dtype), g)
+    pad = grad_tail.view(torch.uint8)[:, probs_dtype.itemsize:]
+    assert torch.count_nonzero(pad) == 0

@@ -5,7 +5,8 @@ Stand-in expert g multiplies its rows by (g + 1), so the combined output has a c
 
 Scenarios (argv[1], comma-separated): random, skewed (every token to rank 0's experts, so other
 ranks receive nothing), empty (rank 1 has zero tokens), nan (rank 1's routing is invalid: every
-rank must raise RoutingError, none may hang). ``--backend nccl`` runs on cuda:LOCAL_RANK.
+rank must raise RoutingError, none may hang). ``--backend nccl`` runs on cuda:LOCAL_RANK; there the
+transport is whatever TE_DIST_EP_TRANSPORT picks (peer memory or NCCL all-to-all), printed per scenario.
 Ranks hold 5 + rank tokens, so in "skewed" (rank 0) and "empty" (rank 1) a rank receives more rows
 than R x its own: the dispatcher's pre-built sort index is too short there and it builds the exact one.
 """
@@ -28,10 +29,10 @@ def stand_in_experts(x_NH, split_sizes_El, first_expert):
     return x_NH * scale[:, None]
 
 
-def routing(scenario, rank, E, K, device, dtype):
+def routing(scenario, rank, E, K, H, device, dtype):
     gen = torch.Generator().manual_seed(100 + rank)
     T = 0 if (scenario == "empty" and rank == 1) else 5 + rank
-    x = torch.randn(T, 3, generator=gen).to(device, dtype).requires_grad_(True)
+    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_(True)
     probs = torch.rand(T, K, generator=gen).to(device, dtype).requires_grad_(True)
     if scenario == "skewed":
         # only rank 0's experts (or the first K experts when rank 0 owns fewer than K)
@@ -46,11 +47,13 @@ def run(scenario, args, device, dtype):
     rank = dist.get_rank()
     E, K = args.num_experts, 2
     dispatcher = AllToAllDispatcher(E, dist.group.WORLD)
-    x, probs, indices = routing(scenario, rank, E, K, device, dtype)
+    x, probs, indices = routing(scenario, rank, E, K, args.hidden, device, dtype)
+    transports = set()
     invalid = torch.tensor(scenario == "nan" and rank == 1, device=device)
     try:
         for probs_in_expert in (True, False):
             x_NH, splits, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=probs_in_expert, invalid=invalid)
+            transports.add("peer" if state.peer_plan is not None else "all-to-all")
             assert splits.numel() == dispatcher.num_local_experts
             assert int(splits.sum()) == x_NH.shape[0]
             # The host sizes and the device offsets handed to the experts agree with the split sizes.
@@ -78,7 +81,7 @@ def run(scenario, args, device, dtype):
         print(f"rank={rank} scenario=nan raised RoutingError: {err}")
         return
     assert scenario != "nan", "NaN routing on rank 1 was not detected"
-    print(f"rank={rank} scenario={scenario} ok")
+    print(f"rank={rank} scenario={scenario} ok transport={','.join(sorted(transports))}")
 
 
 def main():
@@ -86,6 +89,7 @@ def main():
     parser.add_argument("scenarios")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--num-experts", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=3)
     args = parser.parse_args()
     device, dtype = init_worker(args.backend, cpu_dtype=torch.float64, gpu_dtype=torch.float32)
     try:

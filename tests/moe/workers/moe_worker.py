@@ -107,7 +107,8 @@ def compare(groups, device, dtype, *, layer_kw=None, tokens_of=None, route_to=No
     received = int(ep_layer.tokens_per_local_expert.sum())
     if route_to is not None and not any(lo <= e < hi for e in route_to):
         assert received == 0, f"{name}: rank {rank} owns none of {route_to} but received {received} rows"
-    print(f"rank={rank} ep={groups.ep_size} scenario={name} ok (routed {routed}, received {received} rows)")
+    print(f"rank={rank} ep={groups.ep_size} scenario={name} ok (routed {routed}, received {received} rows) "
+          f"transport={ep_layer.dispatcher.transport}")
     return ep_layer
 
 

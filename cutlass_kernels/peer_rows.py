@@ -1,0 +1,85 @@
+"""ctypes view of ``peer_rows.cu`` (the expert-parallel row moves), built on first use like the GEMMs.
+
+Only pointers and integers cross this boundary; te_dist.distributed.peer_rows owns the tensors,
+the symmetric memory and the barriers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+from .build import BuildError, build_plain_source
+
+__all__ = ["SOURCE", "BuildError", "PeerRowsLibrary", "load_peer_rows"]
+
+SOURCE = Path(__file__).resolve().parent / "peer_rows.cu"
+
+
+class PeerRowsLibrary:
+    """The launches of peer_rows.cu; each raises RuntimeError naming the CUDA error."""
+
+    def __init__(self, path: Path):
+        c = ctypes
+        lib = ctypes.CDLL(str(path))
+        lib.te_pr_last_error.restype = c.c_char_p
+        lib.te_pr_put_counts.restype = c.c_int
+        lib.te_pr_put_counts.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
+        lib.te_pr_plan.restype = c.c_int
+        lib.te_pr_plan.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
+                                   c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p]
+        lib.te_pr_move.restype = c.c_int
+        lib.te_pr_move.argtypes = [c.c_int, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_void_p, c.c_int,
+                                   c.c_int, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p]
+        lib.te_pr_barrier.restype = c.c_int
+        lib.te_pr_barrier.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_uint64, c.c_void_p]
+        lib.te_pr_dispatch.restype = c.c_int
+        lib.te_pr_dispatch.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_uint64, c.c_void_p, c.c_int, c.c_void_p,
+                                       c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                                       c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int,
+                                       c.c_void_p]
+        lib.te_pr_wait_counts.restype = c.c_int
+        self._lib = lib
+        self.path = path
+
+    def _check(self, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"peer_rows kernel launch failed: {self._lib.te_pr_last_error().decode(errors='replace')}")
+
+    def put_counts(self, counts, num_experts, world, rank, peer_counts, stream) -> None:
+        self._check(self._lib.te_pr_put_counts(counts, num_experts, world, rank, peer_counts, stream))
+
+    def plan(self, matrix, world, num_experts, rank, capacity_rows, dst_base, send_end, local_sizes, local_offsets,
+             status, stream) -> None:
+        self._check(self._lib.te_pr_plan(matrix, world, num_experts, rank, capacity_rows, dst_base, send_end,
+                                         local_sizes, local_offsets, status, stream))
+
+    def barrier(self, pads, channel, rank, world, timeout_ns, stream) -> None:
+        self._check(self._lib.te_pr_barrier(pads, channel, rank, world, timeout_ns, stream))
+
+    def dispatch(self, *args) -> None:
+        """te_pr_dispatch: the dispatch's device sequence (peer_rows.cu has the argument order)."""
+        self._check(self._lib.te_pr_dispatch(*args))
+
+    def wait_counts(self) -> None:
+        self._check(self._lib.te_pr_wait_counts())
+
+    def move(self, push, local_rows, num_rows, row_bytes, dst_base, send_end, num_experts, local_experts, peer_rows,
+             status, max_blocks, stream) -> None:
+        self._check(self._lib.te_pr_move(int(push), local_rows, num_rows, row_bytes, dst_base, send_end, num_experts,
+                                         local_experts, peer_rows, status, max_blocks, stream))
+
+
+_lock = threading.Lock()
+_loaded: list = []
+
+
+def load_peer_rows() -> PeerRowsLibrary:
+    """The library, compiled into the kernel cache on first use (raises BuildError without nvcc)."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _loaded.append(PeerRowsLibrary(build_plain_source(SOURCE)))
+    return _loaded[0]
+
