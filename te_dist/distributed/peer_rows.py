@@ -101,11 +101,19 @@ class PeerWorkspace:
             # Peers wrote into this buffer up to our last barrier; once our stream is past it, no
             # peer touches the buffer again (see the module docstring).
             torch.cuda.current_stream(self.device).synchronize()
-        self.num_experts = max(num_experts, self.num_experts)
-        self.rows_bytes = max(rows_bytes, self.rows_bytes)
-        total = self.counts_bytes + self.rows_bytes
-        buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, self.group)
+        num_experts, rows_bytes = max(num_experts, self.num_experts), max(rows_bytes, self.rows_bytes)
+        counts_bytes = _round_up(self.world * num_experts * 8, 256)
+        total = counts_bytes + rows_bytes
+        try:
+            buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buffer, self.group)
+        except Exception as exc:  # e.g. a container without the IPC rights that peer mappings need
+            raise RuntimeError(
+                f"peer rows: symmetric memory of {total} bytes for the EP group failed on EP rank {self.rank} "
+                f"({type(exc).__name__}: {exc}); set {TRANSPORT_ENV}=nccl on every rank to move tokens with "
+                "the NCCL all-to-all instead"
+            ) from exc
+        self.num_experts, self.rows_bytes = num_experts, rows_bytes  # only once the buffer exists
         offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
         bases = [p + offset for p in handle.buffer_ptrs]
         self.buffer, self.handle = buffer, handle
