@@ -187,12 +187,22 @@ def use_peer_rows(group, device: torch.device, num_experts: int, row_bytes: int)
     """Whether the EP group moves rows of ``row_bytes`` bytes through peer memory. Collective on the
     first call per (group, device): every rank must agree, or one would wait in a barrier the
     others never enter (the arguments are the layer's config, the same on every rank)."""
-    if group_size(group) == 1 or row_bytes % 16 != 0 or num_experts > _MAX_EXPERTS:
+    if group_size(group) == 1:
         return False
     wanted = os.environ.get(TRANSPORT_ENV, "auto")
     if wanted not in ("auto", "peer", "nccl"):
         raise ValueError(f"{TRANSPORT_ENV} must be 'auto', 'peer' or 'nccl', got {wanted!r}")
-    if wanted == "nccl" or dist.get_backend(group) != "nccl":
+    if wanted == "nccl":
+        return False
+    backend = dist.get_backend(group)
+    unfit = [why for bad, why in (
+        (backend != "nccl", f"the EP group runs {backend}, not nccl"),
+        (row_bytes % 16 != 0, f"rows of {row_bytes} bytes (a multiple of 16 is needed)"),
+        (num_experts > _MAX_EXPERTS, f"{num_experts} experts (at most {_MAX_EXPERTS})"),
+    ) if bad]
+    if unfit:  # the same on every rank: the layer's config and the group's backend
+        if wanted == "peer":
+            raise ValueError(f"{TRANSPORT_ENV}=peer but peer rows cannot run: {'; '.join(unfit)}")
         return False
     g = group if group is not None else dist.group.WORLD
     key = (g.group_name, device.index)

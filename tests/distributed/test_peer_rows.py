@@ -53,12 +53,20 @@ def test_empty_sender_and_empty_matrix():
 def test_choice_is_all_to_all_without_nccl_or_for_one_rank(monkeypatch):
     dev = torch.device("cpu")
     assert peer_rows.use_peer_rows(None, dev, 8, 64) is False  # one rank (no process group)
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "fast")
     monkeypatch.setattr(peer_rows, "group_size", lambda group: 2)
+    monkeypatch.setattr(peer_rows.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "fast")
     with pytest.raises(ValueError, match="TE_DIST_EP_TRANSPORT must be 'auto', 'peer' or 'nccl', got 'fast'"):
         peer_rows.use_peer_rows(None, dev, 8, 64)
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "nccl")
-    assert peer_rows.use_peer_rows(None, dev, 8, 64) is False
+    for wanted in ("nccl", "auto"):
+        monkeypatch.setenv(peer_rows.TRANSPORT_ENV, wanted)
+        assert peer_rows.use_peer_rows(None, dev, 8, 64) is False  # gloo: the all-to-all
+    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "peer")
+    with pytest.raises(ValueError, match="=peer but peer rows cannot run: the EP group runs gloo, not nccl; "
+                                         r"rows of 24 bytes \(a multiple of 16 is needed\); 4096 experts"):
+        peer_rows.use_peer_rows(None, dev, 4096, 24)
+    monkeypatch.setattr(peer_rows.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "auto")
     # rows that are not a multiple of 16 bytes, or more experts than the plan kernel holds
     assert peer_rows.use_peer_rows(None, dev, 8, 24) is False
     assert peer_rows.use_peer_rows(None, dev, 4096, 64) is False
