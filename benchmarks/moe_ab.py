@@ -10,6 +10,9 @@ isolates the code change.
     python benchmarks/moe_ab.py --base .ab_base --configs deepseek,mixtral --tokens 1024       # EP=1
     torchrun --nproc-per-node 2 benchmarks/moe_ab.py --base .ab_base --tokens 1024           # EP=2, NCCL
 
+    torchrun --nproc-per-node 2 benchmarks/moe_ab.py --against-transport nccl --tokens 1024
+        # this tree against itself on TE_DIST_EP_TRANSPORT=nccl (the default is peer rows on one host)
+
 (Carry ``.ab_base`` to the device machine; the base's kernels build into the same cache under their
 own source hash.) The table gives, per config, the median ms per step over ``--blocks`` blocks of
 ``--steps`` steps (block order alternates), this/base, and whether the two layers' outputs were
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # te_dist.distributed.peer_rows reads it on every dispatch
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2),
@@ -66,6 +71,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", nargs=2, metavar=("REF", "DIR"), help="write the base packages and exit")
     ap.add_argument("--base", help="directory written by --export")
+    ap.add_argument("--against-transport", choices=("nccl", "peer"),
+                    help="no base revision: this tree against itself with TE_DIST_EP_TRANSPORT set to this")
     ap.add_argument("--configs", default="deepseek,mixtral")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=8)
@@ -74,10 +81,17 @@ def main(argv=None) -> None:
     if args.export:
         export(args.export[0], Path(args.export[1]))
         return
-    if not args.base:
-        ap.error("--base DIR is required (write it with --export REF DIR)")
-    sys.path.insert(0, str(Path(args.base).resolve()))
-    sides = {"this": importlib.import_module("te_dist"), "base": importlib.import_module("te_dist_base")}
+    if not args.base and not args.against_transport:
+        ap.error("--base DIR (write it with --export REF DIR) or --against-transport NAME is required")
+    env = {"this": os.environ.get(TRANSPORT_ENV), "base": os.environ.get(TRANSPORT_ENV)}
+    if args.against_transport:
+        sides = {"this": importlib.import_module("te_dist")}
+        sides["base"], env["base"] = sides["this"], args.against_transport
+        base_name = f"{TRANSPORT_ENV}={args.against_transport}"
+    else:
+        sys.path.insert(0, str(Path(args.base).resolve()))
+        sides = {"this": importlib.import_module("te_dist"), "base": importlib.import_module("te_dist_base")}
+        base_name = args.base
     group, rank = None, 0
     cuda = torch.cuda.is_available()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -101,18 +115,23 @@ def main(argv=None) -> None:
         x = torch.randn(args.tokens, cfg["hidden"], dtype=dtype, device=device, requires_grad=True)
         g = torch.randn_like(x)
 
-        def step(layer):
+        def step(side):
+            layer = layers[side]
             for p in layer.parameters():
                 p.grad = None
             x.grad = None
+            if env[side] is None:
+                os.environ.pop(TRANSPORT_ENV, None)
+            else:
+                os.environ[TRANSPORT_ENV] = env[side]
             out = layer(x)
             out.backward(g)
             return out
 
         outs = {}
-        for side, layer in layers.items():  # warm-up (kernel builds, compiles), then compare outputs
+        for side in layers:  # warm-up (kernel builds, compiles), then compare outputs
             for _ in range(3):
-                outs[side] = step(layer).detach()
+                outs[side] = step(side).detach()
         equal = torch.equal(outs["this"], outs["base"])
         times = {side: [] for side in layers}
         for block in range(args.blocks):
@@ -122,18 +141,18 @@ def main(argv=None) -> None:
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    step(layers[side])
+                    step(side)
                 sync()
                 times[side].append((time.perf_counter() - t0) / args.steps * 1e3)
         this, base = statistics.median(times["this"]), statistics.median(times["base"])
         print(f"rank {rank} {name} EP={ep}: this " + " ".join(f"{t:.2f}" for t in times["this"])
               + " | base " + " ".join(f"{t:.2f}" for t in times["base"]), flush=True)
         rows.append((name, this, base, equal))
-        del layers, outs
+        layers = outs = None  # free the two layers before the next config
         if cuda:
             torch.cuda.empty_cache()
     if rank == 0:
-        print(f"\nMoE layer fwd+bwd, this tree vs {args.base}, EP={ep}, {args.tokens} tokens/rank, {dtype}, "
+        print(f"\nMoE layer fwd+bwd, this tree vs {base_name}, EP={ep}, {args.tokens} tokens/rank, {dtype}, "
               f"{args.blocks} blocks x {args.steps} steps, median ms per step")
         print("| config | this ms | base ms | this/base | outputs equal |\n|---|---|---|---|---|")
         for name, this, base, equal in rows:
