@@ -23,9 +23,10 @@ of ``--iters`` steps after ``--warmup``):
   * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=nccl (the NCCL all-to-all transport),
                  in the same process right after the default one; EP>1 only.
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
-                 (and probability) all-to-alls, sort by local expert) against the same work done by
-                 an oracle that knows the split sizes in advance (no count exchange, no host read,
-                 sort index precomputed): oracle time / dispatch time, calls back to back. The
+                 (and probability) all-to-alls, sort by local expert; with peer rows: permutation,
+                 the peer dispatch and its copy-out) against the all-to-all work done by an oracle
+                 that knows the split sizes in advance (no count exchange, no host read, sort index
+                 precomputed): oracle time / dispatch time, calls back to back. The
                  dispatcher builds its sort indices before its host read, where in a layer step they
                  run behind the previous work; back to back nothing hides them, so this column
                  charges them in full.
