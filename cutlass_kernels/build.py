@@ -156,10 +156,15 @@ def cache_key(inst: Instance) -> str:
     cut = find_cutlass()
     if nvcc is None or cut is None:
         raise BuildError("nvcc or CUTLASS headers not found")
+    return _digest(SOURCE.read_bytes(), _tree_digest(cut[0]).encode(), _tree_digest(cut[1]).encode(),
+                   " ".join(inst.macros + ARCH_FLAGS + BASE_FLAGS).encode(), cut[2].encode(),
+                   nvcc_version(nvcc).encode())
+
+
+def _digest(*parts: bytes) -> str:
+    """Short sha256 of the parts, each terminated so that no two part lists collide."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _tree_digest(cut[0]).encode(), _tree_digest(cut[1]).encode(),
-                 " ".join(inst.macros + ARCH_FLAGS + BASE_FLAGS).encode(), cut[2].encode(),
-                 nvcc_version(nvcc).encode()):
+    for part in parts:
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -179,11 +184,7 @@ def plain_source_key(source: Path) -> str:
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(ARCH_FLAGS + BASE_FLAGS).encode(), nvcc_version(nvcc).encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:20]
+    return _digest(source.read_bytes(), " ".join(ARCH_FLAGS + BASE_FLAGS).encode(), nvcc_version(nvcc).encode())
 
 
 def build_plain_source(source: Path, *, verbose: bool = False) -> Path:

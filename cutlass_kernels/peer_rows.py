@@ -24,8 +24,6 @@ class PeerRowsLibrary:
         c = ctypes
         lib = ctypes.CDLL(str(path))
         lib.te_pr_last_error.restype = c.c_char_p
-        lib.te_pr_put_counts.restype = c.c_int
-        lib.te_pr_put_counts.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
         lib.te_pr_plan.restype = c.c_int
         lib.te_pr_plan.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
                                    c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p]
@@ -46,9 +44,6 @@ class PeerRowsLibrary:
     def _check(self, rc: int) -> None:
         if rc != 0:
             raise RuntimeError(f"peer_rows kernel launch failed: {self._lib.te_pr_last_error().decode(errors='replace')}")
-
-    def put_counts(self, counts, num_experts, world, rank, peer_counts, stream) -> None:
-        self._check(self._lib.te_pr_put_counts(counts, num_experts, world, rank, peer_counts, stream))
 
     def plan(self, matrix, world, num_experts, rank, capacity_rows, dst_base, send_end, local_sizes, local_offsets,
              status, stream) -> None:
