@@ -206,7 +206,7 @@ def use_peer_rows(group, device: torch.device, num_experts: int, row_bytes: int)
         return False
     g = group if group is not None else dist.group.WORLD
     key = (g.group_name, device.index)
-    if key not in _choices:
+    if key not in _choices:  # the reasons why not, per (group, device); empty: peer rows run
         mine = (socket.gethostname(), _local_support(device))
         everyone: List = [None] * group_size(group)
         dist.all_gather_object(everyone, mine, group=group)
@@ -214,10 +214,11 @@ def use_peer_rows(group, device: torch.device, num_experts: int, row_bytes: int)
         why = [f"rank {r}: {w}" for r, (_, w) in enumerate(everyone) if w]
         if len(hosts) > 1:
             why.append(f"ranks on {len(hosts)} hosts")
-        if why and wanted == "peer":
-            raise RuntimeError(f"{TRANSPORT_ENV}=peer but peer rows are unavailable: {'; '.join(why)}")
-        _choices[key] = not why
-    return _choices[key]
+        _choices[key] = why
+    why = _choices[key]
+    if why and wanted == "peer":
+        raise RuntimeError(f"{TRANSPORT_ENV}=peer but peer rows are unavailable: {'; '.join(why)}")
+    return not why
 
 
 # ---------------------------------------------------------------------------- the moves

@@ -171,3 +171,29 @@ def test_symmetric_memory_failure_names_the_way_out(monkeypatch):
                                            r"opened\); set TE_DIST_EP_TRANSPORT=nccl on every rank"):
         ws.ensure(8, 1 << 20)
     assert ws.buffer is None and (ws.num_experts, ws.rows_bytes) == (0, 0)  # nothing half-updated
+
+
+def test_agreed_choice_is_cached_and_forcing_peer_names_every_reason(monkeypatch):
+    """The first call gathers every rank's host and support once; later calls reuse the answer, and
+    TE_DIST_EP_TRANSPORT=peer raises with the gathered reasons even after an 'auto' call cached them."""
+    class Group:
+        group_name = "test-ep-group"
+
+    calls = []
+
+    def gather(out, mine, group=None):
+        calls.append(mine)
+        out[0], out[1] = mine, ("host-b", "")  # rank 1 on another host, able to run
+
+    monkeypatch.setattr(peer_rows, "group_size", lambda group: 2)
+    monkeypatch.setattr(peer_rows.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(peer_rows.dist, "all_gather_object", gather)
+    monkeypatch.setattr(peer_rows, "_choices", {})
+    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "auto")
+    dev = torch.device("cpu")
+    assert peer_rows.use_peer_rows(Group(), dev, 8, 64) is False
+    assert peer_rows.use_peer_rows(Group(), dev, 8, 64) is False
+    assert len(calls) == 1  # agreed once per (group, device)
+    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "peer")
+    with pytest.raises(RuntimeError, match="=peer but peer rows are unavailable: rank 0: tensors on cpu; ranks on 2 hosts"):
+        peer_rows.use_peer_rows(Group(), dev, 8, 64)
