@@ -289,14 +289,15 @@ def exchange_and_push(ws: PeerWorkspace, counts_E: torch.Tensor, rows_S: torch.T
         plan.counts = host.tolist()
         if min(plan.counts, default=0) < 0:
             return plan  # nothing moved; the caller raises on every rank
-        need = max(plan.received_by(d) for d in range(R)) * row_bytes
+        received = [plan.received_by(d) for d in range(R)]
+        need = max(received) * row_bytes
         if need <= ws.rows_bytes:
             break
         # Every rank saw this count matrix, so every rank grows here and pushes again.
         ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN))
     else:  # unreachable: the second push fits the region grown for it
         raise RuntimeError(f"peer rows: {need} bytes did not fit the grown rows region of {ws.rows_bytes}")
-    plan.num_received = plan.received_by(me)
+    plan.num_received = received[me]
     return plan
 
 
