@@ -17,14 +17,14 @@ of ``--iters`` steps after ``--warmup``):
   * dispatch     the layer's dispatch move against a raw ``all_to_all_single`` of the same bytes, as
                  algorithm bandwidth (bytes sent per rank / time). With the peer-rows transport
                  (te_dist.distributed.peer_rows, the default on the GPUs of one host): count
-                 exchange, row map and push, host read of the counts, copy-out of the received
-                 rows; with the all-to-all transport: count exchange + host read + variable-split
+                 exchange, row map, host read of the counts, pull of the received rows from the
+                 senders' regions; with the all-to-all transport: count exchange + host read + variable-split
                  token all-to-all (column "a2a dispatch/raw", measured in both cases).
   * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=nccl (the NCCL all-to-all transport),
                  in the same process right after the default one; EP>1 only.
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
                  (and probability) all-to-alls, sort by local expert; with peer rows: permutation,
-                 the peer dispatch and its copy-out) against the all-to-all work done by an oracle
+                 the peer dispatch) against the all-to-all work done by an oracle
                  that knows the split sizes in advance (no count exchange, no host read, sort index
                  precomputed): oracle time / dispatch time, calls back to back. The
                  dispatcher builds its sort indices before its host read, where in a layer step they
@@ -53,7 +53,7 @@ from te_dist import kernels
 from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
-from te_dist.distributed.peer_rows import TRANSPORT_ENV, exchange_and_push, peer_workspace, receive_rows
+from te_dist.distributed.peer_rows import TRANSPORT_ENV, exchange, peer_workspace, pull
 from te_dist.moe import AllToAllDispatcher, TopKRouter
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
@@ -254,9 +254,14 @@ def bench_layer_parts(layer, T, args, device, dtype):
             all_to_all_tokens(xs, out_splits, in_splits, group)
 
         t_ours_a2a = t_ours = timed(ours_a2a, args, device)
-        if transport == "peer":
+        if transport == "peer":  # the rows sit in the senders' regions, where the expand gather writes them
             ws = peer_workspace(group, device)
-            t_ours = timed(lambda: receive_rows(xs, exchange_and_push(ws, counts, xs)), args, device)
+
+            def ours_peer():
+                plan = exchange(ws, counts, H * xs.element_size())
+                pull(plan, [xs.new_empty(plan.num_received, H)], barrier_before=False)
+
+            t_ours = timed(ours_peer, args, device)
         t_raw = timed(lambda: raw_a2a(xs, out_splits, in_splits, group), args, device)
         sent_bytes = xs.numel() * xs.element_size()
         t_step, t_oracle = in_step_dispatch(layer, x.detach(), args, device)

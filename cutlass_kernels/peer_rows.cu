@@ -8,15 +8,17 @@
 // only to size what comes after, while the rows are already moving.
 //
 // Layout. Every rank holds one symmetric buffer: a counts region [R, E] int64 (row r = the counts
-// rank r sends to each global expert, written by rank r) and a rows region. Rank d receives its
-// rows grouped by (local expert, source rank): rows of local expert l from rank r start at
-//     base_d(l) + prefix_r(e),   e = d*El + l,
-//     base_d(l)   = sum over local experts l' < l of d, over all ranks r', of M[r', d*El + l'],
-//     prefix_r(e) = sum over ranks r' < r of M[r', e],
-// which is the order the grouped GEMMs need, so no sort by local expert follows the move. Row i of
-// the sender's rows (sorted by global expert; expert e's rows start at send_start(e)) goes to row
-//     i + dst_base[e],   dst_base[e] = base_d(l) + prefix_me(e) - send_start(e)
-// of rank d = e / El. A pull reads the same rows back through the same map.
+// rank r sends to each global expert, written by rank r) and a rows region that holds this rank's
+// own rows in its send order (sorted by global expert; expert e's rows of rank r start at
+// send_start_r(e) = sum over e' < e of M[r, e']). Every move is run by the receiving side of the
+// dispatch, over its N received rows, which it keeps grouped by (local expert l, source rank r):
+// the grouped GEMMs' order, so no sort follows. Block b = l*R + r holds M[r, e] rows (e = d*El + l),
+// and its row n reads row
+//     n + src_base[b],   src_base[b] = send_start_r(e) - block_start(b)
+// of rank r's rows region. A pull reads the senders' regions into local rows (dispatch, and the
+// combine's backward); a push writes local rows into them (combine, and the dispatch's backward).
+// The senders pack their rows into their own region and read the results from there, so no move
+// needs a copy into or out of a region.
 //
 // Ordering: every move is bracketed by a barrier over the symmetric memory's signal pads, with the
 // protocol of torch's symmetric-memory barrier (put: CAS 0 -> 1 into the peer's slot for this rank;
@@ -27,12 +29,15 @@
 // C ABI (all launches on the given stream; return 0 or a cudaError_t, see te_pr_last_error):
 //   te_pr_barrier     the barrier above
 //   te_pr_put_counts  counts [E] -> counts region row `me` of every rank
-//   te_pr_plan        counts region [R, E] -> dst_base [E], send_end [E], this rank's local
-//                     expert sizes (int64) and cumulative end offsets (int32), status (int32)
-//   te_pr_move        push (local rows -> peers) or pull (peers -> local rows) of S rows
-//   te_pr_dispatch    the dispatch's whole device sequence in one host call (barrier, put counts,
-//                     barrier, plan, count matrix -> pinned host memory + event, push, barrier);
-//                     te_pr_wait_counts then waits for that event only
+//   te_pr_plan        counts region [R, E] -> block_end [E], src_base [E] (the map above), this
+//                     rank's local expert sizes (int64) and cumulative end offsets (int32); the
+//                     host checks the matrix (negative counts, region size) before any move
+//   te_pr_move        pull (senders' regions -> local rows) or push (local rows -> senders' regions)
+//                     of this rank's N received rows; a local row is up to two contiguous column
+//                     blocks (e.g. x [N, H] and the probabilities' 16-byte tail [N, 16 B])
+//   te_pr_exchange    the count exchange in one host call (barrier, put counts, barrier, plan, count
+//                     matrix -> pinned host memory + event); te_pr_wait_counts then waits for that
+//                     event only
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -49,10 +54,6 @@ int record(cudaError_t err, const char* where) {
   }
   return 0;
 }
-
-// Status bits of the plan (identical on every rank: every rank reads the same count matrix).
-constexpr int kNegativeCount = 1;  // a rank flagged invalid routing (in-band error, see dispatcher)
-constexpr int kOverflow = 2;       // some rank would receive more rows than its rows region holds
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
@@ -93,58 +94,50 @@ __global__ void put_counts_kernel(const int64_t* __restrict__ counts, int E, int
   __threadfence_system();
 }
 
-// One block. Shared memory: 2 * E int64 (column sums, this rank's counts).
-__global__ void plan_kernel(const int64_t* __restrict__ M, int R, int E, int me, int64_t capacity_rows,
-                            int64_t* __restrict__ dst_base, int64_t* __restrict__ send_end,
-                            int64_t* __restrict__ local_sizes, int32_t* __restrict__ local_offsets,
-                            int32_t* __restrict__ status) {
-  extern __shared__ int64_t smem[];
-  int64_t* colsum = smem;
-  int64_t* mine = smem + E;
-  __shared__ int bad;
-  if (threadIdx.x == 0) bad = 0;
+// One block. Shared memory: R int64 (each source rank's rows before this rank's first expert).
+__global__ void plan_kernel(const int64_t* __restrict__ M, int R, int E, int me, int64_t* __restrict__ block_end,
+                            int64_t* __restrict__ src_base, int64_t* __restrict__ local_sizes,
+                            int32_t* __restrict__ local_offsets) {
+  extern __shared__ int64_t before[];
+  const int El = E / R, first = me * El;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < R; r += warps) {  // a warp per source rank: its rows before expert `first`
+    const int64_t* row = M + static_cast<int64_t>(r) * E;
+    int64_t sum = 0;
+    for (int e = lane; e < first; e += 32) sum += row[e];
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+    if (lane == 0) before[r] = sum;
+  }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int64_t total = 0, prefix = 0;
-    for (int r = 0; r < R; ++r) {
-      int64_t v = M[static_cast<int64_t>(r) * E + e];
-      if (v < 0) atomicOr(&bad, kNegativeCount);
-      total += v;
-      if (r < me) prefix += v;
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {  // send_start_r(e) of this rank's experts, per block
+    int64_t start = before[r];
+    for (int l = 0; l < El; ++l) {
+      src_base[l * R + r] = start;
+      start += M[static_cast<int64_t>(r) * E + first + l];
     }
-    colsum[e] = total;
-    mine[e] = M[static_cast<int64_t>(me) * E + e];
-    dst_base[e] = prefix;  // completed below
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  const int El = E / R;
-  int64_t sent = 0;
-  int flags = bad;
-  for (int d = 0; d < R; ++d) {
-    int64_t base = 0;
-    for (int l = 0; l < El; ++l) {
-      const int e = d * El + l;
-      dst_base[e] += base - sent;  // base_d(l) + prefix_me(e) - send_start(e)
-      sent += mine[e];
-      send_end[e] = sent;
-      base += colsum[e];
-      if (d == me) {
-        local_sizes[l] = colsum[e];
-        local_offsets[l] = static_cast<int32_t>(base);
-      }
+  int64_t end = 0, prev = 0;
+  for (int l = 0; l < El; ++l) {
+    for (int r = 0; r < R; ++r) {
+      const int b = l * R + r;
+      src_base[b] -= end;  // send_start_r(e) - block_start(b)
+      end += M[static_cast<int64_t>(r) * E + first + l];
+      block_end[b] = end;
     }
-    if (base > capacity_rows) flags |= kOverflow;
+    local_sizes[l] = end - prev;
+    local_offsets[l] = static_cast<int32_t>(end);
+    prev = end;
   }
-  *status = flags;
 }
 
-// First expert e with send_end[e] > row (send_end is non-decreasing and ends at S > row).
-__device__ __forceinline__ int expert_of_row(const int64_t* __restrict__ send_end, int E, int64_t row) {
-  int lo = 0, hi = E - 1;
+// First block b with block_end[b] > row (block_end is non-decreasing and ends at N > row).
+__device__ __forceinline__ int block_of_row(const int64_t* __restrict__ block_end, int blocks, int64_t row) {
+  int lo = 0, hi = blocks - 1;
   while (lo < hi) {
     int mid = (lo + hi) >> 1;
-    if (send_end[mid] > row) hi = mid; else lo = mid + 1;
+    if (block_end[mid] > row) hi = mid; else lo = mid + 1;
   }
   return lo;
 }
@@ -152,39 +145,46 @@ __device__ __forceinline__ int expert_of_row(const int64_t* __restrict__ send_en
 constexpr int kWarps = 16;   // warps per block; one warp moves one row at a time
 constexpr int kUnroll = 4;   // 16-byte vectors in flight per lane
 
+// Row n of this rank's N received rows: local columns [a_bytes | b_bytes] (two contiguous blocks,
+// b may be empty) <-> row n + src_base[b] of the source rank's rows region (a_bytes + b_bytes wide).
 template <bool kPush>
 __global__ void __launch_bounds__(kWarps * 32)
-move_kernel(uint8_t* __restrict__ local_rows, int64_t S, int64_t row_bytes, const int64_t* __restrict__ dst_base,
-            const int64_t* __restrict__ send_end, int E, int El, uint8_t* const* __restrict__ peer_rows,
-            const int32_t* __restrict__ status) {
-  if (status != nullptr && *status != 0) return;
+move_kernel(uint8_t* __restrict__ a, int64_t a_bytes, uint8_t* __restrict__ b, int64_t b_bytes, int64_t N,
+            const int64_t* __restrict__ block_end, const int64_t* __restrict__ src_base, int blocks, int R,
+            uint8_t* const* __restrict__ peer_rows) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  const int64_t vecs = row_bytes / 16;
-  for (int64_t row = warp; row < S; row += num_warps) {
-    const int e = expert_of_row(send_end, E, row);
-    const int d = e / El;
-    uint4* remote = reinterpret_cast<uint4*>(peer_rows[d] + (row + dst_base[e]) * row_bytes);
-    uint4* local = reinterpret_cast<uint4*>(local_rows + row * row_bytes);
-    const uint4* src = kPush ? local : remote;
-    uint4* dst = kPush ? remote : local;
-    int64_t v = lane;
-    for (; v + 32 * (kUnroll - 1) < vecs; v += 32 * kUnroll) {
+  const int64_t va = a_bytes / 16, vecs = (a_bytes + b_bytes) / 16;
+  for (int64_t row = warp; row < N; row += num_warps) {
+    const int blk = block_of_row(block_end, blocks, row);
+    uint4* remote = reinterpret_cast<uint4*>(peer_rows[blk % R] + (row + src_base[blk]) * (a_bytes + b_bytes));
+    uint4* la = reinterpret_cast<uint4*>(a + row * a_bytes);
+    uint4* lb = reinterpret_cast<uint4*>(b + row * b_bytes) - va;  // lb[v] for v >= va
+    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
       uint4 buf[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) buf[u] = src[v + 32 * u];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + 32 * u;
+        if (v < vecs) buf[u] = kPush ? (v < va ? la[v] : lb[v]) : remote[v];
+      }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) dst[v + 32 * u] = buf[u];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + 32 * u;
+        if (v < vecs) {
+          if (kPush) remote[v] = buf[u];
+          else if (v < va) la[v] = buf[u];
+          else lb[v] = buf[u];
+        }
+      }
     }
-    for (; v < vecs; v += 32) dst[v] = src[v];
   }
   if (kPush) __threadfence_system();
 }
 
 int launch_barrier(uint32_t* const* pads, int channel, int rank, int world, uint64_t timeout_ns,
                    cudaStream_t stream) {
-  barrier_kernel<<<1, 32, 0, stream>>>(pads, channel, rank, world, timeout_ns);
+  barrier_kernel<<<1, (world + 31) / 32 * 32, 0, stream>>>(pads, channel, rank, world, timeout_ns);
   return record(cudaGetLastError(), "te_pr_barrier");
 }
 
@@ -208,66 +208,64 @@ int te_pr_put_counts(const int64_t* counts, int E, int R, int me, int64_t* const
   return record(cudaGetLastError(), "te_pr_put_counts");
 }
 
-int te_pr_plan(const int64_t* M, int R, int E, int me, int64_t capacity_rows, int64_t* dst_base, int64_t* send_end,
-               int64_t* local_sizes, int32_t* local_offsets, int32_t* status, cudaStream_t stream) {
-  size_t smem = 2 * static_cast<size_t>(E) * sizeof(int64_t);
-  if (smem > 48 * 1024) {
-    snprintf(g_error, sizeof(g_error), "te_pr_plan: %d experts need %zu bytes of shared memory (max 49152)", E, smem);
+int te_pr_plan(const int64_t* M, int R, int E, int me, int64_t* block_end, int64_t* src_base, int64_t* local_sizes,
+               int32_t* local_offsets, cudaStream_t stream) {
+  size_t smem = static_cast<size_t>(R) * sizeof(int64_t);
+  if (R <= 0 || E % R != 0 || smem > 48 * 1024) {
+    snprintf(g_error, sizeof(g_error), "te_pr_plan: %d experts over %d ranks (E %% R == 0 and R <= 6144 needed)", E, R);
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  plan_kernel<<<1, 256, smem, stream>>>(M, R, E, me, capacity_rows, dst_base, send_end, local_sizes, local_offsets,
-                                        status);
+  plan_kernel<<<1, 256, smem, stream>>>(M, R, E, me, block_end, src_base, local_sizes, local_offsets);
   return record(cudaGetLastError(), "te_pr_plan");
 }
 
-int te_pr_move(int push, void* local_rows, int64_t S, int64_t row_bytes, const int64_t* dst_base,
-               const int64_t* send_end, int E, int El, void* const* peer_rows, const int32_t* status, int max_blocks,
+int te_pr_move(int push, void* a, int64_t a_bytes, void* b, int64_t b_bytes, int64_t N, const int64_t* block_end,
+               const int64_t* src_base, int blocks, int R, void* const* peer_rows, int max_blocks,
                cudaStream_t stream) {
-  if (row_bytes % 16 != 0) {
-    snprintf(g_error, sizeof(g_error), "te_pr_move: row_bytes=%lld is not a multiple of 16", (long long)row_bytes);
+  if (a_bytes % 16 != 0 || b_bytes % 16 != 0) {
+    snprintf(g_error, sizeof(g_error), "te_pr_move: column blocks of %lld and %lld bytes (multiples of 16 needed)",
+             (long long)a_bytes, (long long)b_bytes);
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  if (S == 0) return 0;
-  int64_t want = (S + kWarps - 1) / kWarps;
-  int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
+  if (N == 0 || a_bytes + b_bytes == 0) return 0;
+  int64_t want = (N + kWarps - 1) / kWarps;
+  int grid = static_cast<int>(want < max_blocks ? want : max_blocks);
   auto rows = reinterpret_cast<uint8_t* const*>(peer_rows);
-  auto local = static_cast<uint8_t*>(local_rows);
+  auto la = static_cast<uint8_t*>(a);
+  auto lb = static_cast<uint8_t*>(b);
   if (push) {
-    move_kernel<true><<<blocks, kWarps * 32, 0, stream>>>(local, S, row_bytes, dst_base, send_end, E, El, rows, status);
+    move_kernel<true><<<grid, kWarps * 32, 0, stream>>>(la, a_bytes, lb, b_bytes, N, block_end, src_base, blocks, R, rows);
   } else {
-    move_kernel<false><<<blocks, kWarps * 32, 0, stream>>>(local, S, row_bytes, dst_base, send_end, E, El, rows, status);
+    move_kernel<false><<<grid, kWarps * 32, 0, stream>>>(la, a_bytes, lb, b_bytes, N, block_end, src_base, blocks, R, rows);
   }
   return record(cudaGetLastError(), "te_pr_move");
 }
 
-int te_pr_dispatch(uint32_t* const* pads, int rank, int world, uint64_t timeout_ns, const int64_t* counts, int E,
-                   int64_t* const* peer_counts, int64_t* matrix, int64_t capacity_rows, int64_t* dst_base,
-                   int64_t* send_end, int64_t* local_sizes, int32_t* local_offsets, int32_t* status,
-                   int64_t* host_matrix, void* rows, int64_t S, int64_t row_bytes, void* const* peer_rows,
-                   int max_blocks, cudaStream_t stream) {
+int te_pr_exchange(uint32_t* const* pads, int rank, int world, uint64_t timeout_ns, const int64_t* counts, int E,
+                   int64_t* const* peer_counts, int64_t* matrix, int64_t* block_end, int64_t* src_base,
+                   int64_t* local_sizes, int32_t* local_offsets, int64_t* host_matrix,
+                   cudaStream_t stream) {
   int device = 0;
-  int rc = record(cudaGetDevice(&device), "te_pr_dispatch: cudaGetDevice");
+  int rc = record(cudaGetDevice(&device), "te_pr_exchange: cudaGetDevice");
   if (rc) return rc;
   if (device >= kMaxDevices) {
-    snprintf(g_error, sizeof(g_error), "te_pr_dispatch: device %d >= %d", device, kMaxDevices);
+    snprintf(g_error, sizeof(g_error), "te_pr_exchange: device %d >= %d", device, kMaxDevices);
     return static_cast<int>(cudaErrorInvalidDevice);
   }
   if (g_counts_ready[device] == nullptr) {
-    rc = record(cudaEventCreateWithFlags(&g_counts_ready[device], cudaEventDisableTiming), "te_pr_dispatch: event");
+    rc = record(cudaEventCreateWithFlags(&g_counts_ready[device], cudaEventDisableTiming), "te_pr_exchange: event");
     if (rc) return rc;
   }
   if ((rc = launch_barrier(pads, 0, rank, world, timeout_ns, stream))) return rc;
   if ((rc = te_pr_put_counts(counts, E, world, rank, peer_counts, stream))) return rc;
   if ((rc = launch_barrier(pads, 0, rank, world, timeout_ns, stream))) return rc;
-  if ((rc = te_pr_plan(matrix, world, E, rank, capacity_rows, dst_base, send_end, local_sizes, local_offsets, status,
-                       stream))) return rc;
+  if ((rc = te_pr_plan(matrix, world, E, rank, block_end, src_base, local_sizes, local_offsets, stream))) {
+    return rc;
+  }
   rc = record(cudaMemcpyAsync(host_matrix, matrix, sizeof(int64_t) * world * E, cudaMemcpyDeviceToHost, stream),
-              "te_pr_dispatch: count matrix to host");
+              "te_pr_exchange: count matrix to host");
   if (rc) return rc;
-  if ((rc = record(cudaEventRecord(g_counts_ready[device], stream), "te_pr_dispatch: event record"))) return rc;
-  if ((rc = te_pr_move(1, rows, S, row_bytes, dst_base, send_end, E, E / world, peer_rows, status, max_blocks,
-                       stream))) return rc;
-  return launch_barrier(pads, 0, rank, world, timeout_ns, stream);
+  return record(cudaEventRecord(g_counts_ready[device], stream), "te_pr_exchange: event record");
 }
 
 int te_pr_wait_counts() {

@@ -25,17 +25,16 @@ class PeerRowsLibrary:
         lib = ctypes.CDLL(str(path))
         lib.te_pr_last_error.restype = c.c_char_p
         lib.te_pr_plan.restype = c.c_int
-        lib.te_pr_plan.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
-                                   c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p]
+        lib.te_pr_plan.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p,
+                                   c.c_void_p, c.c_void_p]
         lib.te_pr_move.restype = c.c_int
-        lib.te_pr_move.argtypes = [c.c_int, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_void_p, c.c_int,
-                                   c.c_int, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p]
+        lib.te_pr_move.argtypes = [c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p,
+                                   c.c_void_p, c.c_int, c.c_int, c.c_void_p, c.c_int, c.c_void_p]
         lib.te_pr_barrier.restype = c.c_int
         lib.te_pr_barrier.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_uint64, c.c_void_p]
-        lib.te_pr_dispatch.restype = c.c_int
-        lib.te_pr_dispatch.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_uint64, c.c_void_p, c.c_int, c.c_void_p,
-                                       c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
-                                       c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int,
+        lib.te_pr_exchange.restype = c.c_int
+        lib.te_pr_exchange.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_uint64, c.c_void_p, c.c_int, c.c_void_p,
+                                       c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
                                        c.c_void_p]
         lib.te_pr_wait_counts.restype = c.c_int
         self._lib = lib
@@ -45,25 +44,26 @@ class PeerRowsLibrary:
         if rc != 0:
             raise RuntimeError(f"peer_rows kernel launch failed: {self._lib.te_pr_last_error().decode(errors='replace')}")
 
-    def plan(self, matrix, world, num_experts, rank, capacity_rows, dst_base, send_end, local_sizes, local_offsets,
-             status, stream) -> None:
-        self._check(self._lib.te_pr_plan(matrix, world, num_experts, rank, capacity_rows, dst_base, send_end,
-                                         local_sizes, local_offsets, status, stream))
+    def plan(self, matrix, world, num_experts, rank, block_end, src_base, local_sizes, local_offsets, stream) -> None:
+        self._check(self._lib.te_pr_plan(matrix, world, num_experts, rank, block_end, src_base, local_sizes,
+                                         local_offsets, stream))
 
     def barrier(self, pads, channel, rank, world, timeout_ns, stream) -> None:
         self._check(self._lib.te_pr_barrier(pads, channel, rank, world, timeout_ns, stream))
 
-    def dispatch(self, *args) -> None:
-        """te_pr_dispatch: the dispatch's device sequence (peer_rows.cu has the argument order)."""
-        self._check(self._lib.te_pr_dispatch(*args))
+    def exchange(self, *args) -> None:
+        """te_pr_exchange: the count exchange's device sequence (peer_rows.cu has the argument order)."""
+        self._check(self._lib.te_pr_exchange(*args))
 
     def wait_counts(self) -> None:
         self._check(self._lib.te_pr_wait_counts())
 
-    def move(self, push, local_rows, num_rows, row_bytes, dst_base, send_end, num_experts, local_experts, peer_rows,
-             status, max_blocks, stream) -> None:
-        self._check(self._lib.te_pr_move(int(push), local_rows, num_rows, row_bytes, dst_base, send_end, num_experts,
-                                         local_experts, peer_rows, status, max_blocks, stream))
+    def move(self, push, a, a_bytes, b, b_bytes, num_rows, block_end, src_base, blocks, world, peer_rows, max_blocks,
+             stream) -> None:
+        """Pull (``push`` false) or push this rank's received rows: local column blocks ``a`` and ``b``
+        (``b_bytes`` may be 0) against the senders' rows regions (peer_rows.cu, "Layout")."""
+        self._check(self._lib.te_pr_move(int(push), a, a_bytes, b, b_bytes, num_rows, block_end, src_base, blocks,
+                                         world, peer_rows, max_blocks, stream))
 
 
 _lock = threading.Lock()

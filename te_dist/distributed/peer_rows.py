@@ -1,34 +1,32 @@
-"""Expert-parallel row moves through peer-mapped memory, with no host read before the token move.
+"""Expert-parallel row moves through peer-mapped memory, with no copy into or out of a staging buffer.
 
-Why: NCCL's variable-split all-to-all takes its split sizes on the host. The dispatch must then
-read the exchanged counts first, and the GPU idles from that read until the host has launched the
-token move (docs/moe.md "The host read"). Here, for the GPUs of one host, every step runs on the
-device:
+Why: NCCL's variable-split all-to-all takes its split sizes on the host and moves rows between
+private buffers; on the GPUs of one host every rank can read and write its peers' memory directly,
+so rows can go from where they are made to where they are used in one pass (docs/moe.md "Peer rows").
 
-    dispatch (exchange_and_push, then receive_rows)
-      barrier | put my counts [E] into row `me` of every rank's counts region | barrier
-      plan kernel: every row's destination from the count matrix [R, E]
-      async copy of the count matrix to the host | push my rows into the peers' rows regions | barrier
-      host: wait for the count matrix only (the push is still running), size what follows
-      copy the received rows out of the rows region (they arrive grouped by local expert, source
-      rank: the order of the grouped GEMMs, so no sort follows)
-    combine (send_back): barrier | copy expert outputs into my rows region | barrier | pull my rows
-    backward: dispatch's is combine's forward, and combine's is dispatch's push.
+Every rank's symmetric buffer holds a counts region [R, E] and a rows region with *this rank's own
+rows in its send order* (sorted by global expert). Every move is run by the receiving side of the
+dispatch, over the N rows it receives, kept grouped by (local expert, source rank), the grouped
+GEMMs' order (cutlass_kernels/peer_rows.cu, "Layout"):
 
-Each barrier runs torch's symmetric-memory barrier protocol on the buffer's signal pads, in our own
-kernel (system-scope release/acquire; a rank that waits 10 minutes traps). The one before a move
-also guarantees that every rank finished reading what the previous move left in its region.
-Every rank runs the same sequence of moves (like any collective), so one workspace per (EP group,
-device) serves every MoE layer.
+    dispatch   the sender packs its rows into its region (the expand gather writes there) |
+               exchange: barrier | counts into row `me` of every rank's counts region | barrier |
+               plan kernel: where each received row sits in its sender's region | count matrix to
+               the host | host: wait for it, size x | pull the rows into x | barrier
+    combine    barrier | push expert outputs into the senders' regions | barrier | the sender sums
+               each token's K rows straight from its region
+    backward   the combine's: the sender writes the expanded output gradient into its region, the
+               receivers pull; the dispatch's: the receivers push the row gradients, the sender
+               sums them from its region.
 
-Workspace: one symmetric buffer, [counts region R x E int64 | rows region]. It grows, collectively,
-when a dispatch would overflow it: the plan kernel then moves nothing, every rank sees the same
-count matrix and so the same overflow, and all of them grow the buffer and push again. The first
-dispatch always does this (the workspace starts with no rows region).
+Every move is bracketed by barriers, so between moves only the owner touches its region, and one
+workspace per (EP group, device) serves every MoE layer (the ranks run the same sequence of moves,
+as with any collective). Each barrier runs torch's symmetric-memory barrier protocol on the buffer's
+signal pads, in our own kernel (system-scope release/acquire; a rank that waits 10 minutes traps).
 
-The row moves are ``cutlass_kernels/peer_rows.cu`` (one warp per row, 16-byte vectors). The whole
-device sequence of a dispatch is queued by one host call: at small token counts the host work of a
-dispatch set its speed (docs/benchmarks.md, "MoE layer", eleventh session).
+The rows region is sized for the largest number of rows any rank sends (T*K, the same every step
+for a fixed batch). It grows collectively in the exchange: every rank sees the same count matrix,
+so all of them grow together; rows packed outside the region (it was too small) are copied in.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import importlib
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,10 +47,10 @@ __all__ = [
     "PeerWorkspace",
     "RowPlan",
     "peer_workspace",
-    "exchange_and_push",
-    "receive_rows",
-    "send_back",
-    "expected_layout",
+    "exchange",
+    "pull",
+    "push",
+    "expected_sources",
 ]
 
 TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # "auto" (default), "peer" or "nccl"; the same on every rank
@@ -60,7 +58,6 @@ _ALIGN = 2 << 20  # rows region sizes round up to 2 MiB
 _GROWTH = 1.25  # headroom when the rows region grows
 _MAX_BLOCKS_PER_SM = 4
 _BARRIER_TIMEOUT_NS = 600 * 10**9  # a rank that never arrives traps the kernel (an error, not a hang)
-_MAX_EXPERTS = 3072  # the plan kernel keeps two int64 per expert in 48 KiB of shared memory
 
 
 def _round_up(n: int, to: int) -> int:
@@ -90,16 +87,18 @@ class PeerWorkspace:
     def counts_bytes(self) -> int:
         return _round_up(self.world * self.num_experts * 8, 256)
 
-    def ensure(self, num_experts: int, rows_bytes: int) -> None:
-        """Collective when it grows: every rank calls it with the same arguments (derived from the
-        count matrix every rank holds, or from the layer's expert count)."""
+    def ensure(self, num_experts: int, rows_bytes: int, keep_bytes: int = 0) -> None:
+        """Collective when it grows: every rank calls it with the same sizes (derived from the count
+        matrix every rank holds, or from the layer's expert count). The first ``keep_bytes`` of the
+        rows region survive a growth (this rank's rows, packed before the exchange)."""
         if self.buffer is not None and num_experts <= self.num_experts and rows_bytes <= self.rows_bytes:
             return
         import torch.distributed._symmetric_memory as symm_mem
 
+        old = self.rows_region(keep_bytes) if self.buffer is not None and keep_bytes else None
         if self.buffer is not None:
-            # Peers wrote into this buffer up to our last barrier; once our stream is past it, no
-            # peer touches the buffer again (see the module docstring).
+            # Peers touch this buffer only between the barriers of a move; once our stream is past
+            # the last one, none does again (see the module docstring).
             torch.cuda.current_stream(self.device).synchronize()
         num_experts, rows_bytes = max(num_experts, self.num_experts), max(rows_bytes, self.rows_bytes)
         counts_bytes = _round_up(self.world * num_experts * 8, 256)
@@ -122,6 +121,8 @@ class PeerWorkspace:
         self.signal_pads = handle.signal_pad_ptrs_dev  # device array of every rank's signal pad
         self.host_counts = torch.empty(self.world * self.num_experts, dtype=torch.int64, pin_memory=True)
         self._counts_views = {}
+        if old is not None:
+            self.rows_region(keep_bytes).copy_(old)
 
     def barrier(self) -> None:
         self.lib.barrier(self.signal_pads, 0, self.rank, self.world, _BARRIER_TIMEOUT_NS,
@@ -135,21 +136,29 @@ class PeerWorkspace:
             views = self._counts_views[num_experts] = (self.buffer[: n * 8].view(torch.int64), self.host_counts[:n])
         return views
 
-    def rows(self, num_rows: int, row_shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's rows region as [num_rows, *row_shape] of ``dtype``."""
-        row_bytes = dtype.itemsize
-        for s in row_shape:
-            row_bytes *= s
-        start = self.counts_bytes
-        return self.buffer[start:start + num_rows * row_bytes].view(dtype).view(num_rows, *row_shape)
+    def rows_region(self, num_bytes: int) -> torch.Tensor:
+        """The first ``num_bytes`` of this rank's rows region (uint8)."""
+        if num_bytes > self.rows_bytes:
+            raise ValueError(f"peer rows: {num_bytes} bytes do not fit the rows region of {self.rows_bytes} bytes")
+        return self.buffer[self.counts_bytes:self.counts_bytes + num_bytes]
 
-    def move(self, push: bool, local: torch.Tensor, plan: "RowPlan", status: Optional[torch.Tensor]) -> None:
-        """Push ``local``'s rows to their destinations, or pull them from there into ``local``."""
-        row_bytes = local.stride(0) * local.element_size()
-        self.lib.move(push, local.data_ptr(), local.shape[0], row_bytes, plan.dst_base.data_ptr(),
-                      plan.send_end.data_ptr(), plan.num_experts, plan.num_experts // self.world,
-                      self.peer_rows.data_ptr(), 0 if status is None else status.data_ptr(), self.max_blocks,
-                      torch.cuda.current_stream(self.device).cuda_stream)
+    def region(self, num_rows: int, columns: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """This rank's rows region as [num_rows, columns] of ``dtype``, or None where it does not fit
+        (yet: the exchange grows it)."""
+        num_bytes = num_rows * columns * dtype.itemsize
+        if self.buffer is None or num_bytes > self.rows_bytes:
+            return None
+        return self.rows_region(num_bytes).view(dtype).view(num_rows, columns)
+
+    def move(self, push: bool, plan: "RowPlan", blocks: Sequence[torch.Tensor]) -> None:
+        """One pull or push of this rank's received rows (no barriers): ``blocks`` are one or two
+        contiguous [N, w] tensors, a row's column blocks; the senders' regions hold them side by side."""
+        a, b = (blocks[0], blocks[1]) if len(blocks) == 2 else (blocks[0], None)
+        a_bytes = a.shape[1] * a.element_size()
+        b_bytes = 0 if b is None else b.shape[1] * b.element_size()
+        self.lib.move(push, a.data_ptr(), a_bytes, 0 if b is None else b.data_ptr(), b_bytes, plan.num_received,
+                      plan.block_end.data_ptr(), plan.src_base.data_ptr(), plan.num_experts, self.world,
+                      self.peer_rows.data_ptr(), self.max_blocks, torch.cuda.current_stream(self.device).cuda_stream)
 
 
 _workspaces: dict = {}
@@ -183,7 +192,7 @@ def _local_support(device: torch.device) -> str:
 _choices: dict = {}
 
 
-def use_peer_rows(group, device: torch.device, num_experts: int, row_bytes: int) -> bool:
+def use_peer_rows(group, device: torch.device, row_bytes: int) -> bool:
     """Whether the EP group moves rows of ``row_bytes`` bytes through peer memory. Collective on the
     first call per (group, device): every rank must agree, or one would wait in a barrier the
     others never enter (the arguments are the layer's config, the same on every rank)."""
@@ -198,7 +207,6 @@ def use_peer_rows(group, device: torch.device, num_experts: int, row_bytes: int)
     unfit = [why for bad, why in (
         (backend != "nccl", f"the EP group runs {backend}, not nccl"),
         (row_bytes % 16 != 0, f"rows of {row_bytes} bytes (a multiple of 16 is needed)"),
-        (num_experts > _MAX_EXPERTS, f"{num_experts} experts (at most {_MAX_EXPERTS})"),
     ) if bad]
     if unfit:  # the same on every rank: the layer's config and the group's backend
         if wanted == "peer":
@@ -228,8 +236,8 @@ class RowPlan:
 
     workspace: PeerWorkspace
     num_experts: int
-    dst_base: torch.Tensor  # int64 [E]: row i of expert e goes to row i + dst_base[e] of rank e // El
-    send_end: torch.Tensor  # int64 [E]: cumulative rows this rank sends, by global expert
+    block_end: torch.Tensor  # int64 [E]: cumulative end row of received block b = (local expert, source rank)
+    src_base: torch.Tensor  # int64 [E]: received row n of block b is row n + src_base[b] of its sender's region
     local_sizes: torch.Tensor  # int64 [El]: rows each local expert receives (device)
     local_offsets: torch.Tensor  # int32 [El]: their cumulative end rows (device)
     counts: List[int] = field(default_factory=list)  # the count matrix [R, E], row-major (host)
@@ -239,163 +247,98 @@ class RowPlan:
     def matrix_row(self, r: int) -> List[int]:
         return self.counts[r * self.num_experts:(r + 1) * self.num_experts]
 
-    def received_by(self, d: int) -> int:
-        El = self.num_experts // self.workspace.world
-        return sum(sum(self.counts[r * self.num_experts + d * El:r * self.num_experts + (d + 1) * El])
-                   for r in range(self.workspace.world))
+    @property
+    def invalid(self) -> bool:
+        """A rank sent the in-band error flag (negative counts): nothing may move."""
+        return min(self.counts, default=0) < 0
 
 
-def _plan_scratch(E: int, El: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One allocation for a plan's device tensors (dst_base, send_end, local sizes, int32 local
-    offsets, int32 status): the dispatch sits between the step's host read and its first GEMM, so
-    every host microsecond counts (docs/moe.md "The host read")."""
-    scratch = torch.empty(2 * E + El + (El + 2) // 2, dtype=torch.int64, device=device)
-    small = scratch[2 * E + El:].view(torch.int32)
-    return scratch[:E], scratch[E:2 * E], scratch[2 * E:2 * E + El], small[:El], small[El:El + 1]
+def _plan_scratch(E: int, El: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One allocation for a plan's device tensors (block_end, src_base, local sizes, int32 local
+    offsets): the dispatch sits between the step's host read and its first GEMM, so every host
+    microsecond counts (docs/moe.md "The host read")."""
+    scratch = torch.empty(2 * E + El + (El + 1) // 2, dtype=torch.int64, device=device)
+    return scratch[:E], scratch[E:2 * E], scratch[2 * E:2 * E + El], scratch[2 * E + El:].view(torch.int32)[:El]
 
 
-def exchange_and_push(ws: PeerWorkspace, counts_E: torch.Tensor, rows_S: torch.Tensor) -> RowPlan:
-    """Count exchange, row map and push of ``rows_S`` (rows sorted by global expert, ``counts_E[e]``
-    rows of expert e). Returns once the count matrix is on the host, usually with the push still
-    running. Negative counts (the in-band error flag) move nothing; the caller checks ``plan.counts``
-    and raises on every rank before it uses the rows.
+def exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int, staged: Optional[torch.Tensor] = None) -> RowPlan:
+    """The count exchange and the row map, for rows of ``row_bytes`` bytes that this rank packed
+    into its region (``ws.region``), sorted by global expert, ``counts_E[e]`` of expert e; where the
+    region was too small, pass the packed rows as ``staged``. Returns once the count matrix is on
+    the host. Every rank's rows are then in its region (grown collectively where needed). Negative
+    counts (the in-band error flag) make ``plan.invalid``: the caller moves nothing and raises, on
+    every rank.
     """
     if torch.cuda.current_device() != ws.device.index:  # the launches below go to the current device
         with torch.cuda.device(ws.device):
-            return exchange_and_push(ws, counts_E, rows_S)
+            return exchange(ws, counts_E, row_bytes, staged)
     E, R, me = counts_E.numel(), ws.world, ws.rank
     if E % R != 0:
         raise ValueError(f"{E} experts are not divisible by the EP size {R}")
-    if counts_E.dtype != torch.int64 or rows_S.dim() != 2 or not rows_S.is_contiguous():
-        raise ValueError(f"expected int64 counts and contiguous 2-D rows, got {counts_E.dtype} and "
-                         f"shape {tuple(rows_S.shape)} (contiguous={rows_S.is_contiguous()})")
-    row_bytes = rows_S.shape[1] * rows_S.element_size()
-    if row_bytes % 16 != 0:
-        raise ValueError(f"peer rows need rows of a multiple of 16 bytes, got {row_bytes}")
-    stream = torch.cuda.current_stream(ws.device).cuda_stream
-    ws.ensure(E, ws.rows_bytes)
-    dst_base, send_end, local_sizes, local_offsets, status = _plan_scratch(E, E // R, ws.device)
-    plan = RowPlan(ws, E, dst_base, send_end, local_sizes, local_offsets, num_sent=rows_S.shape[0])
+    if counts_E.dtype != torch.int64 or row_bytes % 16 != 0:
+        raise ValueError(f"expected int64 counts and rows of a multiple of 16 bytes, got {counts_E.dtype} and "
+                         f"{row_bytes} bytes")
+    El = E // R
+    ws.ensure(E, ws.rows_bytes, keep_bytes=0 if staged is not None else ws.rows_bytes)
+    block_end, src_base, local_sizes, local_offsets = _plan_scratch(E, El, ws.device)
+    plan = RowPlan(ws, E, block_end, src_base, local_sizes, local_offsets)
     counts_E = counts_E.contiguous()
-    for _attempt in range(2):
-        # One host call queues the whole device sequence (module docstring): barrier, put counts,
-        # barrier, plan, count matrix to the host + event, push, barrier.
-        matrix, host = ws.counts_views(E)
-        ws.lib.dispatch(ws.signal_pads, me, R, _BARRIER_TIMEOUT_NS, counts_E.data_ptr(), E, ws.peer_counts.data_ptr(),
-                        matrix.data_ptr(), ws.rows_bytes // row_bytes, dst_base.data_ptr(), send_end.data_ptr(),
-                        local_sizes.data_ptr(), local_offsets.data_ptr(), status.data_ptr(), host.data_ptr(),
-                        rows_S.data_ptr(), rows_S.shape[0], row_bytes, ws.peer_rows.data_ptr(), ws.max_blocks, stream)
-        ws.lib.wait_counts()
-        plan.counts = host.tolist()
-        if min(plan.counts, default=0) < 0:
-            return plan  # nothing moved; the caller raises on every rank
-        received = [plan.received_by(d) for d in range(R)]
-        need = max(received) * row_bytes
-        if need <= ws.rows_bytes:
-            break
-        # Every rank saw this count matrix, so every rank grows here and pushes again.
-        ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN))
-    else:  # unreachable: the second push fits the region grown for it
-        raise RuntimeError(f"peer rows: {need} bytes did not fit the grown rows region of {ws.rows_bytes}")
-    plan.num_received = received[me]
+    matrix, host = ws.counts_views(E)
+    # One host call queues the device sequence (module docstring): barrier, put counts, barrier,
+    # plan, count matrix to the host + event; then the host waits for that event only.
+    ws.lib.exchange(ws.signal_pads, me, R, _BARRIER_TIMEOUT_NS, counts_E.data_ptr(), E, ws.peer_counts.data_ptr(),
+                    matrix.data_ptr(), block_end.data_ptr(), src_base.data_ptr(), local_sizes.data_ptr(),
+                    local_offsets.data_ptr(), host.data_ptr(), torch.cuda.current_stream(ws.device).cuda_stream)
+    ws.lib.wait_counts()
+    plan.counts = counts = host.tolist()
+    if plan.invalid:
+        return plan
+    sent = [sum(counts[r * E:(r + 1) * E]) for r in range(R)]
+    plan.num_sent = sent[me]
+    plan.num_received = sum(sum(counts[r * E + me * El:r * E + (me + 1) * El]) for r in range(R))
+    need = max(sent) * row_bytes
+    if need > ws.rows_bytes:  # every rank saw this matrix: all of them grow here (a rank stages only then)
+        ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN), keep_bytes=0 if staged is not None else sent[me] * row_bytes)
+        if staged is not None:
+            ws.rows_region(sent[me] * row_bytes).copy_(staged.reshape(-1).view(torch.uint8))
+        ws.barrier()  # every sender's rows are in its new region before anyone pulls
+    elif staged is not None and staged.numel():
+        raise RuntimeError("peer rows: rows were staged outside a region they fit in")  # see ws.region
     return plan
 
 
-class _ReceiveRows(torch.autograd.Function):
-    """Forward: the received rows, copied out of the rows region as contiguous column blocks.
-    Backward: the blocks' gradients copied into the region, then pulled back to the senders."""
-
-    @staticmethod
-    def forward(ctx, rows_S, plan, columns):
-        ws, N = plan.workspace, plan.num_received
-        region = ws.rows(N, (rows_S.shape[1],), rows_S.dtype)
-        ctx.plan, ctx.shape, ctx.dtype = plan, rows_S.shape, rows_S.dtype
-        starts = [0]
-        for c in columns:
-            starts.append(starts[-1] + c)
-        ctx.starts = starts
-        return tuple(region[:, a:b].clone(memory_format=torch.contiguous_format) for a, b in zip(starts, starts[1:]))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        with torch.cuda.device(ctx.plan.workspace.device):
-            return _ReceiveRows._backward(ctx, grads)
-
-    @staticmethod
-    def _backward(ctx, grads):
-        plan, ws = ctx.plan, ctx.plan.workspace
+def pull(plan: RowPlan, blocks: Sequence[torch.Tensor], barrier_before: bool = True) -> None:
+    """Fill ``blocks`` (one or two contiguous [N, w] tensors, a received row's column blocks) from
+    the senders' regions; collective. ``barrier_before=False`` right after :func:`exchange`, whose
+    barriers already follow every sender's packing."""
+    ws = plan.workspace
+    with torch.cuda.device(ws.device):  # our launches go to the current device
+        if barrier_before:
+            ws.barrier()
+        ws.move(False, plan, blocks)
         ws.barrier()
-        region = ws.rows(plan.num_received, (ctx.shape[1],), ctx.dtype)
-        for g, a, b in zip(grads, ctx.starts, ctx.starts[1:]):
-            if g is None:
-                region[:, a:b].zero_()
-            else:
-                region[:, a:b].copy_(g)
+
+
+def push(plan: RowPlan, blocks: Sequence[torch.Tensor]) -> None:
+    """Write ``blocks`` (as for :func:`pull`) into the senders' regions, at the rows they came from; collective."""
+    ws = plan.workspace
+    with torch.cuda.device(ws.device):
         ws.barrier()
-        grad_S = torch.empty(ctx.shape, dtype=ctx.dtype, device=ws.device)
-        ws.move(False, grad_S, plan, None)
-        return grad_S, None, None
+        ws.move(True, plan, blocks)
+        ws.barrier()
 
 
-def receive_rows(rows_S: torch.Tensor, plan: RowPlan, columns: Optional[Tuple[int, ...]] = None):
-    """The rows pushed by :func:`exchange_and_push` that landed on this rank, grouped by (local
-    expert, source rank), as contiguous blocks of ``columns`` (default: one block of all columns).
-    Differentiable with respect to ``rows_S``."""
-    columns = (rows_S.shape[1],) if columns is None else tuple(columns)
-    if sum(columns) != rows_S.shape[1]:
-        raise ValueError(f"columns {columns} do not add up to the {rows_S.shape[1]} columns of the rows")
-    return _ReceiveRows.apply(rows_S, plan, columns)
-
-
-class _SendBack(torch.autograd.Function):
-    """Forward: expert outputs (grouped by local expert, source rank) home, in the sender's row
-    order (copy into the region, then every rank pulls). Backward: the dispatch's push."""
-
-    @staticmethod
-    def forward(ctx, y_N, plan):
-        ws = plan.workspace
-        if y_N.shape[0] != plan.num_received:
-            raise ValueError(f"expected {plan.num_received} expert output rows, got {y_N.shape[0]}")
-        row_bytes = y_N.shape[1] * y_N.element_size()
-        if row_bytes % 16 != 0 or plan.num_received * row_bytes > ws.rows_bytes:
-            raise ValueError(f"expert output rows of {row_bytes} bytes do not fit the peer rows region")
-        ctx.plan, ctx.shape = plan, y_N.shape
-        with torch.cuda.device(ws.device):  # our launches go to the current device
-            ws.barrier()
-            ws.rows(plan.num_received, tuple(y_N.shape[1:]), y_N.dtype).copy_(y_N)
-            ws.barrier()
-            out = y_N.new_empty(plan.num_sent, *y_N.shape[1:])
-            ws.move(False, out, plan, None)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_S):
-        plan, ws = ctx.plan, ctx.plan.workspace
-        grad_S = grad_S.contiguous()
-        with torch.cuda.device(ws.device):
-            ws.barrier()
-            ws.move(True, grad_S, plan, None)
-            ws.barrier()
-            return ws.rows(plan.num_received, tuple(ctx.shape[1:]), grad_S.dtype).clone(), None
-
-
-def send_back(y_N: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """Expert outputs back to the ranks that sent the rows, as [rows sent, ...] in their send order."""
-    return _SendBack.apply(y_N.contiguous(), plan)
-
-
-def expected_layout(matrix_RE: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def expected_sources(matrix_RE: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference of the plan kernel's map (pure torch, any device; for tests and the docs):
-    ``(dst_rank_S, dst_row_S)`` for each row this rank sends, rows sorted by global expert."""
+    ``(src_rank_N, src_row_N)`` of each row this rank receives, rows grouped by (local expert,
+    source rank); ``src_row`` indexes the sender's rows sorted by global expert."""
     R, E = matrix_RE.shape
     El = E // R
-    mine = matrix_RE[rank]
-    expert_S = torch.repeat_interleave(torch.arange(E, device=matrix_RE.device), mine)
-    send_start = torch.cumsum(mine, 0) - mine
-    colsum = matrix_RE.sum(0)
-    per_rank = colsum.view(R, El)
-    base = (torch.cumsum(per_rank, 1) - per_rank).reshape(E)  # base_d(l)
-    prefix = torch.cumsum(matrix_RE, 0)[rank] - matrix_RE[rank]  # prefix_me(e)
-    dst_base = base + prefix - send_start
-    rows = torch.arange(expert_S.numel(), device=matrix_RE.device)
-    return expert_S // El, rows + dst_base[expert_S]
+    send_start = torch.cumsum(matrix_RE, 1) - matrix_RE  # [R, E]
+    mine = slice(rank * El, (rank + 1) * El)
+    lengths = matrix_RE[:, mine].t().reshape(-1)  # blocks in (local expert, source rank) order
+    starts = send_start[:, mine].t().reshape(-1)
+    src_rank = torch.arange(R, device=matrix_RE.device).repeat(El)
+    block = torch.repeat_interleave(torch.arange(E, device=matrix_RE.device), lengths)
+    within = torch.arange(block.numel(), device=matrix_RE.device) - (torch.cumsum(lengths, 0) - lengths)[block]
+    return src_rank[block], starts[block] + within

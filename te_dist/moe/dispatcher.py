@@ -36,10 +36,11 @@ count exchange and raises the same error before the token all-to-all, so no rank
 
 Transport. On the GPUs of one host (NCCL backend, symmetric memory available on every rank, the
 choice agreed once per group: te_dist.distributed.peer_rows.use_peer_rows) the rows move through
-peer-mapped memory instead: counts and rows both travel on the device, rows land already grouped
-by (local expert, source rank), so neither the host read before the move nor the sort after it
-exists, and the probabilities always ride in the rows when applied in the expert. The host still
-reads the count matrix once, while the rows move, for the GEMMs' host sizes.
+peer-mapped memory instead (te_dist.moe.peer_dispatch): each sender's expand gather writes its
+rows into its own region, the counts travel on the device, and each receiver pulls its rows
+grouped by (local expert, source rank), so no sort follows; the combine pushes the outputs home,
+where the K-sum reads them. The probabilities always ride in the rows when applied in the expert.
+The host reads the count matrix once, to size the received rows and the GEMMs' host sizes.
 ``TE_DIST_EP_TRANSPORT=nccl`` (on every rank) keeps the all-to-all path.
 """
 
@@ -52,8 +53,9 @@ import torch
 
 from ..distributed.all_to_all import all_to_all_tokens, exchange_counts
 from ..distributed.groups import group_rank, group_size
-from ..distributed.peer_rows import RowPlan, exchange_and_push, peer_workspace, receive_rows, send_back, use_peer_rows
-from .payload import PROB_BYTES, pack_expand, probs_from_tail, unpack_rows
+from ..distributed.peer_rows import RowPlan, peer_workspace, use_peer_rows
+from .payload import pack_expand, unpack_rows
+from .peer_dispatch import peer_combine, peer_dispatch
 from .permutation import (
     PermutationState,
     chunk_sort_index,
@@ -132,7 +134,7 @@ class AllToAllDispatcher:
         bad (e.g. NaN logits); it travels in-band with the counts (see module docstring).
         """
         R, El = self.ep_size, self.num_local_experts
-        if R > 1 and use_peer_rows(self.ep_group, x_TH.device, self.num_experts, x_TH.shape[1] * x_TH.element_size()):
+        if R > 1 and use_peer_rows(self.ep_group, x_TH.device, x_TH.shape[1] * x_TH.element_size()):
             self.transport = "peer"
             return self._dispatch_peer(x_TH, probs_TK, indices_TK, probs_in_expert, invalid)
         self.transport = "all-to-all" if R > 1 else "local"
@@ -198,23 +200,14 @@ class AllToAllDispatcher:
     def _dispatch_peer(self, x_TH, probs_TK, indices_TK, probs_in_expert, invalid):
         """The peer-memory transport (module docstring): same results as the all-to-all path."""
         E, R, El = self.num_experts, self.ep_size, self.num_local_experts
-        H = x_TH.shape[1]
-        if probs_in_expert:
-            perm = sort_by_expert(x_TH, indices_TK, E)
-            probs_S = permute_probs(probs_TK, perm)
-            rows_S = pack_expand(x_TH, probs_S, perm)
-        else:
-            rows_S, perm = permute_tokens(x_TH, indices_TK, E)
+        perm = sort_by_expert(x_TH, indices_TK, E)
+        probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
         counts_send = perm.counts_E
         if invalid is not None:
             counts_send = torch.where(invalid, torch.full_like(counts_send, -1), counts_send)
-        plan = exchange_and_push(peer_workspace(self.ep_group, x_TH.device), counts_send, rows_S)
-        self._raise_if_invalid({r for r in range(R) if min(plan.matrix_row(r), default=0) < 0})
-        if probs_in_expert:
-            x_NH, tail = receive_rows(rows_S, plan, (H, PROB_BYTES // x_TH.dtype.itemsize))
-            probs_N = probs_from_tail(tail, probs_S.dtype)
-        else:
-            (x_NH,), probs_N = receive_rows(rows_S, plan), None
+        x_NH, probs_N, plan = peer_dispatch(peer_workspace(self.ep_group, x_TH.device), x_TH, probs_S, perm, counts_send)
+        if plan.invalid:
+            self._raise_if_invalid({r for r in range(R) if min(plan.matrix_row(r), default=0) < 0})
         rows = [plan.matrix_row(r) for r in range(R)]
         mine = slice(self.first_expert, self.first_expert + El)
         state = DispatchState(
@@ -227,7 +220,10 @@ class AllToAllDispatcher:
     def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert outputs (rows by local expert) → [T, H] in the original token order."""
         if state.peer_plan is not None:
-            return unpermute_tokens(send_back(y_NH, state.peer_plan), state.permutation, state.probs_TK)
+            if state.probs_TK is None:  # probabilities applied in the expert: the K-sum runs on the region
+                return peer_combine(y_NH, state.peer_plan, state.permutation)
+            y_SH = peer_combine(y_NH, state.peer_plan, state.permutation, sum_rows=False)
+            return unpermute_tokens(y_SH, state.permutation, state.probs_TK)
         if state.chunk_idx is not None:
             y_NH = unpermute_rows(y_NH, state.chunk_idx, state.chunk_inv)
         y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group)

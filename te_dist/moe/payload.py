@@ -15,9 +15,9 @@ all-to-all reads straight from it.
     (all-to-all of payload rows)
     unpack_rows(payload_NP, idx, inverse, H, dtype)   -> x_NH, probs_N  rows gathered by idx
 
-Where rows arrive already in local-expert order (the peer-rows transport), the receiver copies
-the payload out as two column blocks, x_NH and the tail, and ``probs_from_tail`` reads the
-probabilities from the tail block.
+The peer-rows transport (te_dist.moe.peer_dispatch) uses the same row layout: the expand gather
+writes the payload into the sender's region and each receiver pulls the row into two column
+blocks, x_NH and the tail, whose ``prob_view`` holds the probabilities.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from .permutation import PermutationState, gather_sum
 
-__all__ = ["PROB_BYTES", "pack_expand", "unpack_rows", "payload_columns", "probs_from_tail"]
+__all__ = ["PROB_BYTES", "pack_expand", "unpack_rows", "payload_columns", "prob_view"]
 
 PROB_BYTES = 16  # per row: the probability (at most 16 bytes wide) and padding to 16-byte rows
 
@@ -36,7 +36,7 @@ def payload_columns(hidden: int, dtype: torch.dtype) -> int:
     return hidden + PROB_BYTES // dtype.itemsize
 
 
-def _prob_view(payload: torch.Tensor, hidden: int, probs_dtype: torch.dtype) -> torch.Tensor:
+def prob_view(payload: torch.Tensor, hidden: int, probs_dtype: torch.dtype) -> torch.Tensor:
     """The [rows] view of the probabilities stored in a payload's tail bytes."""
     tail = payload[:, hidden:].view(torch.uint8)[:, :probs_dtype.itemsize]
     return tail.view(probs_dtype).squeeze(1)
@@ -51,7 +51,7 @@ class _PackExpand(torch.autograd.Function):
         hidden = x_TH.shape[1]
         payload = x_TH.new_empty(token_S.numel(), payload_columns(hidden, x_TH.dtype))
         torch.index_select(x_TH, 0, token_S, out=payload[:, :hidden])
-        _prob_view(payload, hidden, probs_S.dtype).copy_(probs_S)
+        prob_view(payload, hidden, probs_S.dtype).copy_(probs_S)
         ctx.save_for_backward(inverse_S)
         ctx.top_k, ctx.hidden, ctx.probs_dtype = top_k, hidden, probs_S.dtype
         return payload
@@ -63,7 +63,7 @@ class _PackExpand(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = gather_sum(grad_payload[:, :ctx.hidden], inverse_S, ctx.top_k)
         if ctx.needs_input_grad[1]:
-            grad_probs = _prob_view(grad_payload, ctx.hidden, ctx.probs_dtype).clone()
+            grad_probs = prob_view(grad_payload, ctx.hidden, ctx.probs_dtype).clone()
         return grad_x, grad_probs, None, None, None
 
 
@@ -76,7 +76,7 @@ class _UnpackRows(torch.autograd.Function):
         ctx.save_for_backward(inverse)
         ctx.hidden = hidden
         x = payload[:, :hidden].index_select(0, idx)
-        probs = _prob_view(payload, hidden, probs_dtype).index_select(0, idx)
+        probs = prob_view(payload, hidden, probs_dtype).index_select(0, idx)
         return x, probs
 
     @staticmethod
@@ -85,23 +85,8 @@ class _UnpackRows(torch.autograd.Function):
         hidden = ctx.hidden
         grad = grad_x.new_empty(inverse.numel(), payload_columns(hidden, grad_x.dtype))
         torch.index_select(grad_x, 0, inverse, out=grad[:, :hidden])
-        _prob_view(grad, hidden, grad_probs.dtype).copy_(grad_probs.index_select(0, inverse))
+        prob_view(grad, hidden, grad_probs.dtype).copy_(grad_probs.index_select(0, inverse))
         return grad, None, None, None, None
-
-
-class _TailProbs(torch.autograd.Function):
-    """The probabilities stored in a payload's tail columns; backward writes their gradient there."""
-
-    @staticmethod
-    def forward(ctx, tail, probs_dtype):
-        ctx.tail_shape, ctx.tail_dtype, ctx.probs_dtype = tail.shape, tail.dtype, probs_dtype
-        return _prob_view(tail, 0, probs_dtype).clone()
-
-    @staticmethod
-    def backward(ctx, grad_probs):
-        grad = grad_probs.new_zeros(ctx.tail_shape, dtype=ctx.tail_dtype)
-        _prob_view(grad, 0, ctx.probs_dtype).copy_(grad_probs)
-        return grad, None
 
 
 def pack_expand(x_TH: torch.Tensor, probs_S: torch.Tensor, state: PermutationState) -> torch.Tensor:
@@ -116,8 +101,3 @@ def unpack_rows(payload: torch.Tensor, idx: torch.Tensor, inverse: torch.Tensor,
                 probs_dtype: torch.dtype):
     """``(x_NH, probs_N)``: the payload's rows gathered by ``idx`` (``inverse``: its inverse permutation)."""
     return _UnpackRows.apply(payload, idx, inverse, hidden, probs_dtype)
-
-
-def probs_from_tail(tail: torch.Tensor, probs_dtype: torch.dtype) -> torch.Tensor:
-    """``probs_N`` from the payload's tail columns ``[N, PROB_BYTES / itemsize]`` (differentiable)."""
-    return _TailProbs.apply(tail, probs_dtype)

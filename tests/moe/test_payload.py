@@ -4,7 +4,7 @@ two separate gathers it replaces, for every dtype pairing the layer uses."""
 import pytest
 import torch
 
-from te_dist.moe.payload import PROB_BYTES, pack_expand, payload_columns, probs_from_tail, unpack_rows
+from te_dist.moe.payload import PROB_BYTES, pack_expand, payload_columns, prob_view, unpack_rows
 from te_dist.moe.permutation import inverse_permutation, permute_probs, permute_rows, permute_tokens, sort_by_expert
 
 
@@ -84,20 +84,18 @@ def test_pack_rejects_wrong_probabilities():
 
 
 @pytest.mark.parametrize("x_dtype,probs_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
-def test_probs_from_tail_reads_and_writes_the_tail_bytes(x_dtype, probs_dtype):
-    """Where rows arrive in expert order (peer rows), x and the tail are copied out as column blocks."""
+def test_prob_view_reads_the_tail_of_a_payload_or_of_a_tail_block(x_dtype, probs_dtype):
+    """The peer-rows transport pulls a payload row into two column blocks, x and the tail
+    (te_dist.moe.peer_dispatch); the tail block's prob_view holds the probabilities bit-exact."""
     x, probs, indices = _case(x_dtype, probs_dtype)
     _, state = permute_tokens(x.detach(), indices, 5)
-    probs_S = permute_probs(probs, state)
-    payload = pack_expand(x, probs_S, state)
+    probs_S = permute_probs(probs, state).detach()
+    payload = pack_expand(x.detach(), probs_S, state)
     H = x.shape[1]
     tail = payload[:, H:].clone()
     assert tail.shape[1] == PROB_BYTES // x_dtype.itemsize
-    got = probs_from_tail(tail, probs_dtype)
-    assert torch.equal(got, probs_S)  # bit-exact
-    g = torch.randn(got.shape, dtype=torch.float64).to(probs_dtype)
-    (grad_tail,) = torch.autograd.grad(got, tail, g)
-    assert grad_tail.dtype == x_dtype and grad_tail.shape == tail.shape
-    assert torch.equal(probs_from_tail(grad_tail, probs_dtype), g)
-    pad = grad_tail.view(torch.uint8)[:, probs_dtype.itemsize:]
-    assert torch.count_nonzero(pad) == 0
+    assert torch.equal(prob_view(payload, H, probs_dtype), probs_S)
+    assert torch.equal(prob_view(tail, 0, probs_dtype), probs_S)
+    prob_view(tail, 0, probs_dtype).copy_(2 * probs_S)  # writes land in the tail's first bytes only
+    assert torch.equal(prob_view(tail, 0, probs_dtype), 2 * probs_S)
+    assert torch.equal(tail.view(torch.uint8)[:, probs_dtype.itemsize:], payload[:, H:].view(torch.uint8)[:, probs_dtype.itemsize:])
