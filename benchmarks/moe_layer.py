@@ -53,7 +53,7 @@ from te_dist import kernels
 from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
-from te_dist.distributed.peer_rows import TRANSPORT_ENV, exchange, peer_workspace, pull
+from te_dist.distributed.peer_rows import TRANSPORT_ENV, begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe import AllToAllDispatcher, TopKRouter
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
@@ -258,8 +258,9 @@ def bench_layer_parts(layer, T, args, device, dtype):
             ws = peer_workspace(group, device)
 
             def ours_peer():
-                plan = exchange(ws, counts, H * xs.element_size())
-                pull(plan, [xs.new_empty(plan.num_received, H)], barrier_before=False)
+                plan = begin_exchange(ws, counts)
+                finish_exchange(plan, H * xs.element_size())
+                pull(plan, [xs.new_empty(plan.num_received, H)])
 
             t_ours = timed(ours_peer, args, device)
         t_raw = timed(lambda: raw_a2a(xs, out_splits, in_splits, group), args, device)

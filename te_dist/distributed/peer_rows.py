@@ -9,10 +9,11 @@ rows in its send order* (sorted by global expert). Every move is run by the rece
 dispatch, over the N rows it receives, kept grouped by (local expert, source rank), the grouped
 GEMMs' order (cutlass_kernels/peer_rows.cu, "Layout"):
 
-    dispatch   the sender packs its rows into its region (the expand gather writes there) |
-               exchange: barrier | counts into row `me` of every rank's counts region | barrier |
+    dispatch   exchange: barrier | counts into row `me` of every rank's counts region | barrier |
                plan kernel: where each received row sits in its sender's region | count matrix to
-               the host | host: wait for it, size x | pull the rows into x | barrier
+               the host; the sender packs its rows into its region (the expand gather writes
+               there) while the host waits for the matrix | host: size x | barrier | pull the rows
+               into x | barrier
     combine    barrier | push expert outputs into the senders' regions | barrier | the sender sums
                each token's K rows straight from its region
     backward   the combine's: the sender writes the expanded output gradient into its region, the
@@ -47,7 +48,8 @@ __all__ = [
     "PeerWorkspace",
     "RowPlan",
     "peer_workspace",
-    "exchange",
+    "begin_exchange",
+    "finish_exchange",
     "pull",
     "push",
     "expected_sources",
@@ -243,6 +245,7 @@ class RowPlan:
     counts: List[int] = field(default_factory=list)  # the count matrix [R, E], row-major (host)
     num_sent: int = 0
     num_received: int = 0
+    host_counts: Optional[torch.Tensor] = None  # pinned [R * E] the exchange copies the matrix into
 
     def matrix_row(self, r: int) -> List[int]:
         return self.counts[r * self.num_experts:(r + 1) * self.num_experts]
@@ -261,60 +264,68 @@ def _plan_scratch(E: int, El: int, device) -> Tuple[torch.Tensor, torch.Tensor, 
     return scratch[:E], scratch[E:2 * E], scratch[2 * E:2 * E + El], scratch[2 * E + El:].view(torch.int32)[:El]
 
 
-def exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int, staged: Optional[torch.Tensor] = None) -> RowPlan:
-    """The count exchange and the row map, for rows of ``row_bytes`` bytes that this rank packed
-    into its region (``ws.region``), sorted by global expert, ``counts_E[e]`` of expert e; where the
-    region was too small, pass the packed rows as ``staged``. Returns once the count matrix is on
-    the host. Every rank's rows are then in its region (grown collectively where needed). Negative
-    counts (the in-band error flag) make ``plan.invalid``: the caller moves nothing and raises, on
-    every rank.
-    """
+def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor) -> RowPlan:
+    """Queue the count exchange and the row map for rows sorted by global expert, ``counts_E[e]``
+    of expert e; collective. Returns at once: queue the packing of this rank's rows into
+    ``ws.region`` next (it runs on the device while the host waits in :func:`finish_exchange`).
+    One exchange per device is in flight at a time."""
     if torch.cuda.current_device() != ws.device.index:  # the launches below go to the current device
         with torch.cuda.device(ws.device):
-            return exchange(ws, counts_E, row_bytes, staged)
-    E, R, me = counts_E.numel(), ws.world, ws.rank
+            return begin_exchange(ws, counts_E)
+    E, R = counts_E.numel(), ws.world
     if E % R != 0:
         raise ValueError(f"{E} experts are not divisible by the EP size {R}")
-    if counts_E.dtype != torch.int64 or row_bytes % 16 != 0:
-        raise ValueError(f"expected int64 counts and rows of a multiple of 16 bytes, got {counts_E.dtype} and "
-                         f"{row_bytes} bytes")
-    El = E // R
-    ws.ensure(E, ws.rows_bytes, keep_bytes=0 if staged is not None else ws.rows_bytes)
-    block_end, src_base, local_sizes, local_offsets = _plan_scratch(E, El, ws.device)
+    if counts_E.dtype != torch.int64:
+        raise ValueError(f"expected int64 counts, got {counts_E.dtype}")
+    ws.ensure(E, ws.rows_bytes)
+    block_end, src_base, local_sizes, local_offsets = _plan_scratch(E, E // R, ws.device)
     plan = RowPlan(ws, E, block_end, src_base, local_sizes, local_offsets)
     counts_E = counts_E.contiguous()
     matrix, host = ws.counts_views(E)
     # One host call queues the device sequence (module docstring): barrier, put counts, barrier,
-    # plan, count matrix to the host + event; then the host waits for that event only.
-    ws.lib.exchange(ws.signal_pads, me, R, _BARRIER_TIMEOUT_NS, counts_E.data_ptr(), E, ws.peer_counts.data_ptr(),
+    # plan, count matrix to the host + event.
+    ws.lib.exchange(ws.signal_pads, ws.rank, R, _BARRIER_TIMEOUT_NS, counts_E.data_ptr(), E, ws.peer_counts.data_ptr(),
                     matrix.data_ptr(), block_end.data_ptr(), src_base.data_ptr(), local_sizes.data_ptr(),
                     local_offsets.data_ptr(), host.data_ptr(), torch.cuda.current_stream(ws.device).cuda_stream)
-    ws.lib.wait_counts()
-    plan.counts = counts = host.tolist()
+    plan.host_counts = host
+    return plan
+
+
+def finish_exchange(plan: RowPlan, row_bytes: int, staged: Optional[torch.Tensor] = None) -> None:
+    """Wait for the count matrix (only), then make sure every rank's rows of ``row_bytes`` bytes are
+    in its region: where some rank's rows do not fit, every rank grows its region (they all see the
+    same matrix), keeping the rows packed into it; a rank whose rows did not fit packed them into
+    ``staged`` instead, copied in here. Negative counts (the in-band error flag) set
+    ``plan.invalid``: the caller moves nothing and raises, on every rank."""
+    ws = plan.workspace
+    if row_bytes % 16 != 0:
+        raise ValueError(f"peer rows need rows of a multiple of 16 bytes, got {row_bytes}")
+    with torch.cuda.device(ws.device):
+        ws.lib.wait_counts()
+    E, R, me = plan.num_experts, ws.world, ws.rank
+    El = E // R
+    plan.counts = counts = plan.host_counts.tolist()
     if plan.invalid:
-        return plan
+        return
     sent = [sum(counts[r * E:(r + 1) * E]) for r in range(R)]
     plan.num_sent = sent[me]
     plan.num_received = sum(sum(counts[r * E + me * El:r * E + (me + 1) * El]) for r in range(R))
     need = max(sent) * row_bytes
     if need > ws.rows_bytes:  # every rank saw this matrix: all of them grow here (a rank stages only then)
-        ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN), keep_bytes=0 if staged is not None else sent[me] * row_bytes)
-        if staged is not None:
-            ws.rows_region(sent[me] * row_bytes).copy_(staged.reshape(-1).view(torch.uint8))
-        ws.barrier()  # every sender's rows are in its new region before anyone pulls
+        with torch.cuda.device(ws.device):
+            ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN), keep_bytes=0 if staged is not None else sent[me] * row_bytes)
+            if staged is not None:
+                ws.rows_region(sent[me] * row_bytes).copy_(staged.reshape(-1).view(torch.uint8))
     elif staged is not None and staged.numel():
         raise RuntimeError("peer rows: rows were staged outside a region they fit in")  # see ws.region
-    return plan
 
 
-def pull(plan: RowPlan, blocks: Sequence[torch.Tensor], barrier_before: bool = True) -> None:
+def pull(plan: RowPlan, blocks: Sequence[torch.Tensor]) -> None:
     """Fill ``blocks`` (one or two contiguous [N, w] tensors, a received row's column blocks) from
-    the senders' regions; collective. ``barrier_before=False`` right after :func:`exchange`, whose
-    barriers already follow every sender's packing."""
+    the senders' regions; collective."""
     ws = plan.workspace
     with torch.cuda.device(ws.device):  # our launches go to the current device
-        if barrier_before:
-            ws.barrier()
+        ws.barrier()
         ws.move(False, plan, blocks)
         ws.barrier()
 

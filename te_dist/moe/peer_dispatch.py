@@ -6,7 +6,7 @@ them; the same for the gradients), and the next move, of this or any other MoE l
 them. So each function packs *and* moves, or moves *and* sums, and no tensor that views a region
 ever leaves it (te_dist.distributed.peer_rows has the transport; docs/moe.md "Peer rows").
 
-    peer_dispatch(x_TH, probs_S, perm)   expand gather into the own region | exchange | pull
+    peer_dispatch(x_TH, probs_S, perm)   count exchange | expand gather into the own region | pull
                                          -> x_NH, probs_N (rows by local expert, source rank)
       backward                           push the row gradients | K-sum from the own region
     peer_combine(y_NH, plan, perm)       push expert outputs home | K-sum from the own region -> y_TH
@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..distributed.peer_rows import PeerWorkspace, RowPlan, exchange, pull, push
+from ..distributed.peer_rows import PeerWorkspace, RowPlan, begin_exchange, finish_exchange, pull, push
 from .payload import PROB_BYTES, payload_columns, prob_view
 from .permutation import PermutationState, gather_sum
 
@@ -34,12 +34,14 @@ class _PeerDispatch(torch.autograd.Function):
     def forward(ctx, x_TH, probs_S, perm: PermutationState, ws: PeerWorkspace, counts_E, plans: List[RowPlan]):
         H, dtype, S = x_TH.shape[1], x_TH.dtype, perm.token_S.numel()
         cols = H if probs_S is None else payload_columns(H, dtype)
+        plan = begin_exchange(ws, counts_E)
+        # The packing runs on the device while the host waits for the count matrix.
         region = ws.region(S, cols, dtype)
         rows = region if region is not None else x_TH.new_empty(S, cols)
         torch.index_select(x_TH, 0, perm.token_S, out=rows[:, :H] if cols != H else rows)
         if probs_S is not None:
             prob_view(rows, H, probs_S.dtype).copy_(probs_S)
-        plan = exchange(ws, counts_E, cols * dtype.itemsize, staged=None if region is not None else rows)
+        finish_exchange(plan, cols * dtype.itemsize, staged=None if region is not None else rows)
         plans.append(plan)
         ctx.plan, ctx.perm, ctx.hidden, ctx.cols, ctx.dtype = plan, perm, H, cols, dtype
         ctx.probs_dtype = None if probs_S is None else probs_S.dtype
@@ -47,10 +49,10 @@ class _PeerDispatch(torch.autograd.Function):
             return x_TH.new_empty(0, H), None if probs_S is None else probs_S.new_empty(0)
         x_NH = x_TH.new_empty(plan.num_received, H)
         if probs_S is None:
-            pull(plan, [x_NH], barrier_before=False)
+            pull(plan, [x_NH])
             return x_NH, None
         tail = x_TH.new_empty(plan.num_received, cols - H)
-        pull(plan, [x_NH, tail], barrier_before=False)
+        pull(plan, [x_NH, tail])
         return x_NH, prob_view(tail, 0, probs_S.dtype).clone()
 
     @staticmethod
