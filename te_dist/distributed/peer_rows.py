@@ -12,8 +12,8 @@ GEMMs' order (cutlass_kernels/peer_rows.cu, "Layout"):
     dispatch   exchange: barrier | counts into row `me` of every rank's counts region | barrier |
                plan kernel: where each received row sits in its sender's region | count matrix to
                the host; the sender packs its rows into its region (the expand gather writes
-               there) while the host waits for the matrix | host: size x | barrier | pull the rows
-               into x | barrier
+               there) | barrier, all while the host waits for the matrix | host: size x | pull the
+               rows into x | barrier
     combine    barrier | push expert outputs into the senders' regions | barrier | the sender sums
                each token's K rows straight from its region
     backward   the combine's: the sender writes the expanded output gradient into its region, the
@@ -292,7 +292,8 @@ def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor) -> RowPlan:
 
 
 def finish_exchange(plan: RowPlan, row_bytes: int, staged: Optional[torch.Tensor] = None) -> None:
-    """Wait for the count matrix (only), then make sure every rank's rows of ``row_bytes`` bytes are
+    """Queue a barrier (after this rank's packing, so the host waits while it runs), wait for the
+    count matrix (only), then make sure every rank's rows of ``row_bytes`` bytes are
     in its region: where some rank's rows do not fit, every rank grows its region (they all see the
     same matrix), keeping the rows packed into it; a rank whose rows did not fit packed them into
     ``staged`` instead, copied in here. Negative counts (the in-band error flag) set
@@ -301,6 +302,7 @@ def finish_exchange(plan: RowPlan, row_bytes: int, staged: Optional[torch.Tensor
     if row_bytes % 16 != 0:
         raise ValueError(f"peer rows need rows of a multiple of 16 bytes, got {row_bytes}")
     with torch.cuda.device(ws.device):
+        ws.barrier()  # queued after this rank's packing: once past it, every rank's rows are in place
         ws.lib.wait_counts()
     E, R, me = plan.num_experts, ws.world, ws.rank
     El = E // R
@@ -316,16 +318,19 @@ def finish_exchange(plan: RowPlan, row_bytes: int, staged: Optional[torch.Tensor
             ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN), keep_bytes=0 if staged is not None else sent[me] * row_bytes)
             if staged is not None:
                 ws.rows_region(sent[me] * row_bytes).copy_(staged.reshape(-1).view(torch.uint8))
+            ws.barrier()  # every rank's rows are in its new region
     elif staged is not None and staged.numel():
         raise RuntimeError("peer rows: rows were staged outside a region they fit in")  # see ws.region
 
 
-def pull(plan: RowPlan, blocks: Sequence[torch.Tensor]) -> None:
+def pull(plan: RowPlan, blocks: Sequence[torch.Tensor], barrier_before: bool = True) -> None:
     """Fill ``blocks`` (one or two contiguous [N, w] tensors, a received row's column blocks) from
-    the senders' regions; collective."""
+    the senders' regions; collective. ``barrier_before=False`` right after :func:`finish_exchange`,
+    whose barrier already follows every sender's packing."""
     ws = plan.workspace
     with torch.cuda.device(ws.device):  # our launches go to the current device
-        ws.barrier()
+        if barrier_before:
+            ws.barrier()
         ws.move(False, plan, blocks)
         ws.barrier()
 

@@ -49,10 +49,10 @@ class _PeerDispatch(torch.autograd.Function):
             return x_TH.new_empty(0, H), None if probs_S is None else probs_S.new_empty(0)
         x_NH = x_TH.new_empty(plan.num_received, H)
         if probs_S is None:
-            pull(plan, [x_NH])
+            pull(plan, [x_NH], barrier_before=False)
             return x_NH, None
         tail = x_TH.new_empty(plan.num_received, cols - H)
-        pull(plan, [x_NH, tail])
+        pull(plan, [x_NH, tail], barrier_before=False)
         return x_NH, prob_view(tail, 0, probs_S.dtype).clone()
 
     @staticmethod
