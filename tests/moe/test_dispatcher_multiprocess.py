@@ -31,14 +31,15 @@ def test_nan_routing_on_one_rank_raises_on_every_rank_without_hang():
 @pytest.mark.parametrize("transport,expected", [("peer", "peer"), ("nccl", "all-to-all")])
 def test_dispatch_combine_nccl(transport, expected):
     """Both GPU transports: rows through peer memory (forced: it raises where unavailable) and the
-    NCCL all-to-all. Hidden 8 fp32 rows are 32 bytes, a multiple of the peer path's 16."""
+    NCCL all-to-all. Hidden 8 fp32 rows are 32 bytes, a multiple of the peer path's 16. "grow" makes
+    the peer regions (2 MiB after the first scenarios) grow under rows already packed into them."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    result = run_torchrun(WORKER, 2, args=["random,skewed,empty,nan", "--backend", "nccl", "--hidden", 8],
+    result = run_torchrun(WORKER, 2, args=["random,skewed,empty,grow,nan", "--backend", "nccl", "--hidden", 8],
                           env={"TE_DIST_EP_TRANSPORT": transport}, timeout=300).check()
     for rank in range(2):
-        for scenario in ("random", "skewed", "empty"):
+        for scenario in ("random", "skewed", "empty", "grow"):
             assert f"rank={rank} scenario={scenario} ok transport={expected}" in result.log(rank)
         assert f"rank={rank} scenario=nan raised RoutingError" in result.log(rank)

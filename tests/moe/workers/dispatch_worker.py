@@ -5,7 +5,9 @@ Stand-in expert g multiplies its rows by (g + 1), so the combined output has a c
 
 Scenarios (argv[1], comma-separated): random, skewed (every token to rank 0's experts, so other
 ranks receive nothing), empty (rank 1 has zero tokens), nan (rank 1's routing is invalid: every
-rank must raise RoutingError, none may hang). ``--backend nccl`` runs on cuda:LOCAL_RANK; there the
+rank must raise RoutingError, none may hang), grow (rank 1 sends 60,000 rows: with peer rows, after
+the earlier scenarios sized the regions, every rank's region grows while rank 0's rows, packed into
+its old region, must survive and rank 1's, packed outside, are copied in). ``--backend nccl`` runs on cuda:LOCAL_RANK; there the
 transport is whatever TE_DIST_EP_TRANSPORT picks (peer memory or NCCL all-to-all), printed per scenario.
 Ranks hold 5 + rank tokens, so in "skewed" (rank 0) and "empty" (rank 1) a rank receives more rows
 than R x its own: the dispatcher's pre-built sort index is too short there and it builds the exact one.
@@ -31,7 +33,7 @@ def stand_in_experts(x_NH, split_sizes_El, first_expert):
 
 def routing(scenario, rank, E, K, H, device, dtype):
     gen = torch.Generator().manual_seed(100 + rank)
-    T = 0 if (scenario == "empty" and rank == 1) else 5 + rank
+    T = 0 if (scenario == "empty" and rank == 1) else 30000 if (scenario == "grow" and rank == 1) else 5 + rank
     x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_(True)
     probs = torch.rand(T, K, generator=gen).to(device, dtype).requires_grad_(True)
     if scenario == "skewed":
