@@ -70,8 +70,8 @@ class _PeerDispatch(torch.autograd.Function):
             blocks.append(tail)
         push(plan, blocks)
         region = ws.region(S, cols, dtype)
-        grad_x = gather_sum(region[:, :H], perm.inverse_S, perm.top_k)
-        grad_probs = None if ctx.probs_dtype is None else prob_view(region, H, ctx.probs_dtype).clone()
+        grad_x = gather_sum(region[:, :H], perm.inverse_S, perm.top_k) if ctx.needs_input_grad[0] else None
+        grad_probs = prob_view(region, H, ctx.probs_dtype).clone() if ctx.needs_input_grad[1] else None
         return grad_x, grad_probs, None, None, None, None
 
 
