@@ -245,7 +245,6 @@ class RowPlan:
     counts: List[int] = field(default_factory=list)  # the count matrix [R, E], row-major (host)
     num_sent: int = 0
     num_received: int = 0
-    host_counts: Optional[torch.Tensor] = None  # pinned [R * E] the exchange copies the matrix into
 
     def matrix_row(self, r: int) -> List[int]:
         return self.counts[r * self.num_experts:(r + 1) * self.num_experts]
@@ -287,7 +286,6 @@ def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor) -> RowPlan:
     ws.lib.exchange(ws.signal_pads, ws.rank, R, _BARRIER_TIMEOUT_NS, counts_E.data_ptr(), E, ws.peer_counts.data_ptr(),
                     matrix.data_ptr(), block_end.data_ptr(), src_base.data_ptr(), local_sizes.data_ptr(),
                     local_offsets.data_ptr(), host.data_ptr(), torch.cuda.current_stream(ws.device).cuda_stream)
-    plan.host_counts = host
     return plan
 
 
@@ -306,7 +304,7 @@ def finish_exchange(plan: RowPlan, row_bytes: int, staged: Optional[torch.Tensor
         ws.lib.wait_counts()
     E, R, me = plan.num_experts, ws.world, ws.rank
     El = E // R
-    plan.counts = counts = plan.host_counts.tolist()
+    plan.counts = counts = ws.counts_views(E)[1].tolist()  # the pinned copy begin_exchange queued
     if plan.invalid:
         return
     sent = [sum(counts[r * E:(r + 1) * E]) for r in range(R)]
