@@ -258,8 +258,8 @@ def bench_layer_parts(layer, T, args, device, dtype):
             ws = peer_workspace(group, device)
 
             def ours_peer():
-                plan = begin_exchange(ws, counts)
-                finish_exchange(plan, H * xs.element_size())
+                plan = begin_exchange(ws, counts, H * xs.element_size())
+                finish_exchange(plan)
                 pull(plan, [xs.new_empty(plan.num_received, H)], barrier_before=False)
 
             t_ours = timed(ours_peer, args, device)

@@ -238,6 +238,7 @@ class RowPlan:
 
     workspace: PeerWorkspace
     num_experts: int
+    row_bytes: int  # of the rows the dispatch moves (a multiple of 16)
     block_end: torch.Tensor  # int64 [E]: cumulative end row of received block b = (local expert, source rank)
     src_base: torch.Tensor  # int64 [E]: received row n of block b is row n + src_base[b] of its sender's region
     local_sizes: torch.Tensor  # int64 [El]: rows each local expert receives (device)
@@ -263,22 +264,24 @@ def _plan_scratch(E: int, El: int, device) -> Tuple[torch.Tensor, torch.Tensor, 
     return scratch[:E], scratch[E:2 * E], scratch[2 * E:2 * E + El], scratch[2 * E + El:].view(torch.int32)[:El]
 
 
-def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor) -> RowPlan:
-    """Queue the count exchange and the row map for rows sorted by global expert, ``counts_E[e]``
-    of expert e; collective. Returns at once: queue the packing of this rank's rows into
-    ``ws.region`` next (it runs on the device while the host waits in :func:`finish_exchange`).
-    One exchange per device is in flight at a time."""
-    if torch.cuda.current_device() != ws.device.index:  # the launches below go to the current device
-        with torch.cuda.device(ws.device):
-            return begin_exchange(ws, counts_E)
+def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int) -> RowPlan:
+    """Queue the count exchange and the row map for rows of ``row_bytes`` bytes sorted by global
+    expert, ``counts_E[e]`` of expert e; collective. Returns at once: queue the packing of this
+    rank's rows into ``ws.region`` next (it runs on the device while the host waits in
+    :func:`finish_exchange`). One exchange per device is in flight at a time. Bad arguments raise
+    before anything is launched or allocated."""
     E, R = counts_E.numel(), ws.world
     if E % R != 0:
         raise ValueError(f"{E} experts are not divisible by the EP size {R}")
-    if counts_E.dtype != torch.int64:
-        raise ValueError(f"expected int64 counts, got {counts_E.dtype}")
+    if counts_E.dtype != torch.int64 or row_bytes % 16 != 0:
+        raise ValueError(f"expected int64 counts and rows of a multiple of 16 bytes, got {counts_E.dtype} and "
+                         f"{row_bytes} bytes")
+    if torch.cuda.current_device() != ws.device.index:  # the launches below go to the current device
+        with torch.cuda.device(ws.device):
+            return begin_exchange(ws, counts_E, row_bytes)
     ws.ensure(E, ws.rows_bytes)
     block_end, src_base, local_sizes, local_offsets = _plan_scratch(E, E // R, ws.device)
-    plan = RowPlan(ws, E, block_end, src_base, local_sizes, local_offsets)
+    plan = RowPlan(ws, E, row_bytes, block_end, src_base, local_sizes, local_offsets)
     counts_E = counts_E.contiguous()
     matrix, host = ws.counts_views(E)
     # One host call queues the device sequence (module docstring): barrier, put counts, barrier,
@@ -289,16 +292,13 @@ def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor) -> RowPlan:
     return plan
 
 
-def finish_exchange(plan: RowPlan, row_bytes: int, staged: Optional[torch.Tensor] = None) -> None:
+def finish_exchange(plan: RowPlan, staged: Optional[torch.Tensor] = None) -> None:
     """Queue a barrier (after this rank's packing, so the host waits while it runs), wait for the
-    count matrix (only), then make sure every rank's rows of ``row_bytes`` bytes are
-    in its region: where some rank's rows do not fit, every rank grows its region (they all see the
+    count matrix (only), then make sure every rank's rows are in its region: where some rank's rows do not fit, every rank grows its region (they all see the
     same matrix), keeping the rows packed into it; a rank whose rows did not fit packed them into
     ``staged`` instead, copied in here. Negative counts (the in-band error flag) set
     ``plan.invalid``: the caller moves nothing and raises, on every rank."""
-    ws = plan.workspace
-    if row_bytes % 16 != 0:
-        raise ValueError(f"peer rows need rows of a multiple of 16 bytes, got {row_bytes}")
+    ws, row_bytes = plan.workspace, plan.row_bytes
     with torch.cuda.device(ws.device):
         ws.barrier()  # queued after this rank's packing: once past it, every rank's rows are in place
         ws.lib.wait_counts()

@@ -34,14 +34,14 @@ class _PeerDispatch(torch.autograd.Function):
     def forward(ctx, x_TH, probs_S, perm: PermutationState, ws: PeerWorkspace, counts_E, plans: List[RowPlan]):
         H, dtype, S = x_TH.shape[1], x_TH.dtype, perm.token_S.numel()
         cols = H if probs_S is None else payload_columns(H, dtype)
-        plan = begin_exchange(ws, counts_E)
+        plan = begin_exchange(ws, counts_E, cols * dtype.itemsize)
         # The packing runs on the device while the host waits for the count matrix.
         region = ws.region(S, cols, dtype)
         rows = region if region is not None else x_TH.new_empty(S, cols)
         torch.index_select(x_TH, 0, perm.token_S, out=rows[:, :H] if cols != H else rows)
         if probs_S is not None:
             prob_view(rows, H, probs_S.dtype).copy_(probs_S)
-        finish_exchange(plan, cols * dtype.itemsize, staged=None if region is not None else rows)
+        finish_exchange(plan, staged=None if region is not None else rows)
         plans.append(plan)
         ctx.plan, ctx.perm, ctx.hidden, ctx.cols, ctx.dtype = plan, perm, H, cols, dtype
         ctx.probs_dtype = None if probs_S is None else probs_S.dtype

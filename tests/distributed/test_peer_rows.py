@@ -180,3 +180,17 @@ def test_agreed_choice_is_cached_and_forcing_peer_names_every_reason(monkeypatch
     monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "peer")
     with pytest.raises(RuntimeError, match="=peer but peer rows are unavailable: rank 0: tensors on cpu; ranks on 2 hosts"):
         peer_rows.use_peer_rows(Group(), dev, 64)
+
+
+@pytest.mark.parametrize("counts,row_bytes,match", [
+    (torch.zeros(7, dtype=torch.int64), 64, "7 experts are not divisible by the EP size 2"),
+    (torch.zeros(8, dtype=torch.int32), 64, "expected int64 counts and rows of a multiple of 16 bytes, got torch.int32"),
+    (torch.zeros(8, dtype=torch.int64), 24, "rows of a multiple of 16 bytes, got torch.int64 and 24 bytes"),
+])
+def test_bad_exchange_arguments_raise_before_anything_is_launched(counts, row_bytes, match):
+    """Checked on the host first: the workspace (no buffer yet, no device) is never touched."""
+    ws = object.__new__(peer_rows.PeerWorkspace)
+    ws.buffer, ws.num_experts, ws.rows_bytes, ws.world, ws.rank = None, 0, 0, 2, 0
+    with pytest.raises(ValueError, match=match):
+        peer_rows.begin_exchange(ws, counts, row_bytes)
+    assert ws.buffer is None and ws.num_experts == 0
