@@ -121,7 +121,8 @@ class PeerWorkspace:
         self.peer_counts = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self.peer_rows = torch.tensor([b + self.counts_bytes for b in bases], dtype=torch.int64, device=self.device)
         self.signal_pads = handle.signal_pad_ptrs_dev  # device array of every rank's signal pad
-        self.host_counts = torch.empty(self.world * self.num_experts, dtype=torch.int64, pin_memory=True)
+        self.host_counts = torch.empty(self.world * self.num_experts, dtype=torch.int64,
+                                       pin_memory=self.device.type == "cuda")  # (CPU: the emulation test)
         self._counts_views = {}
         if old is not None:
             self.rows_region(keep_bytes).copy_(old)
