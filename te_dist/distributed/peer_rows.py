@@ -295,10 +295,11 @@ def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int) ->
 
 def finish_exchange(plan: RowPlan, staged: Optional[torch.Tensor] = None) -> None:
     """Queue a barrier (after this rank's packing, so the host waits while it runs), wait for the
-    count matrix (only), then make sure every rank's rows are in its region: where some rank's rows do not fit, every rank grows its region (they all see the
-    same matrix), keeping the rows packed into it; a rank whose rows did not fit packed them into
-    ``staged`` instead, copied in here. Negative counts (the in-band error flag) set
-    ``plan.invalid``: the caller moves nothing and raises, on every rank."""
+    count matrix (only), then make sure every rank's rows are in its region: where some rank's rows
+    do not fit, every rank grows its region (they all see the same matrix), keeping the rows packed
+    into it; a rank whose rows did not fit packed them into ``staged`` instead, copied in here.
+    Negative counts (the in-band error flag) set ``plan.invalid``: the caller moves nothing and
+    raises, on every rank."""
     ws, row_bytes = plan.workspace, plan.row_bytes
     with torch.cuda.device(ws.device):
         ws.barrier()  # queued after this rank's packing: once past it, every rank's rows are in place
