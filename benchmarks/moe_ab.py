@@ -59,6 +59,10 @@ def export(ref: str, out_dir: Path) -> None:
             raise SystemExit(f"{ref}: te_dist/backends/cutlass_backend.py has no {_KERNELS_IMPORT}; cannot rename "
                              "its kernels package, so both sides would share this tree's kernels")
         backend.write_text(text.replace(_KERNELS_IMPORT, 'import_module("cutlass_kernels_base")'))
+        for source in Path(tmp, "te_dist").rglob("*.py"):  # e.g. the peer-rows library (from cutlass_kernels.peer_rows)
+            text = source.read_text()
+            if "from cutlass_kernels" in text:
+                source.write_text(text.replace("from cutlass_kernels", "from cutlass_kernels_base"))
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in ("te_dist", "cutlass_kernels"):
             target = out_dir / f"{name}_base"

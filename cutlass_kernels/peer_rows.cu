@@ -28,18 +28,22 @@
 //
 // C ABI (all launches on the given stream; return 0 or a cudaError_t, see te_pr_last_error):
 //   te_pr_barrier     the barrier above
-//   te_pr_put_counts  counts [E] -> counts region row `me` of every rank
 //   te_pr_plan        counts region [R, E] -> block_end [E], src_base [E] (the map above), this
 //                     rank's local expert sizes (int64) and cumulative end offsets (int32); the
 //                     host checks the matrix (negative counts, region size) before any move
 //   te_pr_move        pull (senders' regions -> local rows) or push (local rows -> senders' regions)
 //                     of this rank's N received rows; a local row is up to two contiguous column
 //                     blocks (e.g. x [N, H] and the probabilities' 16-byte tail [N, 16 B])
-//   te_pr_exchange    the count exchange in one host call (barrier, put counts, barrier, plan, count
-//                     matrix -> pinned host memory + event); te_pr_wait_counts then waits for that
-//                     event only
+//   te_pr_exchange    the count exchange in one kernel (barrier, counts [E] into row `me` of every
+//                     rank's counts region, barrier, plan, the count matrix and a header of four
+//                     numbers (exchange_kernel) into pinned host memory, then a sequence number into
+//                     a pinned host flag), then records `done` (an event of
+//                     te_pr_new_event); te_pr_wait_counts spins on the flag (its host address), and
+//                     queries the event now and then to report a kernel that failed. The kernel gets
+//                     the host memory's device addresses (te_pr_device_address, once per buffer).
 
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -61,43 +65,76 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// One block; thread t < world (t != rank) signals rank t and waits for its signal.
-__global__ void barrier_kernel(uint32_t* const* __restrict__ pads, int channel, int rank, int world,
-                               uint64_t timeout_ns) {
-  const int t = threadIdx.x;
-  if (t >= world || t == rank) return;
-  uint32_t* out = pads[t] + world * channel + rank;
-  uint32_t* in = pads[rank] + world * channel + t;
+// The calling block signals every peer, then waits for every peer's signal (thread t serves peers
+// t, t + blockDim.x, ...). Every thread of the block calls it; it begins and ends with __syncthreads.
+__device__ void block_barrier(uint32_t* const* __restrict__ pads, int channel, int rank, int world,
+                              uint64_t timeout_ns) {
+  __syncthreads();
   const uint64_t deadline = global_timer_ns() + timeout_ns;
-  __threadfence_system();  // release: everything before this barrier, before the signal
-  while (atomicCAS_system(out, 0u, 1u) != 0u) {
-    if (global_timer_ns() > deadline) {
-      printf("te_dist peer_rows: rank %d timed out signalling rank %d (channel %d)\n", rank, t, channel);
-      __trap();
+  __threadfence_system();  // release: everything before this barrier, before the signals
+  for (int t = threadIdx.x; t < world; t += blockDim.x) {
+    if (t == rank) continue;
+    uint32_t* out = pads[t] + world * channel + rank;
+    while (atomicCAS_system(out, 0u, 1u) != 0u) {
+      if (global_timer_ns() > deadline) {
+        printf("te_dist peer_rows: rank %d timed out signalling rank %d (channel %d)\n", rank, t, channel);
+        __trap();
+      }
     }
   }
-  while (atomicCAS_system(in, 1u, 0u) != 1u) {
-    if (global_timer_ns() > deadline) {
-      printf("te_dist peer_rows: rank %d timed out waiting for rank %d (channel %d)\n", rank, t, channel);
-      __trap();
+  for (int t = threadIdx.x; t < world; t += blockDim.x) {
+    if (t == rank) continue;
+    uint32_t* in = pads[rank] + world * channel + t;
+    while (atomicCAS_system(in, 1u, 0u) != 1u) {
+      if (global_timer_ns() > deadline) {
+        printf("te_dist peer_rows: rank %d timed out waiting for rank %d (channel %d)\n", rank, t, channel);
+        __trap();
+      }
     }
   }
-  __threadfence_system();  // acquire: the peer's writes before its signal, before what follows
+  __threadfence_system();  // acquire: the peers' writes before their signals, before what follows
+  __syncthreads();
 }
 
-__global__ void put_counts_kernel(const int64_t* __restrict__ counts, int E, int R, int me,
-                                  int64_t* const* __restrict__ peer_counts) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * E; i += gridDim.x * blockDim.x) {
+__global__ void barrier_kernel(uint32_t* const* __restrict__ pads, int channel, int rank, int world,
+                               uint64_t timeout_ns) {
+  block_barrier(pads, channel, rank, world, timeout_ns);
+}
+
+// The calling block writes counts [E] into row `me` of every rank's counts region.
+__device__ void put_counts(const int64_t* __restrict__ counts, int E, int R, int me,
+                           int64_t* const* __restrict__ peer_counts) {
+  for (int i = threadIdx.x; i < R * E; i += blockDim.x) {
     int d = i / E, e = i % E;
     peer_counts[d][static_cast<int64_t>(me) * E + e] = counts[e];
   }
   __threadfence_system();
 }
 
-// One block. Shared memory: R int64 (each source rank's rows before this rank's first expert).
-__global__ void plan_kernel(const int64_t* __restrict__ M, int R, int E, int me, int64_t* __restrict__ block_end,
-                            int64_t* __restrict__ src_base, int64_t* __restrict__ local_sizes,
-                            int32_t* __restrict__ local_offsets) {
+// Thread 0 of make_plan: block starts in (local expert, source rank) order.
+__device__ void finish_plan(const int64_t* M, int R, int E, int first, int El,
+                            int64_t* __restrict__ block_end, int64_t* __restrict__ src_base,
+                            int64_t* __restrict__ local_sizes, int32_t* __restrict__ local_offsets) {
+  int64_t end = 0, prev = 0;
+  for (int l = 0; l < El; ++l) {
+    for (int r = 0; r < R; ++r) {
+      const int b = l * R + r;
+      src_base[b] -= end;  // send_start_r(e) - block_start(b)
+      end += M[static_cast<int64_t>(r) * E + first + l];
+      block_end[b] = end;
+    }
+    local_sizes[l] = end - prev;
+    local_offsets[l] = static_cast<int32_t>(end);
+    prev = end;
+  }
+}
+
+// One block (a multiple of 32 threads). Shared memory: R int64 (each source rank's rows before this
+// rank's first expert). M is not __restrict__: in the exchange kernel the peers write it while the
+// kernel runs (before its second barrier), so its loads must not go through the read-only cache.
+__device__ void make_plan(const int64_t* M, int R, int E, int me, int64_t* __restrict__ block_end,
+                          int64_t* __restrict__ src_base, int64_t* __restrict__ local_sizes,
+                          int32_t* __restrict__ local_offsets) {
   extern __shared__ int64_t before[];
   const int El = E / R, first = me * El;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -117,18 +154,74 @@ __global__ void plan_kernel(const int64_t* __restrict__ M, int R, int E, int me,
     }
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  int64_t end = 0, prev = 0;
-  for (int l = 0; l < El; ++l) {
-    for (int r = 0; r < R; ++r) {
-      const int b = l * R + r;
-      src_base[b] -= end;  // send_start_r(e) - block_start(b)
-      end += M[static_cast<int64_t>(r) * E + first + l];
-      block_end[b] = end;
+  if (threadIdx.x == 0) finish_plan(M, R, E, first, El, block_end, src_base, local_sizes, local_offsets);
+  __syncthreads();
+}
+
+__global__ void plan_kernel(const int64_t* __restrict__ M, int R, int E, int me, int64_t* __restrict__ block_end,
+                            int64_t* __restrict__ src_base, int64_t* __restrict__ local_sizes,
+                            int32_t* __restrict__ local_offsets) {
+  make_plan(M, R, E, me, block_end, src_base, local_sizes, local_offsets);
+}
+
+// The whole count exchange in one block: barrier | counts into row `me` of every rank's counts region
+// | barrier | plan | the count matrix and a header into pinned host memory, then `seq` into the host
+// flag. The host spins on the flag (te_pr_wait_counts): no copy-engine transfer and no event sit
+// between the plan and the host's read, which the pull waits for. The header, host_matrix[R*E + i],
+// is what the host needs before the pull, so it reads 4 numbers there instead of summing the matrix:
+// [0] rows this rank sends, [1] rows it receives, [2] the most rows any rank sends, [3] the smallest
+// count (negative: the in-band error flag). Shared memory: 3R int64.
+__global__ void exchange_kernel(uint32_t* const* __restrict__ pads, int me, int R, uint64_t timeout_ns,
+                                const int64_t* __restrict__ counts, int E, int64_t* const* __restrict__ peer_counts,
+                                const int64_t* M, int64_t* __restrict__ block_end,
+                                int64_t* __restrict__ src_base, int64_t* __restrict__ local_sizes,
+                                int32_t* __restrict__ local_offsets, int64_t* __restrict__ host_matrix,
+                                volatile int64_t* host_flag, int64_t seq) {
+  extern __shared__ int64_t smem[];  // make_plan's R | rows sent per rank | smallest count per rank
+  int64_t* sent = smem + R;
+  int64_t* low = smem + 2 * R;
+  block_barrier(pads, 0, me, R, timeout_ns);
+  put_counts(counts, E, R, me, peer_counts);
+  block_barrier(pads, 0, me, R, timeout_ns);
+  make_plan(M, R, E, me, block_end, src_base, local_sizes, local_offsets);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < R; r += warps) {  // a warp per rank: its row's sum and minimum
+    const int64_t* row = M + static_cast<int64_t>(r) * E;
+    long long sum = 0, least = LLONG_MAX;
+    for (int e = lane; e < E; e += 32) {
+      const long long v = row[e];
+      sum += v;
+      least = v < least ? v : least;
     }
-    local_sizes[l] = end - prev;
-    local_offsets[l] = static_cast<int32_t>(end);
-    prev = end;
+    for (int off = 16; off > 0; off >>= 1) {
+      sum += __shfl_down_sync(0xffffffffu, sum, off);
+      const long long other = __shfl_down_sync(0xffffffffu, least, off);
+      least = other < least ? other : least;
+    }
+    if (lane == 0) {
+      sent[r] = sum;
+      low[r] = least;
+    }
+  }
+  for (int i = threadIdx.x; i < R * E; i += blockDim.x) host_matrix[i] = M[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t most = 0, least = E > 0 ? LLONG_MAX : 0;
+    for (int r = 0; r < R; ++r) {
+      most = sent[r] > most ? sent[r] : most;
+      least = low[r] < least ? low[r] : least;
+    }
+    int64_t* header = host_matrix + static_cast<int64_t>(R) * E;
+    header[0] = sent[me];
+    header[1] = E > 0 ? block_end[E - 1] : 0;
+    header[2] = most;
+    header[3] = least;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // the matrix and the header before the flag
+    *host_flag = seq;
   }
 }
 
@@ -184,12 +277,10 @@ move_kernel(uint8_t* __restrict__ a, int64_t a_bytes, uint8_t* __restrict__ b, i
 
 int launch_barrier(uint32_t* const* pads, int channel, int rank, int world, uint64_t timeout_ns,
                    cudaStream_t stream) {
-  barrier_kernel<<<1, (world + 31) / 32 * 32, 0, stream>>>(pads, channel, rank, world, timeout_ns);
+  const int threads = world < 1024 ? (world + 31) / 32 * 32 : 1024;
+  barrier_kernel<<<1, threads, 0, stream>>>(pads, channel, rank, world, timeout_ns);
   return record(cudaGetLastError(), "te_pr_barrier");
 }
-
-constexpr int kMaxDevices = 64;
-cudaEvent_t g_counts_ready[kMaxDevices] = {};  // per device: the count matrix reached the host
 
 }  // namespace
 
@@ -199,13 +290,6 @@ const char* te_pr_last_error() { return g_error; }
 
 int te_pr_barrier(uint32_t* const* pads, int channel, int rank, int world, uint64_t timeout_ns, cudaStream_t stream) {
   return launch_barrier(pads, channel, rank, world, timeout_ns, stream);
-}
-
-int te_pr_put_counts(const int64_t* counts, int E, int R, int me, int64_t* const* peer_counts, cudaStream_t stream) {
-  int threads = 256;
-  int blocks = (R * E + threads - 1) / threads;
-  put_counts_kernel<<<blocks > 0 ? blocks : 1, threads, 0, stream>>>(counts, E, R, me, peer_counts);
-  return record(cudaGetLastError(), "te_pr_put_counts");
 }
 
 int te_pr_plan(const int64_t* M, int R, int E, int me, int64_t* block_end, int64_t* src_base, int64_t* local_sizes,
@@ -243,40 +327,47 @@ int te_pr_move(int push, void* a, int64_t a_bytes, void* b, int64_t b_bytes, int
 
 int te_pr_exchange(uint32_t* const* pads, int rank, int world, uint64_t timeout_ns, const int64_t* counts, int E,
                    int64_t* const* peer_counts, int64_t* matrix, int64_t* block_end, int64_t* src_base,
-                   int64_t* local_sizes, int32_t* local_offsets, int64_t* host_matrix,
-                   cudaStream_t stream) {
-  int device = 0;
-  int rc = record(cudaGetDevice(&device), "te_pr_exchange: cudaGetDevice");
-  if (rc) return rc;
-  if (device >= kMaxDevices) {
-    snprintf(g_error, sizeof(g_error), "te_pr_exchange: device %d >= %d", device, kMaxDevices);
-    return static_cast<int>(cudaErrorInvalidDevice);
+                   int64_t* local_sizes, int32_t* local_offsets, int64_t* host_matrix, int64_t* host_flag, int64_t seq,
+                   cudaEvent_t done, cudaStream_t stream) {
+  // host_matrix [R*E + 4], host_flag: pinned host memory at the address the device sees (te_pr_device_address).
+  const size_t smem = 3 * static_cast<size_t>(world) * sizeof(int64_t);
+  if (world <= 0 || E % world != 0 || smem > 48 * 1024) {
+    snprintf(g_error, sizeof(g_error), "te_pr_exchange: %d experts over %d ranks (E %% R == 0 and R <= 2048 needed)",
+             E, world);
+    return static_cast<int>(cudaErrorInvalidValue);
   }
-  if (g_counts_ready[device] == nullptr) {
-    rc = record(cudaEventCreateWithFlags(&g_counts_ready[device], cudaEventDisableTiming), "te_pr_exchange: event");
-    if (rc) return rc;
-  }
-  if ((rc = launch_barrier(pads, 0, rank, world, timeout_ns, stream))) return rc;
-  if ((rc = te_pr_put_counts(counts, E, world, rank, peer_counts, stream))) return rc;
-  if ((rc = launch_barrier(pads, 0, rank, world, timeout_ns, stream))) return rc;
-  if ((rc = te_pr_plan(matrix, world, E, rank, block_end, src_base, local_sizes, local_offsets, stream))) {
-    return rc;
-  }
-  rc = record(cudaMemcpyAsync(host_matrix, matrix, sizeof(int64_t) * world * E, cudaMemcpyDeviceToHost, stream),
-              "te_pr_exchange: count matrix to host");
-  if (rc) return rc;
-  return record(cudaEventRecord(g_counts_ready[device], stream), "te_pr_exchange: event record");
+  int rc = 0;
+  exchange_kernel<<<1, 256, smem, stream>>>(pads, rank, world, timeout_ns, counts, E, peer_counts, matrix, block_end,
+                                            src_base, local_sizes, local_offsets, host_matrix, host_flag, seq);
+  if ((rc = record(cudaGetLastError(), "te_pr_exchange"))) return rc;
+  // Only for te_pr_wait_counts to tell a failed kernel (a barrier timeout traps) from a slow one.
+  return record(cudaEventRecord(done, stream), "te_pr_exchange: event record");
 }
 
-int te_pr_wait_counts() {
-  int device = 0;
-  int rc = record(cudaGetDevice(&device), "te_pr_wait_counts: cudaGetDevice");
-  if (rc) return rc;
-  if (device >= kMaxDevices || g_counts_ready[device] == nullptr) {
-    snprintf(g_error, sizeof(g_error), "te_pr_wait_counts: no dispatch was queued on device %d", device);
-    return static_cast<int>(cudaErrorInvalidResourceHandle);
+int te_pr_device_address(void* host, void** device) {
+  return record(cudaHostGetDevicePointer(device, host, 0), "te_pr_device_address: not pinned host memory");
+}
+
+int te_pr_new_event(cudaEvent_t* event) {
+  return record(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "te_pr_new_event");
+}
+
+int te_pr_wait_counts(const volatile int64_t* host_flag, int64_t seq, cudaEvent_t done) {
+  for (uint32_t spin = 1;; ++spin) {
+    if (*host_flag == seq) return 0;
+    if (spin % 4096 == 0) {  // now and then: has the kernel failed, or finished without the flag?
+      cudaError_t state = cudaEventQuery(done);
+      if (state == cudaSuccess && *host_flag != seq) {
+        snprintf(g_error, sizeof(g_error), "te_pr_wait_counts: the exchange finished but flag %lld != %lld",
+                 (long long)*host_flag, (long long)seq);
+        return static_cast<int>(cudaErrorUnknown);
+      }
+      if (state != cudaSuccess && state != cudaErrorNotReady) return record(state, "te_pr_wait_counts");
+    }
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
   }
-  return record(cudaEventSynchronize(g_counts_ready[device]), "te_pr_wait_counts");
 }
 
 }  // extern "C"

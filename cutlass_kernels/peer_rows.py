@@ -35,8 +35,13 @@ class PeerRowsLibrary:
         lib.te_pr_exchange.restype = c.c_int
         lib.te_pr_exchange.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_uint64, c.c_void_p, c.c_int, c.c_void_p,
                                        c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
-                                       c.c_void_p]
+                                       c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p]
         lib.te_pr_wait_counts.restype = c.c_int
+        lib.te_pr_wait_counts.argtypes = [c.c_void_p, c.c_int64, c.c_void_p]
+        lib.te_pr_new_event.restype = c.c_int
+        lib.te_pr_new_event.argtypes = [c.c_void_p]
+        lib.te_pr_device_address.restype = c.c_int
+        lib.te_pr_device_address.argtypes = [c.c_void_p, c.c_void_p]
         self._lib = lib
         self.path = path
 
@@ -55,8 +60,21 @@ class PeerRowsLibrary:
         """te_pr_exchange: the count exchange's device sequence (peer_rows.cu has the argument order)."""
         self._check(self._lib.te_pr_exchange(*args))
 
-    def wait_counts(self) -> None:
-        self._check(self._lib.te_pr_wait_counts())
+    def wait_counts(self, host_flag, seq, event) -> None:
+        """Spin until the pinned ``host_flag`` holds ``seq`` (te_pr_exchange's last write)."""
+        self._check(self._lib.te_pr_wait_counts(host_flag, seq, event))
+
+    def new_event(self) -> int:
+        """A CUDA event (on the current device) for te_pr_exchange to record; lives as long as the process."""
+        event = ctypes.c_void_p()
+        self._check(self._lib.te_pr_new_event(ctypes.byref(event)))
+        return event.value
+
+    def device_address(self, host: int) -> int:
+        """The device's address of pinned host memory at ``host`` (raises if it is not pinned)."""
+        address = ctypes.c_void_p()
+        self._check(self._lib.te_pr_device_address(host, ctypes.byref(address)))
+        return address.value
 
     def move(self, push, a, a_bytes, b, b_bytes, num_rows, block_end, src_base, blocks, world, peer_rows, max_blocks,
              stream) -> None:

@@ -9,11 +9,11 @@ rows in its send order* (sorted by global expert). Every move is run by the rece
 dispatch, over the N rows it receives, kept grouped by (local expert, source rank), the grouped
 GEMMs' order (cutlass_kernels/peer_rows.cu, "Layout"):
 
-    dispatch   exchange: barrier | counts into row `me` of every rank's counts region | barrier |
-               plan kernel: where each received row sits in its sender's region | count matrix to
-               the host; the sender packs its rows into its region (the expand gather writes
-               there) | barrier, all while the host waits for the matrix | host: size x | pull the
-               rows into x | barrier
+    dispatch   exchange kernel: barrier | counts into row `me` of every rank's counts region |
+               barrier | where each received row sits in its sender's region | count matrix into
+               pinned host memory, then a flag the host spins on; the sender packs its rows into
+               its region (the expand gather writes there) | barrier, all while the host waits for
+               the matrix | host: size x | pull the rows into x | barrier
     combine    barrier | push expert outputs into the senders' regions | barrier | the sender sums
                each token's K rows straight from its region
     backward   the combine's: the sender writes the expanded output gradient into its region, the
@@ -32,10 +32,11 @@ so all of them grow together; rows packed outside the region (it was too small) 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -62,8 +63,29 @@ _MAX_BLOCKS_PER_SM = 4
 _BARRIER_TIMEOUT_NS = 600 * 10**9  # a rank that never arrives traps the kernel (an error, not a hang)
 
 
+_HEADER = 4  # after the host copy of the count matrix: rows sent, rows received, most rows sent, smallest count
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _stream(device: torch.device) -> int:
+    """The current stream of ``device``, as the handle the launches take. Every dispatch passes here
+    several times between the host read and the pull, so it skips building a torch Stream object."""
+    if device.type != "cuda":
+        return 0  # (the CPU emulation test)
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _on(device: torch.device):
+    """A guard that makes ``device`` current for our launches, switching only when it is not."""
+    if torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 class PeerWorkspace:
@@ -81,8 +103,15 @@ class PeerWorkspace:
         self.rows_bytes = 0
         self.buffer = None
         self.handle = None
+        self.host_counts = None
         props = torch.cuda.get_device_properties(device)
         self.max_blocks = props.multi_processor_count * _MAX_BLOCKS_PER_SM
+        self.exchanges = 0  # sequence number of the last exchange, which the exchange kernel writes to host_flag
+        self.host_flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.host_flag_ptr = self.host_flag.data_ptr()
+        self.host_flag_device = self.lib.device_address(self.host_flag_ptr)
+        with torch.cuda.device(device):
+            self.exchange_done = self.lib.new_event()  # lets the host's wait tell a failed exchange from a slow one
 
     # ---------------------------------------------------------------- buffer
     @property
@@ -120,23 +149,29 @@ class PeerWorkspace:
         self.buffer, self.handle = buffer, handle
         self.peer_counts = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self.peer_rows = torch.tensor([b + self.counts_bytes for b in bases], dtype=torch.int64, device=self.device)
+        self.peer_rows_ptr = self.peer_rows.data_ptr()
         self.signal_pads = handle.signal_pad_ptrs_dev  # device array of every rank's signal pad
-        self.host_counts = torch.empty(self.world * self.num_experts, dtype=torch.int64,
-                                       pin_memory=self.device.type == "cuda")  # (CPU: the emulation test)
+        host_size = self.world * self.num_experts + _HEADER
+        if self.host_counts is None or self.host_counts.numel() < host_size:  # kept otherwise: it may hold a
+            # plan's matrix not read yet (RowPlan.read_counts)
+            self.host_counts = torch.empty(host_size, dtype=torch.int64,
+                                           pin_memory=self.device.type == "cuda")  # (CPU: the emulation test)
+            self.host_counts_device = self.lib.device_address(self.host_counts.data_ptr())  # where the kernel writes
         self._counts_views = {}
         if old is not None:
             self.rows_region(keep_bytes).copy_(old)
 
     def barrier(self) -> None:
-        self.lib.barrier(self.signal_pads, 0, self.rank, self.world, _BARRIER_TIMEOUT_NS,
-                         torch.cuda.current_stream(self.device).cuda_stream)
+        self.lib.barrier(self.signal_pads, 0, self.rank, self.world, _BARRIER_TIMEOUT_NS, _stream(self.device))
 
-    def counts_views(self, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's counts region, its pinned host copy), flat [R * num_experts] int64 each."""
+    def counts_views(self, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this rank's counts region, its pinned host copy, flat [R * num_experts] int64 each, and
+        the header the exchange kernel writes after the copy, [4] int64: see _HEADER)."""
         views = self._counts_views.get(num_experts)
         if views is None:
             n = self.world * num_experts
-            views = self._counts_views[num_experts] = (self.buffer[: n * 8].view(torch.int64), self.host_counts[:n])
+            views = self._counts_views[num_experts] = (self.buffer[: n * 8].view(torch.int64), self.host_counts[:n],
+                                                       self.host_counts[n:n + _HEADER])
         return views
 
     def rows_region(self, num_bytes: int) -> torch.Tensor:
@@ -159,9 +194,10 @@ class PeerWorkspace:
         a, b = (blocks[0], blocks[1]) if len(blocks) == 2 else (blocks[0], None)
         a_bytes = a.shape[1] * a.element_size()
         b_bytes = 0 if b is None else b.shape[1] * b.element_size()
+        table = plan.scratch.data_ptr()  # block_end [E], then src_base [E]
         self.lib.move(push, a.data_ptr(), a_bytes, 0 if b is None else b.data_ptr(), b_bytes, plan.num_received,
-                      plan.block_end.data_ptr(), plan.src_base.data_ptr(), plan.num_experts, self.world,
-                      self.peer_rows.data_ptr(), self.max_blocks, torch.cuda.current_stream(self.device).cuda_stream)
+                      table, table + 8 * plan.num_experts, plan.num_experts, self.world, self.peer_rows_ptr,
+                      self.max_blocks, _stream(self.device))
 
 
 _workspaces: dict = {}
@@ -235,34 +271,51 @@ def use_peer_rows(group, device: torch.device, row_bytes: int) -> bool:
 # ---------------------------------------------------------------------------- the moves
 @dataclass
 class RowPlan:
-    """One dispatch's row map (on the device) and its counts (on the host); combine reuses it."""
+    """One dispatch's row map (on the device) and its sizes (on the host); combine reuses it."""
 
     workspace: PeerWorkspace
     num_experts: int
     row_bytes: int  # of the rows the dispatch moves (a multiple of 16)
-    block_end: torch.Tensor  # int64 [E]: cumulative end row of received block b = (local expert, source rank)
-    src_base: torch.Tensor  # int64 [E]: received row n of block b is row n + src_base[b] of its sender's region
-    local_sizes: torch.Tensor  # int64 [El]: rows each local expert receives (device)
-    local_offsets: torch.Tensor  # int32 [El]: their cumulative end rows (device)
-    counts: List[int] = field(default_factory=list)  # the count matrix [R, E], row-major (host)
+    # int64 on the device, one allocation: block_end [E] (cumulative end row of received block b =
+    # (local expert, source rank)), src_base [E] (received row n of block b is row n + src_base[b] of
+    # its sender's region), local sizes [El] (rows each local expert receives), then their cumulative
+    # end rows as int32 [El]. Only pointers into it are taken before the pull (every host
+    # microsecond between the host read and the pull idles the GPU; docs/moe.md "The host read").
+    scratch: torch.Tensor
+    seq: int  # the exchange's sequence number (the host flag's value once the matrix is on the host)
     num_sent: int = 0
     num_received: int = 0
+    invalid: bool = False  # a rank sent the in-band error flag (negative counts): nothing may move
+    _counts: Optional[List[int]] = None
+
+    @property
+    def local_sizes(self) -> torch.Tensor:
+        E, El = self.num_experts, self.num_experts // self.workspace.world
+        return self.scratch[2 * E:2 * E + El]
+
+    @property
+    def local_offsets(self) -> torch.Tensor:
+        E, El = self.num_experts, self.num_experts // self.workspace.world
+        return self.scratch[2 * E + El:].view(torch.int32)[:El]
+
+    @property
+    def counts(self) -> List[int]:
+        """The count matrix [R, E], row-major (see :meth:`read_counts`)."""
+        return self.read_counts()
+
+    def read_counts(self) -> List[int]:
+        """The count matrix, read from the pinned host copy on first use, which must come before the
+        next exchange overwrites it (the dispatch reads it right after queueing its pull)."""
+        if self._counts is None:
+            ws = self.workspace
+            if ws.exchanges != self.seq:
+                raise RuntimeError(f"peer rows: the count matrix of exchange {self.seq} was overwritten by exchange "
+                                   f"{ws.exchanges} before it was read")
+            self._counts = ws.counts_views(self.num_experts)[1].tolist()
+        return self._counts
 
     def matrix_row(self, r: int) -> List[int]:
         return self.counts[r * self.num_experts:(r + 1) * self.num_experts]
-
-    @property
-    def invalid(self) -> bool:
-        """A rank sent the in-band error flag (negative counts): nothing may move."""
-        return min(self.counts, default=0) < 0
-
-
-def _plan_scratch(E: int, El: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One allocation for a plan's device tensors (block_end, src_base, local sizes, int32 local
-    offsets): the dispatch sits between the step's host read and its first GEMM, so every host
-    microsecond counts (docs/moe.md "The host read")."""
-    scratch = torch.empty(2 * E + El + (El + 1) // 2, dtype=torch.int64, device=device)
-    return scratch[:E], scratch[E:2 * E], scratch[2 * E:2 * E + El], scratch[2 * E + El:].view(torch.int32)[:El]
 
 
 def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int) -> RowPlan:
@@ -281,43 +334,45 @@ def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int) ->
         with torch.cuda.device(ws.device):
             return begin_exchange(ws, counts_E, row_bytes)
     ws.ensure(E, ws.rows_bytes)
-    block_end, src_base, local_sizes, local_offsets = _plan_scratch(E, E // R, ws.device)
-    plan = RowPlan(ws, E, row_bytes, block_end, src_base, local_sizes, local_offsets)
+    El = E // R
+    scratch = torch.empty(2 * E + El + (El + 1) // 2, dtype=torch.int64, device=ws.device)  # RowPlan.scratch
+    ws.exchanges += 1
+    plan = RowPlan(ws, E, row_bytes, scratch, ws.exchanges)
+    table = scratch.data_ptr()
     counts_E = counts_E.contiguous()
-    matrix, host = ws.counts_views(E)
-    # One host call queues the device sequence (module docstring): barrier, put counts, barrier,
-    # plan, count matrix to the host + event.
+    # One kernel (module docstring): barrier, put counts, barrier, plan, count matrix and header into
+    # the pinned host copy, then the sequence number into the host flag finish_exchange spins on.
     ws.lib.exchange(ws.signal_pads, ws.rank, R, _BARRIER_TIMEOUT_NS, counts_E.data_ptr(), E, ws.peer_counts.data_ptr(),
-                    matrix.data_ptr(), block_end.data_ptr(), src_base.data_ptr(), local_sizes.data_ptr(),
-                    local_offsets.data_ptr(), host.data_ptr(), torch.cuda.current_stream(ws.device).cuda_stream)
+                    ws.counts_views(E)[0].data_ptr(), table, table + 8 * E, table + 16 * E, table + 8 * (2 * E + El),
+                    ws.host_counts_device, ws.host_flag_device, plan.seq, ws.exchange_done, _stream(ws.device))
     return plan
 
 
 def finish_exchange(plan: RowPlan, staged: Optional[torch.Tensor] = None) -> None:
     """Queue a barrier (after this rank's packing, so the host waits while it runs), wait for the
-    count matrix (only), then make sure every rank's rows are in its region: where some rank's rows
-    do not fit, every rank grows its region (they all see the same matrix), keeping the rows packed
-    into it; a rank whose rows did not fit packed them into ``staged`` instead, copied in here.
+    exchange kernel's header (rows sent and received; :meth:`RowPlan.read_counts` reads the whole
+    matrix later, off the path to the pull), then make sure every rank's rows are in its region:
+    where some rank's rows do not fit, every rank grows its region (they all see the same matrix),
+    keeping the rows packed into it; a rank whose rows did not fit packed them into ``staged``
+    instead, copied in here.
     Negative counts (the in-band error flag) set ``plan.invalid``: the caller moves nothing and
     raises, on every rank."""
     ws, row_bytes = plan.workspace, plan.row_bytes
-    with torch.cuda.device(ws.device):
+    with _on(ws.device):
         ws.barrier()  # queued after this rank's packing: once past it, every rank's rows are in place
-        ws.lib.wait_counts()
-    E, R, me = plan.num_experts, ws.world, ws.rank
-    El = E // R
-    plan.counts = counts = ws.counts_views(E)[1].tolist()  # the pinned copy begin_exchange queued
+        ws.lib.wait_counts(ws.host_flag_ptr, plan.seq, ws.exchange_done)
+    plan.num_sent, plan.num_received, most_sent, least = ws.counts_views(plan.num_experts)[2].tolist()
+    plan.invalid = least < 0
     if plan.invalid:
         return
-    sent = [sum(counts[r * E:(r + 1) * E]) for r in range(R)]
-    plan.num_sent = sent[me]
-    plan.num_received = sum(sum(counts[r * E + me * El:r * E + (me + 1) * El]) for r in range(R))
-    need = max(sent) * row_bytes
+    need = most_sent * row_bytes
     if need > ws.rows_bytes:  # every rank saw this matrix: all of them grow here (a rank stages only then)
-        with torch.cuda.device(ws.device):
-            ws.ensure(E, _round_up(int(need * _GROWTH), _ALIGN), keep_bytes=0 if staged is not None else sent[me] * row_bytes)
+        plan.read_counts()
+        with _on(ws.device):
+            keep = 0 if staged is not None else plan.num_sent * row_bytes
+            ws.ensure(plan.num_experts, _round_up(int(need * _GROWTH), _ALIGN), keep_bytes=keep)
             if staged is not None:
-                ws.rows_region(sent[me] * row_bytes).copy_(staged.reshape(-1).view(torch.uint8))
+                ws.rows_region(plan.num_sent * row_bytes).copy_(staged.reshape(-1).view(torch.uint8))
             ws.barrier()  # every rank's rows are in its new region
     elif staged is not None and staged.numel():
         raise RuntimeError("peer rows: rows were staged outside a region they fit in")  # see ws.region
@@ -328,7 +383,7 @@ def pull(plan: RowPlan, blocks: Sequence[torch.Tensor], barrier_before: bool = T
     the senders' regions; collective. ``barrier_before=False`` right after :func:`finish_exchange`,
     whose barrier already follows every sender's packing."""
     ws = plan.workspace
-    with torch.cuda.device(ws.device):  # our launches go to the current device
+    with _on(ws.device):  # our launches go to the current device
         if barrier_before:
             ws.barrier()
         ws.move(False, plan, blocks)
@@ -338,7 +393,7 @@ def pull(plan: RowPlan, blocks: Sequence[torch.Tensor], barrier_before: bool = T
 def push(plan: RowPlan, blocks: Sequence[torch.Tensor]) -> None:
     """Write ``blocks`` (as for :func:`pull`) into the senders' regions, at the rows they came from; collective."""
     ws = plan.workspace
-    with torch.cuda.device(ws.device):
+    with _on(ws.device):
         ws.barrier()
         ws.move(True, plan, blocks)
         ws.barrier()

@@ -42,18 +42,19 @@ class _PeerDispatch(torch.autograd.Function):
         if probs_S is not None:
             prob_view(rows, H, probs_S.dtype).copy_(probs_S)
         finish_exchange(plan, staged=None if region is not None else rows)
+        # The GPU idles from here to the pull's launch: only the pull's own host work comes first.
+        x_NH = tail = None
+        if not plan.invalid:  # else nothing moves; the dispatcher raises on every rank
+            x_NH = x_TH.new_empty(plan.num_received, H)
+            tail = None if probs_S is None else x_TH.new_empty(plan.num_received, cols - H)
+            pull(plan, [x_NH] if tail is None else [x_NH, tail], barrier_before=False)
+        plan.read_counts()  # the matrix's host copy, read while the rows move (the next exchange overwrites it)
         plans.append(plan)
         ctx.plan, ctx.perm, ctx.hidden, ctx.cols, ctx.dtype = plan, perm, H, cols, dtype
         ctx.probs_dtype = None if probs_S is None else probs_S.dtype
-        if plan.invalid:  # nothing moves; the dispatcher raises on every rank
+        if plan.invalid:
             return x_TH.new_empty(0, H), None if probs_S is None else probs_S.new_empty(0)
-        x_NH = x_TH.new_empty(plan.num_received, H)
-        if probs_S is None:
-            pull(plan, [x_NH], barrier_before=False)
-            return x_NH, None
-        tail = x_TH.new_empty(plan.num_received, cols - H)
-        pull(plan, [x_NH, tail], barrier_before=False)
-        return x_NH, prob_view(tail, 0, probs_S.dtype).clone()
+        return x_NH, None if tail is None else prob_view(tail, 0, probs_S.dtype).clone()
 
     @staticmethod
     def backward(ctx, grad_x_NH, grad_probs_N):

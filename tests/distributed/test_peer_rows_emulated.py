@@ -48,7 +48,7 @@ class _EmulatedLib:
         self.world.gate.wait()
 
     def exchange(self, pads, me, R, timeout_ns, counts, E, peer_counts, matrix, block_end, src_base, local_sizes,
-                 local_offsets, host, stream):
+                 local_offsets, host, host_flag, seq, event, stream):
         self.world.gate.wait()
         mine = list(_i64(counts, E))
         for base in _i64(peer_counts, R):
@@ -67,9 +67,18 @@ class _EmulatedLib:
         _i64(block_end, E)[:], _i64(src_base, E)[:], _i64(local_sizes, El)[:] = ends, bases, sizes
         (ctypes.c_int32 * El).from_address(local_offsets)[:] = [sum(sizes[:l + 1]) for l in range(El)]
         ctypes.memmove(host, matrix, 8 * R * E)
+        sent = [sum(M[r * E:(r + 1) * E]) for r in range(R)]
+        _i64(host + 8 * R * E, 4)[:] = [sent[me], end, max(sent), min(M)]  # the header: see exchange_kernel
+        _i64(host_flag, 1)[0] = seq
 
-    def wait_counts(self):
-        pass
+    def wait_counts(self, host_flag, seq, event):
+        assert _i64(host_flag, 1)[0] == seq, "the host waits for an exchange that was not the last one queued"
+
+    def new_event(self):
+        return 0
+
+    def device_address(self, host):
+        return host  # host memory: the emulated kernels use host addresses
 
     def move(self, push, a, a_bytes, b, b_bytes, N, block_end, src_base, blocks, world, peer_rows_table, max_blocks,
              stream):
@@ -108,7 +117,9 @@ def emulated(monkeypatch):
         for r in range(R):
             ws = object.__new__(peer_rows.PeerWorkspace)
             ws.group, ws.world, ws.rank, ws.device, ws.lib, ws.max_blocks = None, R, r, torch.device("cpu"), lib, 1
-            ws.num_experts, ws.rows_bytes, ws.buffer, ws.handle = 0, 0, None, None
+            ws.num_experts, ws.rows_bytes, ws.buffer, ws.handle, ws.host_counts = 0, 0, None, None, None
+            ws.exchanges, ws.host_flag, ws.exchange_done = 0, torch.zeros(1, dtype=torch.int64), 0
+            ws.host_flag_ptr = ws.host_flag_device = ws.host_flag.data_ptr()
             workspaces.append(ws)
         return world, workspaces
 
@@ -158,6 +169,7 @@ def _step(ws, rank, T, E, K, H, probs_in_expert=True, skewed=False, invalid=Fals
     x_N, probs_N, plan = peer_dispatch(ws, x, probs_S, perm, counts)
     if plan.invalid:
         return "invalid"
+    assert plan.matrix_row(ws.rank) == counts.tolist()  # the host's matrix, read after any growth
     El = E // ws.world
     scale = torch.repeat_interleave(torch.arange(El, dtype=x.dtype) + ws.rank * El + 1, plan.local_sizes)
     y_N = x_N * scale[:, None]

@@ -63,8 +63,8 @@ def test_nvcc_compiles_peer_rows(tmp_path, monkeypatch):
     path = build.build_plain_source(peer_rows.SOURCE)
     assert path.parent == tmp_path and path.name.startswith("peer_rows-")
     symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
-    for name in ("te_pr_barrier", "te_pr_put_counts", "te_pr_plan", "te_pr_move", "te_pr_exchange", "te_pr_wait_counts",
-                 "te_pr_last_error"):
+    for name in ("te_pr_barrier", "te_pr_plan", "te_pr_move", "te_pr_exchange", "te_pr_wait_counts", "te_pr_new_event",
+                 "te_pr_device_address", "te_pr_last_error"):
         assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
     mtime = path.stat().st_mtime_ns
     assert build.build_plain_source(peer_rows.SOURCE) == path and path.stat().st_mtime_ns == mtime
