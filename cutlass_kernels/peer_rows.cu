@@ -37,15 +37,18 @@
 //   te_pr_exchange    the count exchange in one kernel (barrier, counts [E] into row `me` of every
 //                     rank's counts region, barrier, plan, the count matrix and a header of four
 //                     numbers (exchange_kernel) into pinned host memory, then a sequence number into
-//                     a pinned host flag), then records `done` (an event of
-//                     te_pr_new_event); te_pr_wait_counts spins on the flag (its host address), and
-//                     queries the event now and then to report a kernel that failed. The kernel gets
-//                     the host memory's device addresses (te_pr_device_address, once per buffer).
+//                     a pinned host flag), then records `done`, an event of te_pr_new_event. The
+//                     kernel gets the host memory's device addresses (te_pr_device_address, taken
+//                     once per buffer).
+//   te_pr_wait_counts spins on the flag (its host address) for at most a slice of time (then returns
+//                     cudaErrorNotReady: call again), querying `done` now and then to report a
+//                     kernel that failed
 
 #include <cuda_runtime.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 
 namespace {
 
@@ -336,10 +339,10 @@ int te_pr_exchange(uint32_t* const* pads, int rank, int world, uint64_t timeout_
              E, world);
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  int rc = 0;
   exchange_kernel<<<1, 256, smem, stream>>>(pads, rank, world, timeout_ns, counts, E, peer_counts, matrix, block_end,
                                             src_base, local_sizes, local_offsets, host_matrix, host_flag, seq);
-  if ((rc = record(cudaGetLastError(), "te_pr_exchange"))) return rc;
+  const int rc = record(cudaGetLastError(), "te_pr_exchange");
+  if (rc) return rc;
   // Only for te_pr_wait_counts to tell a failed kernel (a barrier timeout traps) from a slow one.
   return record(cudaEventRecord(done, stream), "te_pr_exchange: event record");
 }
@@ -352,7 +355,9 @@ int te_pr_new_event(cudaEvent_t* event) {
   return record(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "te_pr_new_event");
 }
 
-int te_pr_wait_counts(const volatile int64_t* host_flag, int64_t seq, cudaEvent_t done) {
+int te_pr_wait_counts(const volatile int64_t* host_flag, int64_t seq, cudaEvent_t done, int64_t slice_ns) {
+  timespec start{}, now{};
+  clock_gettime(CLOCK_MONOTONIC, &start);
   for (uint32_t spin = 1;; ++spin) {
     if (*host_flag == seq) return 0;
     if (spin % 4096 == 0) {  // now and then: has the kernel failed, or finished without the flag?
@@ -363,6 +368,10 @@ int te_pr_wait_counts(const volatile int64_t* host_flag, int64_t seq, cudaEvent_
         return static_cast<int>(cudaErrorUnknown);
       }
       if (state != cudaSuccess && state != cudaErrorNotReady) return record(state, "te_pr_wait_counts");
+      clock_gettime(CLOCK_MONOTONIC, &now);
+      if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) > slice_ns) {
+        return static_cast<int>(cudaErrorNotReady);  // not yet: the caller may handle signals and call again
+      }
     }
 #if defined(__x86_64__)
     __builtin_ia32_pause();

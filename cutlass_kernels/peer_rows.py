@@ -17,6 +17,10 @@ __all__ = ["SOURCE", "BuildError", "PeerRowsLibrary", "load_peer_rows"]
 SOURCE = Path(__file__).resolve().parent / "peer_rows.cu"
 
 
+_NOT_READY = 600  # cudaErrorNotReady: te_pr_wait_counts's slice ended before the flag came
+_WAIT_SLICE_NS = 100_000_000
+
+
 class PeerRowsLibrary:
     """The launches of peer_rows.cu; each raises RuntimeError naming the CUDA error."""
 
@@ -37,7 +41,7 @@ class PeerRowsLibrary:
                                        c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
                                        c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p]
         lib.te_pr_wait_counts.restype = c.c_int
-        lib.te_pr_wait_counts.argtypes = [c.c_void_p, c.c_int64, c.c_void_p]
+        lib.te_pr_wait_counts.argtypes = [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64]
         lib.te_pr_new_event.restype = c.c_int
         lib.te_pr_new_event.argtypes = [c.c_void_p]
         lib.te_pr_device_address.restype = c.c_int
@@ -61,8 +65,12 @@ class PeerRowsLibrary:
         self._check(self._lib.te_pr_exchange(*args))
 
     def wait_counts(self, host_flag, seq, event) -> None:
-        """Spin until the pinned ``host_flag`` holds ``seq`` (te_pr_exchange's last write)."""
-        self._check(self._lib.te_pr_wait_counts(host_flag, seq, event))
+        """Spin until the pinned ``host_flag`` holds ``seq`` (te_pr_exchange's last write), in slices
+        of 0.1 s, so that Python handles signals (Ctrl-C) between them."""
+        rc = _NOT_READY
+        while rc == _NOT_READY:
+            rc = self._lib.te_pr_wait_counts(host_flag, seq, event, _WAIT_SLICE_NS)
+        self._check(rc)
 
     def new_event(self) -> int:
         """A CUDA event (on the current device) for te_pr_exchange to record; lives as long as the process."""

@@ -200,8 +200,8 @@ def test_bad_exchange_arguments_raise_before_anything_is_launched(counts, row_by
 def test_exchange_kernel_writes_matrix_header_and_flag_on_one_gpu(cuda_device):
     """te_pr_exchange with one rank (its barriers have no peer): the count matrix, the header (rows
     sent, received, most sent, smallest count) and the flag land in pinned host memory, the host's
-    wait returns on the flag, a wait for a flag that never comes raises once the kernel is done, and
-    memory that is not pinned is refused."""
+    wait returns on the flag (in slices: one ends "not ready" while the GPU is busy), a wait for a
+    flag that never comes raises once the kernel is done, and memory that is not pinned is refused."""
     from cutlass_kernels.peer_rows import load_peer_rows
 
     lib = load_peer_rows()
@@ -214,17 +214,21 @@ def test_exchange_kernel_writes_matrix_header_and_flag_on_one_gpu(cuda_device):
     host = torch.zeros(E + 4, dtype=torch.int64, pin_memory=True)
     flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     event = lib.new_event()
-    for seq, sent in ((7, [3, 0, 7, 1, 2, 4]), (8, [3, -1, 7, 1, 2, 4])):
+    for seq, sent in ((7, [3, 0, 7, 1, 2, 4]), (8, [3, -1, 7, 1, 2, 4]), (9, [0, 0, 5, 0, 0, 1])):
         counts = torch.tensor(sent, dtype=torch.int64, device=cuda_device)
         scratch = torch.empty(2 * E + E + (E + 1) // 2, dtype=torch.int64, device=cuda_device)
         t = scratch.data_ptr()
+        if seq == 9:  # the GPU is busy for ~0.1 s first: a 1 ms slice of the wait ends with "not ready"
+            torch.cuda._sleep(200_000_000)
         lib.exchange(pad_table.data_ptr(), 0, 1, 10**9, counts.data_ptr(), E, region_table.data_ptr(), region.data_ptr(),
                      t, t + 8 * E, t + 16 * E, t + 24 * E, lib.device_address(host.data_ptr()),
                      lib.device_address(flag.data_ptr()), seq, event, stream)
+        if seq == 9:
+            assert lib._lib.te_pr_wait_counts(flag.data_ptr(), seq, event, 10**6) == 600  # cudaErrorNotReady
         lib.wait_counts(flag.data_ptr(), seq, event)
         assert host[:E].tolist() == sent and region.cpu().tolist() == sent
         assert host[E:].tolist() == [sum(sent), sum(sent), sum(sent), min(sent)]
-    with pytest.raises(RuntimeError, match="flag 8 != 9"):
-        lib.wait_counts(flag.data_ptr(), 9, event)
+    with pytest.raises(RuntimeError, match="flag 9 != 10"):
+        lib.wait_counts(flag.data_ptr(), 10, event)
     with pytest.raises(RuntimeError, match="not pinned"):
         lib.device_address(torch.zeros(4).data_ptr())
