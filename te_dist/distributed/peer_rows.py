@@ -298,14 +298,9 @@ class RowPlan:
         E, El = self.num_experts, self.num_experts // self.workspace.world
         return self.scratch[2 * E + El:].view(torch.int32)[:El]
 
-    @property
-    def counts(self) -> List[int]:
-        """The count matrix [R, E], row-major (see :meth:`read_counts`)."""
-        return self.read_counts()
-
     def read_counts(self) -> List[int]:
-        """The count matrix, read from the pinned host copy on first use, which must come before the
-        next exchange overwrites it (the dispatch reads it right after queueing its pull)."""
+        """The count matrix [R, E], row-major, read from the pinned host copy on first use, which must
+        come before the next exchange overwrites it (the dispatch reads it right after queueing its pull)."""
         if self._counts is None:
             ws = self.workspace
             if ws.exchanges != self.seq:
@@ -315,7 +310,7 @@ class RowPlan:
         return self._counts
 
     def matrix_row(self, r: int) -> List[int]:
-        return self.counts[r * self.num_experts:(r + 1) * self.num_experts]
+        return self.read_counts()[r * self.num_experts:(r + 1) * self.num_experts]
 
 
 def begin_exchange(ws: PeerWorkspace, counts_E: torch.Tensor, row_bytes: int) -> RowPlan:
