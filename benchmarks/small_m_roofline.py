@@ -12,6 +12,10 @@ take (every byte the GEMM must move, read once, at that bandwidth) and sets it a
   * bound       GEMM bytes (weights + x + y) / best bandwidth, as TFLOP/s
   * torch, ours ``torch._grouped_mm`` and our CUTLASS forward (the selector's tile), TFLOP/s and the
                 fraction of the bound they reach
+  * one group   the same weight bytes and FLOPs as ONE group (128 rows, K 4096, N 64 x 2048): no kernel
+                moves from one expert's tiles to another's, so the gap between this row and the
+                grouped one is what the group switches cost (each CTA takes tiles a grid apart, so
+                every tile is another expert's, with its own TMA descriptors)
 
 If bound / torch is below 1.15, no kernel can meet the goal on this GPU. Timing: the interleaved
 rounds of benchmarks/grouped_gemm.py (each sample queued behind the same dense GEMMs).
@@ -68,8 +72,12 @@ def main() -> None:
     streaming = triton_read(w_flat)
     if streaming is not None:
         reads["triton read"] = streaming
+    x1, w1, off1 = make(1, [ROWS], K, E * N, dev)  # one group: same weight bytes and FLOPs
+    config = cutlass_backend.kernels_module().choose_config("fwd", E * ROWS, N, K, E)
     fns = dict(reads, copy=lambda: dst.copy_(w_flat), torch=lambda: torch_backend.forward(x, w, off),
-               ours=lambda: cutlass_backend.forward(x, w, off))
+               ours=lambda: cutlass_backend.forward(x, w, off),
+               **{"torch, one group": lambda: torch_backend.forward(x1, w1, off1),
+                  "ours, one group": lambda: cutlass_backend.forward(x1, w1, off1, config=config)})
     ms = bench_interleaved(fns, args.warmup, args.iters, args.rounds)
     bw = {name: w_bytes / (ms[name] * 1e-3) / 1e9 for name in reads}
     bw["copy"] = 2 * w_bytes / (ms["copy"] * 1e-3) / 1e9
@@ -77,7 +85,9 @@ def main() -> None:
     gemm_bytes = w_bytes + x.numel() * 2 + E * ROWS * N * 2
     flops = 2 * E * ROWS * K * N
     bound = flops / (gemm_bytes / (best * 1e9)) / 1e12
-    tf = {name: flops / (ms[name] * 1e-3) / 1e12 for name in ("torch", "ours")}
+    tf = {name: flops / (ms[name] * 1e-3) / 1e12 for name in ("torch", "ours", "torch, one group", "ours, one group")}
+    one_group_bytes = w_bytes + ROWS * K * 2 + ROWS * E * N * 2
+    bound_one = flops / (one_group_bytes / (best * 1e9)) / 1e12
     print(f"\nsmall-M forward roofline, {torch.cuda.get_device_name(dev)}, E{E} x {ROWS} rows, K {K}, N {N}, bf16 "
           f"(median of {args.rounds} rounds x {args.iters} calls)")
     print("| kernel | ms | GB/s |")
@@ -90,6 +100,10 @@ def main() -> None:
     print(f"| bound | {bound:.1f} | 1.00 | {bound / tf['torch']:.3f}x |")
     for name in ("torch", "ours"):
         print(f"| {name} | {tf[name]:.1f} | {tf[name] / bound:.2f} | {tf[name] / tf['torch']:.3f}x |")
+    print(f"\none group (E1, {ROWS} rows, N {E * N}; tile c{config}): bytes {one_group_bytes / 1e9:.3f} GB, "
+          f"bound {bound_one:.1f} TFLOP/s")
+    for name in ("torch, one group", "ours, one group"):
+        print(f"| {name} | {tf[name]:.1f} | {tf[name] / bound_one:.2f} | {tf[name] / tf['torch']:.3f}x |")
 
 
 if __name__ == "__main__":
