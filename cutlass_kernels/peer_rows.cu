@@ -68,6 +68,18 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Spins until `slot` goes from `from` to `to` (one system-scope CAS per try); past `deadline` it
+// prints what it was doing and traps (an error, not a silent hang).
+__device__ void swap_or_trap(uint32_t* slot, uint32_t from, uint32_t to, uint64_t deadline, const char* doing,
+                             int rank, int peer, int channel) {
+  while (atomicCAS_system(slot, from, to) != from) {
+    if (global_timer_ns() > deadline) {
+      printf("te_dist peer_rows: rank %d timed out %s rank %d (channel %d)\n", rank, doing, peer, channel);
+      __trap();
+    }
+  }
+}
+
 // The calling block signals every peer, then waits for every peer's signal (thread t serves peers
 // t, t + blockDim.x, ...). Every thread of the block calls it; it begins and ends with __syncthreads.
 __device__ void block_barrier(uint32_t* const* __restrict__ pads, int channel, int rank, int world,
@@ -76,24 +88,10 @@ __device__ void block_barrier(uint32_t* const* __restrict__ pads, int channel, i
   const uint64_t deadline = global_timer_ns() + timeout_ns;
   __threadfence_system();  // release: everything before this barrier, before the signals
   for (int t = threadIdx.x; t < world; t += blockDim.x) {
-    if (t == rank) continue;
-    uint32_t* out = pads[t] + world * channel + rank;
-    while (atomicCAS_system(out, 0u, 1u) != 0u) {
-      if (global_timer_ns() > deadline) {
-        printf("te_dist peer_rows: rank %d timed out signalling rank %d (channel %d)\n", rank, t, channel);
-        __trap();
-      }
-    }
+    if (t != rank) swap_or_trap(pads[t] + world * channel + rank, 0u, 1u, deadline, "signalling", rank, t, channel);
   }
   for (int t = threadIdx.x; t < world; t += blockDim.x) {
-    if (t == rank) continue;
-    uint32_t* in = pads[rank] + world * channel + t;
-    while (atomicCAS_system(in, 1u, 0u) != 1u) {
-      if (global_timer_ns() > deadline) {
-        printf("te_dist peer_rows: rank %d timed out waiting for rank %d (channel %d)\n", rank, t, channel);
-        __trap();
-      }
-    }
+    if (t != rank) swap_or_trap(pads[rank] + world * channel + t, 1u, 0u, deadline, "waiting for", rank, t, channel);
   }
   __threadfence_system();  // acquire: the peers' writes before their signals, before what follows
   __syncthreads();
