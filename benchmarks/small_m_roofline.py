@@ -75,12 +75,10 @@ def triton_read(w_flat: torch.Tensor):
 def triton_tile_read(w_flat: torch.Tensor, rows: int, k: int, k_step: int):
     """A read of the weights in the order the GEMM's mainloop reads them: one program per ``rows`` x
     ``k`` slab (one N tile of one expert), ``k_step`` columns of all its rows per step. Against the
-    contiguous read this says what the access pattern alone costs. None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+    contiguous read this says what the access pattern alone costs. Needs Triton (main() calls it
+    only where ``triton_read`` found it)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _read(x_ptr, out_ptr, ROWS: tl.constexpr, KLEN: tl.constexpr, KSTEP: tl.constexpr):
