@@ -5,6 +5,7 @@
 tile config per problem shape. Nothing here touches CUDA or runs nvcc at import time.
 """
 
+from . import fp8_block
 from .heuristics import CANDIDATES, CONFIGS, choose_config
 from .build import Instance, BuildError, build_instance, build_command, find_cutlass, find_nvcc, load, load_instance
 

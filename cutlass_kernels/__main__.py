@@ -1,5 +1,6 @@
 """``python -m cutlass_kernels [--jobs N] [--only NAME ...]``: build every instance into the cache, in parallel.
 
+Every instance: the bf16 grouped GEMMs (``te_gg_*``) and the FP8 block-scaled ones (``te_fb_*``).
 ``--only`` names instances, candidate tiles included (e.g. ``te_gg_fwd_c5_bf16``).
 
 Used before GPU test/benchmark runs so the first call does not pay for compilation.
@@ -11,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .build import BuildError, Instance, all_instances, build_instance, cache_dir
+from .fp8_block import all_fp8_instances, build_fp8_instance
 from .heuristics import CANDIDATES
 
 
@@ -20,10 +22,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="instance names, e.g. te_gg_fwd_c0_bf16")
     args = ap.parse_args(argv)
     if args.only is None:
-        insts = all_instances()
+        insts = all_instances() + all_fp8_instances()
     else:  # names may also pick candidate tiles (heuristics.CANDIDATES) for a sweep
         known = all_instances() + [Instance(d, c, f) for d in ("fwd", "dgrad", "wgrad") for c in sorted(CANDIDATES)
-                                   for f in (False, True)]
+                                   for f in (False, True)] + all_fp8_instances()
         insts = [i for i in known if i.name in args.only]
     print(f"building {len(insts)} instances into {cache_dir()} with {args.jobs} jobs", flush=True)
     t0 = time.time()
@@ -32,7 +34,7 @@ def main(argv=None) -> int:
     def one(inst):
         t = time.time()
         try:
-            path = build_instance(inst)
+            path = build_instance(inst) if isinstance(inst, Instance) else build_fp8_instance(inst)
             return f"ok   {inst.name} {time.time() - t:6.1f}s {path.name}"
         except BuildError as exc:
             return f"FAIL {inst.name}: {exc}"

@@ -36,6 +36,7 @@ __all__ = [
     "build_command",
     "cache_key",
     "build_instance",
+    "build_cutlass_source",
     "build_plain_source",
     "load",
     "load_instance",
@@ -175,8 +176,29 @@ _build_lock = threading.Lock()
 
 def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
     """Path of the cached .so for ``inst``, compiling it first if needed."""
-    target = cache_dir() / f"{inst.name}-{cache_key(inst)}.so"
-    return _compile_cached(target, lambda out: build_command(inst, out), inst.name, verbose)
+    return build_cutlass_source(SOURCE, inst.name, inst.macros, verbose=verbose)
+
+
+def build_cutlass_source(source: Path, name: str, macros, *, verbose: bool = False) -> Path:
+    """Path of the cached .so of one instance (``macros``: its -D flags) of a CUTLASS source of
+    this package, compiling it first if needed. The cache key covers the source, the CUTLASS
+    headers, the macros, arch, flags and the nvcc version."""
+    nvcc = find_nvcc()
+    cut = find_cutlass()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    if cut is None:
+        raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
+    include, util, version = cut
+    macros = tuple(macros)
+    key = _digest(source.read_bytes(), _tree_digest(include).encode(), _tree_digest(util).encode(),
+                  " ".join(macros + ARCH_FLAGS + BASE_FLAGS).encode(), version.encode(), nvcc_version(nvcc).encode())
+    target = cache_dir() / f"{name}-{key}.so"
+
+    def command(out: Path) -> List[str]:
+        return [nvcc, *ARCH_FLAGS, *BASE_FLAGS, *macros, f"-I{include}", f"-I{util}", "-o", str(out), str(source)]
+
+    return _compile_cached(target, command, name, verbose)
 
 
 def plain_source_key(source: Path) -> str:

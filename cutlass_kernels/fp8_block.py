@@ -1,0 +1,160 @@
+"""Block-scaled FP8 grouped GEMM instances (``fp8_block_gemm.cu``): tiles, JIT build, ctypes loader.
+
+One instance per (direction, tile config, A format, B format, output dtype). Formats: "e4m3" or
+"e5m2" (HYBRID gradients). The build and disk cache are the bf16 kernels' (``build.py``).
+
+Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
+
+| id | schedule    | tile M x N | cluster | meant for |
+|----|-------------|------------|---------|-----------|
+| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: two consumer warpgroups on one tile, A multicast along N |
+| 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= 192 on average): 64-row padding, epilogue overlapped |
+
+``CONFIG_OVERRIDE`` (None in use) forces one config for every call: benchmarks/fp8_grouped_gemm.py
+``--sweep`` times each config this way, and a config that wins moves into ``choose_fp8_config``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .build import BuildError, build_cutlass_source
+
+__all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "load_fp8", "build_fp8_instance"]
+
+SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
+KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
+SCHEDULES = {"cooperative": 0, "pingpong": 1}
+FORMATS = ("e4m3", "e5m2")
+# id: (schedule, tile M, tile N, (cluster M, cluster N))
+FP8_CONFIGS = {
+    0: ("cooperative", 128, 128, (1, 2)),
+    1: ("pingpong", 64, 128, (1, 1)),
+}
+CONFIG_OVERRIDE = None
+SMALL_M_ROWS = 192  # average rows per expert at or below which the 64-row ping-pong tile runs
+
+
+def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None) -> int:
+    """Tile config for one call: the GEMM's M is the rows per expert for fwd/dgrad; wgrad's M is
+    the out-features (always large), so it always takes the cooperative tile."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    if direction == "wgrad":
+        return 0
+    return 1 if num_rows <= SMALL_M_ROWS * max(num_groups, 1) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Instance:
+    direction: str
+    config: int = 0
+    a_format: str = "e4m3"
+    b_format: str = "e4m3"
+    out_f32: bool = False
+
+    def __post_init__(self):
+        if self.direction not in KINDS:
+            raise ValueError(f"direction must be one of {tuple(KINDS)}, received {self.direction!r}")
+        if self.config not in FP8_CONFIGS:
+            raise ValueError(f"config must be one of {sorted(FP8_CONFIGS)}, received {self.config!r}")
+        for name in ("a_format", "b_format"):
+            if getattr(self, name) not in FORMATS:
+                raise ValueError(f"{name} must be one of {FORMATS}, received {getattr(self, name)!r}")
+
+    @property
+    def name(self) -> str:
+        out = "f32" if self.out_f32 else "bf16"
+        return f"te_fb_{self.direction}_c{self.config}_{self.a_format}x{self.b_format}_{out}"
+
+    @property
+    def macros(self):
+        schedule, tile_m, tile_n, (cluster_m, cluster_n) = FP8_CONFIGS[self.config]
+        return (f"-DTE_FB_KIND={KINDS[self.direction]}", f"-DTE_FB_CONFIG={self.config}",
+                f"-DTE_FB_A_E5M2={int(self.a_format == 'e5m2')}", f"-DTE_FB_B_E5M2={int(self.b_format == 'e5m2')}",
+                f"-DTE_FB_OUT_F32={int(self.out_f32)}", f"-DTE_FB_SCHEDULE={SCHEDULES[schedule]}",
+                f"-DTE_FB_TILE_M={tile_m}", f"-DTE_FB_TILE_N={tile_n}",
+                f"-DTE_FB_CLUSTER_M={cluster_m}", f"-DTE_FB_CLUSTER_N={cluster_n}")
+
+
+def build_fp8_instance(inst: Fp8Instance, *, verbose: bool = False) -> Path:
+    return build_cutlass_source(SOURCE, inst.name, inst.macros, verbose=verbose)
+
+
+class _Fp8Library:
+    """ctypes view of one instance's C ABI (``te_fb_*``)."""
+
+    def __init__(self, path: Path, inst: Fp8Instance):
+        lib = ctypes.CDLL(str(path))
+        c = ctypes
+        lib.te_fb_run.restype = c.c_int
+        lib.te_fb_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                                  c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
+                                  c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
+        lib.te_fb_workspace_bytes.restype = c.c_int
+        lib.te_fb_workspace_bytes.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
+        lib.te_fb_last_error.restype = c.c_char_p
+        formats = lib.te_fb_formats()
+        got = (lib.te_fb_kind(), lib.te_fb_config(), formats & 1, (formats >> 1) & 1, (formats >> 2) & 1)
+        want = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
+                int(inst.out_f32))
+        if got != want:
+            raise RuntimeError(f"{path} is not {inst}: the library reports {got}")
+        self._lib = lib
+        self._ws_cache = {}
+        self.run = lib.te_fb_run
+        self.path = path
+
+    def workspace_bytes(self, num_groups: int, sm_count: int) -> int:
+        key = (num_groups, sm_count)
+        got = self._ws_cache.get(key)
+        if got is None:
+            out = ctypes.c_size_t(0)
+            self._lib.te_fb_workspace_bytes(num_groups, sm_count, ctypes.byref(out))
+            got = self._ws_cache[key] = int(out.value)
+        return got
+
+    def last_error(self) -> str:
+        return self._lib.te_fb_last_error().decode(errors="replace")
+
+
+_loaded: dict = {}
+_failed: dict = {}  # instance key -> the build error, so a broken instance is not rebuilt on every call
+_lock = threading.Lock()
+
+
+def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32: bool = False) -> _Fp8Library:
+    """The library of one instance, built on first use (keyed by a plain tuple: looked up per call)."""
+    key = (direction, config, a_format, b_format, out_f32)
+    lib = _loaded.get(key)
+    if lib is None:
+        with _lock:
+            lib = _loaded.get(key)
+            if lib is None:
+                if key in _failed:
+                    raise BuildError(_failed[key])
+                inst = Fp8Instance(direction, config, a_format, b_format, out_f32)
+                try:
+                    lib = _loaded[key] = _Fp8Library(build_fp8_instance(inst), inst)
+                except BuildError as exc:
+                    _failed[key] = f"{inst.name}: {exc}"
+                    raise
+    return lib
+
+
+def all_fp8_instances():
+    """The instances the three recipes' formats need: E4M3 everywhere, and HYBRID's e5m2 gradients
+    (dgrad's A = dy, wgrad's A = dy^T); bf16 output."""
+    out = []
+    for config in (0, 1):
+        for direction in KINDS:
+            if direction == "wgrad" and config != 0:
+                continue
+            out.append(Fp8Instance(direction, config))
+            if direction != "fwd":
+                out.append(Fp8Instance(direction, config, a_format="e5m2"))
+    return out

@@ -1,0 +1,417 @@
+// te_dist block-scaled FP8 grouped GEMM for Hopper (sm_90a): the Float8BlockScaling (DeepSeek-V3)
+// scheme, CUTLASS 3.x ptr-array TMA warp-specialized kernels with blockwise scale promotion.
+//
+// Every operand arrives K-major (FP8 wgmma reads both operands K-major), quantized along K in
+// blocks of 128, with float32 dequantization scales ("scale_inv"). One source, compiled per
+// instance (-D macros, part of the JIT cache key):
+//   TE_FB_KIND 0 fwd   : y[T,N]     = x[T,K] @ w[e]^T     A = x  rowwise  [T,K]  1x128 scales [T, K/128]
+//                                                          B = w  rowwise  [E,N,K] 128x128 scales [E, N/128, K/128]
+//              1 dgrad : dx[T,K]    = dy[T,N] @ w[e]      A = dy rowwise  [T,N]  1x128 scales [T, N/128]
+//                                                          B = w^T (the columnwise copy) [E,K,N], same 128x128 scales
+//              2 wgrad : dw[e][N,K] = dy_e^T @ x_e        A = dy^T (columnwise copy) [N,T], scales [T/128, N]
+//                                                          B = x^T  (columnwise copy) [K,T], scales [T/128, K]
+//                                                          every group's first row a multiple of 128
+//   TE_FB_A_E5M2 / TE_FB_B_E5M2: the operand is e5m2 (HYBRID gradients) instead of e4m3.
+//   TE_FB_OUT_F32: fp32 output instead of bf16.
+//   TE_FB_SCHEDULE, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}: the tile (TILE_K is the scale block, 128).
+//
+// Accumulation: the tensor cores accumulate each 128-long K block in their FP8 accumulator; the
+// mainloop then multiplies it by the two blocks' scales and adds it into an fp32 accumulator
+// (CUTLASS's blockwise "scale promotion", one promotion per scale block).
+// Epilogue (per group e): out = row_scale[row] * acc + bias[e][col]; either may be null.
+//
+// The 1x128 scales of A in fwd/dgrad are read per group M-major (CUTLASS derives a group's scale
+// layout from its own row count), so te_fb_run first rewrites the caller's [T, K/128] scales into
+// one [K/128, rows_e] block per group in the caller's scratch buffer (T*K/128 floats).
+//
+// C ABI only (no torch headers). Per-group shapes, pointers and strides are written on the device
+// from the int32 cumulative end offsets (no host sync, CUDA-graph capturable). Empty groups are
+// legal; wgrad writes zeros for them.
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <cstdio>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/functional.h"
+#include "cutlass/numeric_types.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/util/packed_stride.hpp"
+
+#ifndef TE_FB_KIND
+#define TE_FB_KIND 0
+#endif
+#ifndef TE_FB_A_E5M2
+#define TE_FB_A_E5M2 0
+#endif
+#ifndef TE_FB_B_E5M2
+#define TE_FB_B_E5M2 0
+#endif
+#ifndef TE_FB_OUT_F32
+#define TE_FB_OUT_F32 0
+#endif
+#ifndef TE_FB_CONFIG
+#define TE_FB_CONFIG 0
+#endif
+#if !defined(TE_FB_SCHEDULE) || !defined(TE_FB_TILE_M) || !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || \
+    !defined(TE_FB_CLUSTER_N)
+#error "define TE_FB_SCHEDULE, TE_FB_TILE_{M,N} and TE_FB_CLUSTER_{M,N} (cutlass_kernels/build.py does)"
+#endif
+
+using namespace cute;
+
+namespace te_fb {
+
+constexpr int kFwd = 0, kDgrad = 1, kWgrad = 2;
+constexpr int kKind = TE_FB_KIND;
+constexpr int kBlock = 128;  // the recipe's scale block along K (and the 128x128 weight blocks)
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using ElementA = cute::conditional_t<TE_FB_A_E5M2 != 0, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
+using ElementB = cute::conditional_t<TE_FB_B_E5M2 != 0, cutlass::float_e5m2_t, cutlass::float_e4m3_t>;
+using ElementD = cute::conditional_t<TE_FB_OUT_F32 != 0, float, cutlass::bfloat16_t>;
+using ElementAcc = float;
+
+using LayoutA = cutlass::layout::RowMajor;     // M x K, K contiguous
+using LayoutB = cutlass::layout::ColumnMajor;  // N x K, K contiguous
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignAB = 16;  // 16 bytes of FP8
+constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+using TileShape = Shape<Int<TE_FB_TILE_M>, Int<TE_FB_TILE_N>, Int<kBlock>>;
+using ClusterShape = Shape<Int<TE_FB_CLUSTER_M>, Int<TE_FB_CLUSTER_N>, _1>;
+
+// Scale granularity (M, N, K): A always 1 x 128; B 128 x 128 (weights) except in wgrad, where B is
+// x^T with one scale per feature row and 128-token block.
+constexpr int kScaleN = kKind == kWgrad ? 1 : kBlock;
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, kBlock>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+#if TE_FB_SCHEDULE == 0
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+#elif TE_FB_SCHEDULE == 1
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+#else
+#error "TE_FB_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
+#endif
+
+// out = fma(row_scale, acc, bias): per-row (M) scale, per-column (N) bias, one pointer per group.
+using namespace cutlass::epilogue::fusion;
+using RowScale = Sm90ColBroadcast<0, TileShape, float*, float, Stride<_1, _0, _0>, 1>;
+using ColBias = Sm90RowBroadcast<0, TileShape, float*, float, Stride<_0, _1, _0>, 4>;
+using Epilogue = Sm90EVT<Sm90Compute<cutlass::multiply_add, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
+                         RowScale, Sm90AccFetch, ColBias>;
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
+    void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule, Epilogue>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
+    ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB,
+    ElementAcc, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
+
+// ----------------------------------------------------------------------------- workspace layout
+
+struct WsLayout {
+  size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, ptr_sfa, ptr_sfb, layout_sfa, layout_sfb,
+      ptr_scale, ptr_bias, cutlass_ws, total;
+};
+
+static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
+  WsLayout l{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
+  size_t e = static_cast<size_t>(num_groups);
+  l.shapes = take(e * sizeof(UnderlyingShape));
+  l.ptr_a = take(e * sizeof(void*));
+  l.ptr_b = take(e * sizeof(void*));
+  l.ptr_d = take(e * sizeof(void*));
+  l.stride_a = take(e * sizeof(StrideA));
+  l.stride_b = take(e * sizeof(StrideB));
+  l.stride_d = take(e * sizeof(StrideD));
+  l.ptr_sfa = take(e * sizeof(void*));
+  l.ptr_sfb = take(e * sizeof(void*));
+  l.layout_sfa = take(e * sizeof(LayoutSFA));
+  l.layout_sfb = take(e * sizeof(LayoutSFB));
+  l.ptr_scale = take(e * sizeof(void*));
+  l.ptr_bias = take(e * sizeof(void*));
+  l.cutlass_ws = take(cutlass_bytes);
+  l.total = off;
+  return l;
+}
+
+struct DevicePtrs {
+  UnderlyingShape* shapes;
+  const ElementA** ptr_a;
+  const ElementB** ptr_b;
+  ElementD** ptr_d;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+  const float** ptr_sfa;
+  const float** ptr_sfb;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+  const float** ptr_scale;
+  const float** ptr_bias;
+};
+
+static DevicePtrs device_ptrs(char* ws, const WsLayout& l, bool has_scale, bool has_bias) {
+  return DevicePtrs{reinterpret_cast<UnderlyingShape*>(ws + l.shapes),
+                    reinterpret_cast<const ElementA**>(ws + l.ptr_a),
+                    reinterpret_cast<const ElementB**>(ws + l.ptr_b),
+                    reinterpret_cast<ElementD**>(ws + l.ptr_d),
+                    reinterpret_cast<StrideA*>(ws + l.stride_a),
+                    reinterpret_cast<StrideB*>(ws + l.stride_b),
+                    reinterpret_cast<StrideD*>(ws + l.stride_d),
+                    reinterpret_cast<const float**>(ws + l.ptr_sfa),
+                    reinterpret_cast<const float**>(ws + l.ptr_sfb),
+                    reinterpret_cast<LayoutSFA*>(ws + l.layout_sfa),
+                    reinterpret_cast<LayoutSFB*>(ws + l.layout_sfb),
+                    has_scale ? reinterpret_cast<const float**>(ws + l.ptr_scale) : nullptr,
+                    has_bias ? reinterpret_cast<const float**>(ws + l.ptr_bias) : nullptr};
+}
+
+// ----------------------------------------------------------------------------- device-side preparation
+
+__device__ __forceinline__ int64_t group_start(const int32_t* offsets, int e) { return e == 0 ? 0 : offsets[e - 1]; }
+
+// fwd/dgrad: [T, KB] row-major scales -> one [KB, rows_e] block per group at start_e * KB.
+__global__ void group_scales_kernel(const float* __restrict__ in, const int32_t* __restrict__ offsets, int num_groups,
+                                    int64_t num_rows, int kb, float* __restrict__ out) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= num_rows * kb) return;
+  int64_t t = i / kb;
+  int b = static_cast<int>(i - t * kb);
+  int lo = 0, hi = num_groups - 1;  // first group whose end offset exceeds t
+  while (lo < hi) {
+    int mid = (lo + hi) >> 1;
+    if (offsets[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  int64_t start = group_start(offsets, lo);
+  int64_t rows = offsets[lo] - start;
+  out[start * kb + b * rows + (t - start)] = in[i];
+}
+
+// One thread per group: shapes, pointers, strides and scale pointers from the cumulative end offsets.
+// n, k are the user-level out/in features; num_rows is T (the leading dim of the wgrad operands).
+__global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_groups, int n, int k, int64_t num_rows,
+                               const ElementA* a, const ElementB* b, ElementD* d, const float* sfa,
+                               const float* sfb, const float* scale, const float* bias, DevicePtrs p) {
+  int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= num_groups) return;
+  int64_t start = group_start(offsets, e);
+  int rows = static_cast<int>(offsets[e] - start);
+  int gm, gn, gk;
+  int64_t lda, ldb;
+  if constexpr (kKind == kFwd) {
+    gm = rows; gn = n; gk = k; lda = k; ldb = k;
+    p.ptr_a[e] = a + start * k;
+    p.ptr_b[e] = b + static_cast<int64_t>(e) * n * k;
+    p.ptr_d[e] = d + start * n;
+    p.ptr_sfa[e] = sfa + start * (k / kBlock);
+    p.ptr_sfb[e] = sfb + static_cast<int64_t>(e) * (n / kBlock) * (k / kBlock);
+  } else if constexpr (kKind == kDgrad) {
+    gm = rows; gn = k; gk = n; lda = n; ldb = n;
+    p.ptr_a[e] = a + start * n;
+    p.ptr_b[e] = b + static_cast<int64_t>(e) * n * k;
+    p.ptr_d[e] = d + start * k;
+    p.ptr_sfa[e] = sfa + start * (n / kBlock);
+    p.ptr_sfb[e] = sfb + static_cast<int64_t>(e) * (n / kBlock) * (k / kBlock);
+  } else {
+    // A = dy^T [N, T], B = x^T [K, T]: this group's columns start..start+rows, leading dim T.
+    gm = n; gn = k; gk = rows; lda = num_rows; ldb = num_rows;
+    p.ptr_a[e] = a + start;
+    p.ptr_b[e] = b + start;
+    p.ptr_d[e] = d + static_cast<int64_t>(e) * n * k;
+    p.ptr_sfa[e] = sfa + (start / kBlock) * n;
+    p.ptr_sfb[e] = sfb + (start / kBlock) * k;
+    if (rows == 0) { gm = 0; gn = 0; }  // no tiles; zeros written by zero_empty_kernel
+  }
+  p.shapes[e] = UnderlyingShape{gm, gn, gk};
+  int sm = max(gm, 1), sn = kKind == kWgrad ? k : gn, sk = max(gk, 1);
+  StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(sm, sk, 1));
+  StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(sn, sk, 1));
+  get<0>(sa) = lda;
+  get<0>(sb) = ldb;
+  p.stride_a[e] = sa;
+  p.stride_b[e] = sb;
+  p.stride_d[e] = cutlass::make_cute_packed_stride(StrideD{}, make_shape(kKind == kWgrad ? n : sm, sn, 1));
+  p.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(gm, gn, gk, 1));
+  p.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(gm, gn, gk, 1));
+  if (p.ptr_scale != nullptr) p.ptr_scale[e] = scale + start;
+  if (p.ptr_bias != nullptr) p.ptr_bias[e] = bias + static_cast<int64_t>(e) * n;
+}
+
+// wgrad only: dw[e] = 0 for experts without rows (grid.x = group, grid.y strides the block).
+__global__ void zero_empty_kernel(const int32_t* __restrict__ offsets, int64_t group_vec16, uint4* dw) {
+  int e = blockIdx.x;
+  if (offsets[e] != group_start(offsets, e)) return;
+  uint4* base = dw + static_cast<int64_t>(e) * group_vec16;
+  for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < group_vec16; i += int64_t(gridDim.y) * blockDim.x) {
+    base[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+static thread_local char g_error[512] = {0};
+
+static int fail(const char* what, const char* detail) {
+  snprintf(g_error, sizeof(g_error), "%s: %s", what, detail);
+  return 1;
+}
+
+static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l, char* ws, bool has_scale,
+                                               bool has_bias, int sm_count, int device_id) {
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = device_id;
+  hw_info.sm_count = sm_count;
+  DevicePtrs p = device_ptrs(ws, l, has_scale, has_bias);
+  typename Epilogue::Arguments fusion{{p.ptr_scale, 1.0f, {}}, {}, {p.ptr_bias, 0.0f, {}}, {}};
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {num_groups, p.shapes, nullptr},
+      {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_sfa, p.layout_sfa, p.ptr_sfb, p.layout_sfb},
+      {fusion, nullptr, p.stride_d, p.ptr_d, p.stride_d},
+      hw_info};
+  return args;
+}
+
+// Kernel Params depend only on this key (the per-call data reaches the kernel through the device
+// arrays prepare_kernel writes), so a repeated key launches with the Params built the first time.
+struct LaunchKey {
+  const void* workspace;
+  int num_groups, sm_count, device_id;
+  bool has_scale, has_bias;
+  bool operator==(const LaunchKey& o) const {
+    return workspace == o.workspace && num_groups == o.num_groups && sm_count == o.sm_count &&
+           device_id == o.device_id && has_scale == o.has_scale && has_bias == o.has_bias;
+  }
+};
+
+struct PreparedLaunch {
+  LaunchKey key{};
+  bool valid = false;
+  WsLayout layout{};
+  typename GemmKernel::Params params{};
+};
+
+constexpr int kPreparedSlots = 8;
+static thread_local PreparedLaunch t_prepared[kPreparedSlots];
+static thread_local int t_next_slot = 0;
+
+static PreparedLaunch* find_prepared(const LaunchKey& key) {
+  for (auto& slot : t_prepared) {
+    if (slot.valid && slot.key == key) return &slot;
+  }
+  return nullptr;
+}
+
+static WsLayout layout_for(int num_groups, int sm_count, int device_id) {
+  WsLayout probe = make_layout_for(num_groups, 0);
+  auto args = make_arguments(num_groups, probe, reinterpret_cast<char*>(256), true, true, sm_count, device_id);
+  return make_layout_for(num_groups, Gemm::get_workspace_size(args));
+}
+
+}  // namespace te_fb
+
+extern "C" {
+
+int te_fb_kind() { return TE_FB_KIND; }
+int te_fb_config() { return TE_FB_CONFIG; }
+int te_fb_formats() { return (TE_FB_A_E5M2 ? 1 : 0) | (TE_FB_B_E5M2 ? 2 : 0) | (TE_FB_OUT_F32 ? 4 : 0); }
+
+const char* te_fb_last_error() { return te_fb::g_error; }
+
+int te_fb_workspace_bytes(int num_groups, int sm_count, size_t* bytes) {
+  *bytes = te_fb::layout_for(num_groups, sm_count, 0).total;
+  return 0;
+}
+
+// Launch on `stream`. a/b/sfa/sfb per TE_FB_KIND (see the top of this file); `sfa_scratch` holds
+// num_rows * (contraction / 128) floats for fwd/dgrad (unused by wgrad); n, k are the user-level
+// out/in features and num_rows is T.
+int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const float* sfb, float* sfa_scratch,
+              const int32_t* offsets, int num_groups, int n, int k, int64_t num_rows, const float* row_scale,
+              const float* bias, void* workspace, size_t workspace_bytes, int sm_count, int device_id,
+              cudaStream_t stream) {
+  using namespace te_fb;
+  if (num_groups <= 0) return 0;
+  if (n % kBlock != 0 || k % kBlock != 0) return fail("te_fb_run", "N and K must be multiples of 128");
+  char* ws = static_cast<char*>(workspace);
+  bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
+  LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
+  PreparedLaunch* prepared = find_prepared(key);
+  WsLayout l = prepared != nullptr ? prepared->layout : layout_for(num_groups, sm_count, device_id);
+  if (workspace_bytes < l.total) return fail("te_fb_run", "workspace too small");
+
+  const float* sfa_used = sfa;
+  if constexpr (kKind != kWgrad) {
+    int kb = (kKind == kFwd ? k : n) / kBlock;
+    int64_t total = num_rows * kb;
+    if (total > 0) {
+      int threads = 256;
+      int64_t blocks = (total + threads - 1) / threads;
+      group_scales_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(sfa, offsets, num_groups, num_rows, kb,
+                                                                                 sfa_scratch);
+    }
+    sfa_used = sfa_scratch;
+  }
+  DevicePtrs p = device_ptrs(ws, l, has_scale, has_bias);
+  int threads = 128, blocks = (num_groups + threads - 1) / threads;
+  prepare_kernel<<<blocks, threads, 0, stream>>>(offsets, num_groups, n, k, num_rows, static_cast<const ElementA*>(a),
+                                                 static_cast<const ElementB*>(b), static_cast<ElementD*>(d), sfa_used,
+                                                 sfb, row_scale, bias, p);
+  if constexpr (kKind == kWgrad) {
+    int64_t vec16 = static_cast<int64_t>(n) * k * sizeof(ElementD) / 16;
+    zero_empty_kernel<<<dim3(num_groups, 16), 256, 0, stream>>>(offsets, vec16, static_cast<uint4*>(d));
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return fail("prepare launch", cudaGetErrorString(err));
+
+  if (prepared == nullptr) {
+    auto args = make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id);
+    Gemm gemm;
+    cutlass::Status st = gemm.can_implement(args);
+    if (st != cutlass::Status::kSuccess) return fail("can_implement", cutlassGetStatusString(st));
+    st = gemm.initialize(args, ws + l.cutlass_ws, stream);
+    if (st != cutlass::Status::kSuccess) return fail("initialize", cutlassGetStatusString(st));
+    prepared = &t_prepared[t_next_slot];
+    t_next_slot = (t_next_slot + 1) % kPreparedSlots;
+    prepared->key = key;
+    prepared->layout = l;
+    prepared->params = gemm.params();
+    prepared->valid = true;
+  }
+  cutlass::Status st = Gemm::run(prepared->params, stream);
+  if (st != cutlass::Status::kSuccess) return fail("run", cutlassGetStatusString(st));
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return fail("gemm launch", cudaGetErrorString(err));
+  return 0;
+}
+
+}  // extern "C"
