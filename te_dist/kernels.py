@@ -11,6 +11,13 @@ a contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Each call picks a 
 (``te_dist.backends.selection``): our CUTLASS SM90 kernels -> ``torch._grouped_mm`` -> a per-expert
 loop (CPU, fp16/fp32, decode shapes). Inputs are validated before anything launches.
 
+Quantized (FP8) grouped GEMMs are entry points of the same stack:
+``grouped_mm_quantized_forward / _dgrad / _wgrad`` take the operands as the recipe's quantizers
+made them (``Float8Tensor`` or ``Float8BlockTensor`` activations, a weight prepared once per
+version by ``prepare_quantized_weight``) and run on our block-scaled CUTLASS kernels, or on the
+emulated reference (dequantize the same operands, then the bf16 GEMM) wherever those cannot run.
+Both backends multiply the same quantized values; only the accumulation differs.
+
 Legend: T rows (tokens), K in-features, N out-features, E experts.
 """
 
@@ -22,8 +29,11 @@ from typing import Optional
 import torch
 
 from .backends import loop_backend, torch_backend, validation
+from .backends.fp8_operands import BLOCK, QuantizedWeight, copy_format, dequantized, fp8_format
+from .backends.fp8_operands import prepare_weight as prepare_quantized_weight
 from .backends.grouped_mm_function import GroupedMM
 from .backends.selection import BACKENDS, Problem, choose_backend
+from .support import device_capability
 
 __all__ = [
     "grouped_mm",
@@ -33,12 +43,18 @@ __all__ = [
     "select_backend",
     "available_backends",
     "BACKENDS",
+    "QUANTIZED_BACKENDS",
+    "QuantizedWeight",
+    "prepare_quantized_weight",
+    "grouped_mm_quantized_forward",
+    "grouped_mm_quantized_dgrad",
+    "grouped_mm_quantized_wgrad",
+    "select_quantized_backend",
 ]
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(device_index: int):
-    return torch.cuda.get_device_capability(device_index)
+    return device_capability(torch.device("cuda", device_index))
 
 
 _CUTLASS: dict = {}
@@ -222,3 +238,155 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
         if group_sizes is not None:
             group_sizes = validation.check_group_sizes(group_sizes, num_groups, x_TK.shape[0])
     return _Dispatch.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes)
+
+
+# --------------------------------------------------------------------------- quantized (FP8) grouped GEMMs
+
+QUANTIZED_BACKENDS = ("cutlass", "emulated")
+_QUANTIZED_OUT = (torch.bfloat16, torch.float32)
+
+
+def _fp8_backend():
+    module = _CUTLASS.get("fp8")
+    if module is None:
+        from .backends import fp8_cutlass_backend as module
+
+        _CUTLASS["fp8"] = module
+    return module
+
+
+def _quantized_why_not(device: torch.device, k: int, n: int, out_dtype, b_format: str) -> Optional[str]:
+    """None when the CUTLASS FP8 kernels can run a call with these properties, else why not."""
+    if device.type != "cuda":
+        return f"the FP8 grouped kernels need CUDA tensors, received {device.type}"
+    cap = device_capability(device)
+    if cap != (9, 0):
+        return f"the FP8 grouped kernels are built for sm_90a, received compute capability {cap}"
+    if k % BLOCK or n % BLOCK:
+        return f"the FP8 grouped kernels need K and N multiples of {BLOCK}, received K={k} N={n}"
+    if out_dtype not in _QUANTIZED_OUT:
+        return f"the FP8 grouped kernels write {_QUANTIZED_OUT}, received out_dtype={out_dtype}"
+    if b_format != "e4m3":
+        return f"the FP8 grouped kernels take an e4m3 weight-side operand, received {b_format}"
+    backend = _fp8_backend()
+    if not backend.available():
+        return f"the FP8 grouped kernels are unavailable: {backend.unavailable_reason()}"
+    return None
+
+
+def select_quantized_backend(device, k: int, n: int, *, out_dtype=torch.bfloat16, b_format: str = "e4m3",
+                             backend: Optional[str] = None) -> str:
+    """"cutlass" where our FP8 kernels can run the call, else "emulated"; a forced backend that
+    cannot run raises ValueError saying why."""
+    if backend is not None and backend not in QUANTIZED_BACKENDS:
+        raise ValueError(f"backend must be None or one of {QUANTIZED_BACKENDS}, received {backend!r}")
+    if backend == "emulated":
+        return backend
+    reason = _quantized_why_not(torch.device(device), k, n, out_dtype, b_format)
+    if reason is None:
+        return "cutlass"
+    if backend == "cutlass":
+        raise ValueError(f"backend='cutlass' cannot run this FP8 grouped GEMM: {reason}")
+    return "emulated"
+
+
+def _check_quantized(name: str, q, ndim: int) -> None:
+    from .quantization.tensors import QuantizedTensor
+
+    if not isinstance(q, (QuantizedTensor, QuantizedWeight)):
+        raise TypeError(f"{name} must be a quantized tensor (te_dist.quantization), received {type(q).__name__}")
+    if len(q.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, received shape {tuple(q.shape)}")
+
+
+def _check_quantized_offsets(offsets_E, num_groups: int, device) -> None:
+    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dtype != torch.int32 or offsets_E.shape != (num_groups,):
+        got = f"{offsets_E.dtype} {tuple(offsets_E.shape)}" if isinstance(offsets_E, torch.Tensor) else type(offsets_E)
+        raise TypeError(f"offsets_E must be an int32 tensor of shape [{num_groups}] (cumulative end rows), received {got}")
+    if offsets_E.device != device:
+        raise ValueError(f"offsets_E is on {offsets_E.device} but the operands are on {device}")
+
+
+def _data_device(q):
+    return q.fwd_data.device if isinstance(q, QuantizedWeight) else q.device
+
+
+def _weight_format(wq) -> str:
+    return fp8_format(wq.fwd_data)
+
+
+def grouped_mm_quantized_forward(xq, wq: QuantizedWeight, offsets_E, *, bias_EN=None, row_scale_T=None,
+                                 out_dtype=torch.bfloat16, backend=None, group_sizes=None) -> torch.Tensor:
+    """y[T, N] = row_scale * (x @ w[e]^T) + bias[e] from quantized x [T, K] and a prepared weight [E, N, K]."""
+    _check_quantized("xq", xq, 2)
+    _check_quantized("wq", wq, 3)
+    E, N, K = wq.shape
+    if xq.shape[1] != K:
+        raise ValueError(f"xq has {xq.shape[1]} features but the weight [E={E}, N={N}, K={K}] takes K={K}")
+    device = _data_device(xq)
+    _check_quantized_offsets(offsets_E, E, device)
+    name = select_quantized_backend(device, K, N, out_dtype=out_dtype, b_format=_weight_format(wq), backend=backend)
+    if name == "cutlass":
+        fb = _fp8_backend()
+        return fb.guarded(fb.forward, _emulated_forward)(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
+    return _emulated_forward(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
+
+
+def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype=torch.bfloat16, backend=None,
+                               group_sizes=None) -> torch.Tensor:
+    """dx[T, K] = dy @ w[e] from quantized dy [T, N] and a prepared weight [E, N, K]."""
+    _check_quantized("dyq", dyq, 2)
+    _check_quantized("wq", wq, 3)
+    E, N, K = wq.shape
+    if dyq.shape[1] != N:
+        raise ValueError(f"dyq has {dyq.shape[1]} features but the weight [E={E}, N={N}, K={K}] gives N={N}")
+    device = _data_device(dyq)
+    _check_quantized_offsets(offsets_E, E, device)
+    name = select_quantized_backend(device, K, N, out_dtype=out_dtype, b_format=_weight_format(wq), backend=backend)
+    if name == "cutlass":
+        fb = _fp8_backend()
+        return fb.guarded(fb.dgrad, _emulated_dgrad)(dyq, wq, offsets_E, out_dtype, group_sizes)
+    return _emulated_dgrad(dyq, wq, offsets_E, out_dtype, group_sizes)
+
+
+def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype=torch.bfloat16,
+                               backend=None) -> torch.Tensor:
+    """dw[e] = dy_e^T @ x_e as [E, N, K] from the columnwise copies of quantized x [T, K] and
+    dy [T, N]. Every group's first row must be a multiple of the recipe's split alignment (128 for
+    block scales, 16 for per-tensor): the caller guarantees it (the support predicates ask)."""
+    _check_quantized("xq", xq, 2)
+    _check_quantized("dyq", dyq, 2)
+    if xq.shape[0] != dyq.shape[0]:
+        raise ValueError(f"xq has {xq.shape[0]} rows but dyq has {dyq.shape[0]}")
+    T, K = xq.shape
+    N = dyq.shape[1]
+    device = _data_device(xq)
+    _check_quantized_offsets(offsets_E, num_groups, device)
+    copy_format(dyq, "columnwise")
+    b_format = copy_format(xq, "columnwise")
+    name = select_quantized_backend(device, K, N, out_dtype=out_dtype, b_format=b_format, backend=backend)
+    if name == "cutlass":
+        fb = _fp8_backend()
+        return fb.guarded(fb.wgrad, _emulated_wgrad)(xq, dyq, offsets_E, num_groups, out_dtype)
+    return _emulated_wgrad(xq, dyq, offsets_E, num_groups, out_dtype)
+
+
+def _emulated_forward(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes):
+    x = dequantized(xq, "rowwise", out_dtype)
+    w = dequantized(wq, "rowwise", out_dtype)
+    return grouped_mm_forward(x, w.transpose(1, 2), offsets_E, bias_EN=bias_EN, row_scale_T=row_scale_T,
+                              out_dtype=out_dtype, check_offsets=False, group_sizes=group_sizes)
+
+
+def _emulated_dgrad(dyq, wq, offsets_E, out_dtype, group_sizes):
+    dy = dequantized(dyq, "rowwise", out_dtype)
+    w = dequantized(wq, "columnwise", out_dtype)
+    return grouped_mm_dgrad(dy, w.transpose(1, 2), offsets_E, out_dtype=out_dtype, group_sizes=group_sizes,
+                            validate=False)
+
+
+def _emulated_wgrad(xq, dyq, offsets_E, num_groups, out_dtype):
+    x = dequantized(xq, "columnwise", out_dtype)
+    dy = dequantized(dyq, "columnwise", out_dtype)
+    dw_EKN = grouped_mm_wgrad(x, dy, offsets_E, num_groups=num_groups, out_dtype=out_dtype, validate=False)
+    return dw_EKN.transpose(1, 2)

@@ -13,10 +13,16 @@ path keeps grouped semantics there):
 | recipe | settings read | CUDA rule (module) |
 |---|---|---|
 | None | - | cap >= 9.0 and dtype bf16 |
-| DelayedScaling, Float8CurrentScaling | fp8_format | cap >= 9.0, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 16 == 0 |
-| Float8BlockScaling | x/w/grad_block_scaling_dim | cap == 9.x, cutlass FP8 block kernels present (not yet: ``FP8_BLOCK_KERNELS``), x and grad dims 1, split_alignment % 128 == 0 |
+| DelayedScaling, Float8CurrentScaling | fp8_format | cap == 9.0, FP8 grouped kernels available, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 16 == 0 |
+| Float8BlockScaling | fp8_format, x/w/grad_block_scaling_dim | cap == 9.0, FP8 grouped kernels available, fp8_format != E5M2, x and grad dims 1, w dim 2, split_alignment % 128 == 0 |
 | MXFP8BlockScaling | fp8_format | cap >= 10.0, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 32 == 0 |
 | NVFP4BlockScaling | disable_2d_quantization | cap >= 10.0, dtype bf16, split_alignment % 16 == 0 (2D blocks) or % 32 == 0 (1D, ``disable_2d_quantization=True``) |
+
+"FP8 grouped kernels available" is a real answer: cutlass_kernels' block-scaled FP8 kernels can be
+built here (nvcc and the CUTLASS headers found) and none has failed to build or load; a failure
+clears these caches (``clear_caches``). Both FP8 rules run on those kernels (per-tensor scales are
+broadcast into blocks), which are built for sm_90a: other GPUs take the emulated path until a
+kernel for them exists.
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
 ``split_alignment=None`` means "unknown" and fails every rule that reads it. Every recipe rule
@@ -47,15 +53,16 @@ from . import recipe as _recipe
 __all__ = [
     "is_module_grouped_tensor_supported",
     "is_op_fuser_grouped_tensor_supported",
-    "FP8_BLOCK_KERNELS",
     "CacheInfo",
     "set_capability_lookup",
+    "set_fp8_kernels_lookup",
     "capability_lookup",
+    "device_capability",
+    "fp8_kernels_available",
+    "clear_caches",
     "resolve_device",
+    "native_split_alignment",
 ]
-
-# Flip when cutlass_kernels gains block-scaled FP8 grouped GEMMs (issue 5 leaves them out).
-FP8_BLOCK_KERNELS = False
 
 CacheInfo = collections.namedtuple("CacheInfo", ["hits", "misses", "maxsize", "currsize"])
 
@@ -76,7 +83,7 @@ _SPECS = {
     _recipe.Float8CurrentScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_"), True),
     _recipe.Float8BlockScaling: _Spec(
         "fp8_block",
-        operator.attrgetter("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"),
+        operator.attrgetter("fp8_format._value_", "x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"),
         True,
     ),
     _recipe.MXFP8BlockScaling: _Spec("mxfp8", operator.attrgetter("fp8_format._value_"), True),
@@ -152,6 +159,20 @@ def capability_lookup(device: torch.device) -> Optional[Tuple[int, int]]:
     return _capability_lookup(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_capability(device: torch.device):
+    return _capability_lookup(device)
+
+
+def device_capability(device) -> Optional[Tuple[int, int]]:
+    """Cached compute capability of ``device`` (None for non-CUDA devices; None or an unindexed
+    CUDA device means the current one). Every capability probe of the package goes through here,
+    so ``set_capability_lookup`` fakes a GPU for all of them."""
+    if not isinstance(device, torch.device) or (device.type == "cuda" and device.index is None):
+        device = resolve_device(device)
+    return _cached_capability(device)
+
+
 @contextlib.contextmanager
 def set_capability_lookup(fn: Callable):
     """Install ``fn(device) -> (major, minor) | None`` (tests inject fake GPUs); clears the caches."""
@@ -164,6 +185,39 @@ def set_capability_lookup(fn: Callable):
     finally:
         _capability_lookup = previous
         _clear_all()
+
+
+def _default_fp8_kernels() -> bool:
+    from .backends import fp8_cutlass_backend  # lazy: only on a cache miss of an FP8 rule
+
+    return fp8_cutlass_backend.available()
+
+
+_fp8_kernels_lookup: Callable = _default_fp8_kernels
+
+
+def fp8_kernels_available() -> bool:
+    """Can cutlass_kernels' FP8 grouped GEMMs be built and loaded here (via the installed lookup)?"""
+    return bool(_fp8_kernels_lookup())
+
+
+@contextlib.contextmanager
+def set_fp8_kernels_lookup(fn: Callable):
+    """Install ``fn() -> bool`` for "FP8 grouped kernels available" (tests); clears the caches."""
+    global _fp8_kernels_lookup
+    previous = _fp8_kernels_lookup
+    _fp8_kernels_lookup = fn
+    _clear_all()
+    try:
+        yield
+    finally:
+        _fp8_kernels_lookup = previous
+        _clear_all()
+
+
+def clear_caches() -> None:
+    """Forget every cached answer (a kernel became unavailable, or a lookup changed)."""
+    _clear_all()
 
 
 def _as_device(device) -> torch.device:
@@ -217,11 +271,12 @@ def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> bool:
     if dtype not in _LOW_PRECISION_ACT:
         return False
     if tag == "fp8_tensor":
-        return settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 16)
+        return (cap == (9, 0) and settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 16)
+                and fp8_kernels_available())
     if tag == "fp8_block":
-        x_dim, _w_dim, grad_dim = settings
-        return (cap[0] == 9 and FP8_BLOCK_KERNELS and x_dim == 1 and grad_dim == 1
-                and _aligned(split_alignment, 128))
+        fmt, x_dim, w_dim, grad_dim = settings
+        return (cap == (9, 0) and fmt != _recipe.Format.E5M2.value and (x_dim, w_dim, grad_dim) == (1, 2, 1)
+                and _aligned(split_alignment, 128) and fp8_kernels_available())
     if tag == "mxfp8":
         return cap >= (10, 0) and settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 32)
     if tag == "nvfp4":
@@ -230,6 +285,17 @@ def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> bool:
         multiple = 16 if not settings else 32
         return cap >= (10, 0) and dtype == torch.bfloat16 and _aligned(split_alignment, multiple)
     raise AssertionError(f"unhandled tag {tag}")  # internal invariant: _SPECS and rules agree
+
+
+_NATIVE_ALIGNMENT = {"fp8_tensor": 16, "fp8_block": 128, "mxfp8": 32, "nvfp4": 32}
+
+
+def native_split_alignment(recipe) -> Optional[int]:
+    """The split alignment the native grouped path of ``recipe`` needs (rows per group a multiple
+    of it), or None when it needs none (no recipe). A dispatcher pads each expert's rows to it."""
+    if recipe is None:
+        return None
+    return _NATIVE_ALIGNMENT.get(_spec_for(recipe).tag)
 
 
 def _op_fuser_rule(tag, settings, dtype, split_alignment, cap) -> bool:
@@ -326,6 +392,7 @@ _ALL: list = []
 
 
 def _clear_all() -> None:
+    _cached_capability.cache_clear()
     for clear in _ALL:
         clear()
 

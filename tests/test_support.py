@@ -24,7 +24,7 @@ def fake_gpus():
         looked_up.append(device)
         return FAKE_CAPS[device.index] if device.type == "cuda" else None
 
-    with S.set_capability_lookup(lookup):
+    with S.set_capability_lookup(lookup), S.set_fp8_kernels_lookup(lambda: True):
         yield looked_up
 
 
@@ -57,7 +57,12 @@ def test_rule_table(fake_gpus):
     assert f(cur, torch.bfloat16, split_alignment=None, device=HOPPER) is False  # unknown alignment
     cur.fp8_format = R.Format.E5M2
     assert f(cur, torch.bfloat16, split_alignment=16, device=HOPPER) is False
-    assert f(R.Float8BlockScaling(), torch.bfloat16, split_alignment=128, device=HOPPER) is S.FP8_BLOCK_KERNELS
+    block = R.Float8BlockScaling()
+    assert f(block, torch.bfloat16, split_alignment=128, device=HOPPER) is True
+    assert f(block, torch.bfloat16, split_alignment=64, device=HOPPER) is False  # wgrad's 1x128 token blocks
+    assert f(block, torch.bfloat16, split_alignment=128, device=BLACKWELL) is False  # kernels are sm_90a
+    block.w_block_scaling_dim = 1  # 1x128 weight blocks: no kernel for them
+    assert f(block, torch.bfloat16, split_alignment=128, device=HOPPER) is False
     assert f(None, torch.float16, device=HOPPER) is False
     # the op fuser additionally needs bf16 activations on CUDA
     d = R.DelayedScaling()
@@ -306,3 +311,22 @@ def test_real_device_answer(cuda_device):
     cap = torch.cuda.get_device_capability(cuda_device)
     got = S.is_module_grouped_tensor_supported(None, torch.bfloat16, device=cuda_device)
     assert got is (cap >= (9, 0))
+
+
+def test_fp8_rules_need_the_kernels(fake_gpus):
+    """Without buildable FP8 kernels every FP8 recipe takes the emulated path; the answer follows the lookup."""
+    f = S.is_module_grouped_tensor_supported
+    cur, block = R.Float8CurrentScaling(), R.Float8BlockScaling()
+    assert f(cur, torch.bfloat16, split_alignment=16, device=HOPPER) is True
+    with S.set_fp8_kernels_lookup(lambda: False):
+        assert f(cur, torch.bfloat16, split_alignment=16, device=HOPPER) is False
+        assert f(block, torch.bfloat16, split_alignment=128, device=HOPPER) is False
+        assert f(None, torch.bfloat16, device=HOPPER) is True  # bf16 does not use them
+    assert f(block, torch.bfloat16, split_alignment=128, device=HOPPER) is True  # caches cleared on restore
+
+
+def test_device_capability_is_cached_and_faked(fake_gpus):
+    assert S.device_capability(HOPPER) == (9, 0)
+    assert S.device_capability(HOPPER) == (9, 0)
+    assert S.device_capability(CPU) is None
+    assert fake_gpus.count(HOPPER) == 1

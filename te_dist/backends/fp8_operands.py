@@ -1,0 +1,138 @@
+"""Quantized operands in the layouts the FP8 grouped GEMMs read (pure torch; no CUDA needed).
+
+Why one adapter: the quantizers produce per-tensor ``Float8Tensor``s (one scale) or
+``Float8BlockTensor``s (1x128 / 128x128 block scales, rowwise and columnwise copies), while
+the block-scaled kernels (cutlass_kernels/fp8_block_gemm.cu) read every operand K-major with
+float32 block scales in fixed layouts. Per-tensor FP8 runs on the same kernels: its one scale
+is broadcast into block scales and its transposed copies are the data transposed.
+
+Layouts per GEMM (E experts, T rows, K in-features, N out-features, all /128 in blocks):
+
+| GEMM  | A (data, scales)                          | B (data, scales)                                 |
+|-------|-------------------------------------------|--------------------------------------------------|
+| fwd   | x rowwise [T, K], [T, K/128]              | w rowwise [E, N, K], [E, K/128, N/128]            |
+| dgrad | dy rowwise [T, N], [T, N/128]             | w columnwise [E, K, N], [E, N/128, K/128]         |
+| wgrad | dy columnwise [N, T], [T/128 + 1, N]      | x columnwise [K, T], [T/128 + 1, K]               |
+
+(wgrad's scale tables carry one spare block row so a group that starts inside a block - per-tensor
+scales need only 16-row alignment - never reads past the end.)
+
+Weights are converted once per weight version (:func:`prepare_weight`); activations per call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..quantization.tensors import Float8BlockTensor, Float8Tensor, QuantizedTensor
+
+__all__ = ["BLOCK", "QuantizedWeight", "prepare_weight", "rowwise_operand", "columnwise_operand", "fp8_format",
+           "copy_format", "dequantized"]
+
+BLOCK = 128
+_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def fp8_format(data: torch.Tensor) -> str:
+    """"e4m3" or "e5m2" for an FP8 data tensor (ValueError for anything else)."""
+    fmt = _FORMATS.get(data.dtype)
+    if fmt is None:
+        raise ValueError(f"FP8 grouped GEMMs take float8_e4m3fn or float8_e5m2 data, received {data.dtype}")
+    return fmt
+
+
+class QuantizedWeight(NamedTuple):
+    """A weight [E, N, K] quantized once per version, in the layouts its two GEMMs read."""
+
+    fwd_data: torch.Tensor  # [E, N, K]
+    fwd_scale: torch.Tensor  # [E, K/128, N/128]
+    dgrad_data: torch.Tensor  # [E, K, N]
+    dgrad_scale: torch.Tensor  # [E, N/128, K/128]
+    source: QuantizedTensor  # the quantizer's tensor (the emulated path dequantizes it)
+
+    @property
+    def shape(self):
+        return self.source.shape
+
+
+def _is_block(q) -> bool:
+    return isinstance(q, Float8BlockTensor)
+
+
+def _check_block_copy(copy, what: str, block_rows: int) -> None:
+    if copy is None:
+        raise ValueError(f"{what} copy missing: quantize with that usage for the FP8 grouped GEMM")
+    if not block_rows:
+        return
+    if copy.block_cols != BLOCK or copy.block_rows not in (1, BLOCK) or (block_rows and copy.block_rows != block_rows):
+        raise ValueError(f"{what} copy has {copy.block_rows}x{copy.block_cols} blocks; the FP8 grouped GEMM "
+                         f"takes {block_rows or '1 or 128'}x{BLOCK}")
+
+
+def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
+    """Both GEMM layouts of a quantized weight [E, N, K] (block: both copies, 128x128)."""
+    if len(wq.shape) != 3:
+        raise ValueError(f"a grouped weight is [E, N, K], received shape {tuple(wq.shape)}")
+    E, N, K = wq.shape
+    if N % BLOCK or K % BLOCK:
+        raise ValueError(f"FP8 grouped GEMM weights need N and K multiples of {BLOCK}, received N={N} K={K}")
+    if _is_block(wq):
+        _check_block_copy(wq.rowwise, "weight rowwise", BLOCK)
+        _check_block_copy(wq.columnwise, "weight columnwise", BLOCK)
+        return QuantizedWeight(wq.rowwise.data, wq.columnwise.scale_inv.contiguous(), wq.columnwise.data,
+                               wq.rowwise.scale_inv.contiguous(), wq)
+    if isinstance(wq, Float8Tensor):
+        s = wq.scale_inv.reshape(1, 1, 1).float()
+        return QuantizedWeight(wq.data, s.expand(E, K // BLOCK, N // BLOCK).contiguous(),
+                               wq.data.transpose(1, 2).contiguous(), s.expand(E, N // BLOCK, K // BLOCK).contiguous(), wq)
+    raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor weights, received {type(wq).__name__}")
+
+
+def rowwise_operand(q: QuantizedTensor):
+    """(data [R, C], scales [R, C/128]) of a 2-D quantized activation, quantized along C."""
+    if _is_block(q):
+        _check_block_copy(q.rowwise, "rowwise", 1)
+        return q.rowwise.data, q.rowwise.scale_inv.contiguous()
+    if isinstance(q, Float8Tensor):
+        R, C = q.data.shape
+        return q.data, q.scale_inv.reshape(1, 1).float().expand(R, C // BLOCK).contiguous()
+    raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
+
+
+def columnwise_operand(q: QuantizedTensor):
+    """(data [C, R] = the operand transposed, scales [R/128 + 1, C]) of a 2-D activation [R, C],
+    quantized along R: the wgrad operand, which contracts over rows."""
+    R, C = q.shape
+    blocks = R // BLOCK + 1
+    if _is_block(q):
+        _check_block_copy(q.columnwise, "columnwise", 1)
+        scale = q.columnwise.scale_inv  # [C, R/128]
+        out = scale.new_zeros(blocks, C)
+        out[: scale.shape[1]] = scale.t()
+        return q.columnwise.data, out
+    if isinstance(q, Float8Tensor):
+        return q.data.t().contiguous(), q.scale_inv.reshape(1, 1).float().expand(blocks, C).contiguous()
+    raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
+
+
+def copy_format(q: QuantizedTensor, usage: str) -> str:
+    """The element format of the copy a GEMM of ``usage`` reads (ValueError when it is missing)."""
+    if _is_block(q):
+        copy = getattr(q, usage)
+        _check_block_copy(copy, usage, 0)
+        return fp8_format(copy.data)
+    if isinstance(q, Float8Tensor):
+        return fp8_format(q.data)
+    raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
+
+
+def dequantized(q, usage: str, dtype: torch.dtype) -> torch.Tensor:
+    """The operand's values in ``dtype`` from the copy a GEMM of that ``usage`` reads (the
+    emulated path: exactly what the native kernels multiply, in high precision)."""
+    if isinstance(q, QuantizedWeight):
+        q = q.source
+    if _is_block(q):
+        return q.dequantize(dtype, usage=usage)
+    return q.dequantize(dtype)
