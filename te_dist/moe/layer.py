@@ -5,6 +5,8 @@ El = E / R local experts, N rows this rank's experts receive.
 
     hidden_TH ─router─▶ probs_TK, indices_TK
               ─dispatcher.dispatch─▶ x_NH (rows by local expert), split_sizes_El, probs_N
+              (─pad_expert_rows─▶ each expert's rows on a block boundary, when the active FP8
+               recipe's native grouped path needs it; the outputs are unpadded after the MLP)
               ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
               ─dispatcher.combine─▶ out_TH
 
@@ -27,10 +29,14 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..autocast import get_active_recipe
 from ..distributed.groups import group_rank, group_size
 from ..ops import GroupSplits
+from ..ops.basic.grouped_linear import host_split_alignment
+from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 from .dispatcher import AllToAllDispatcher
 from .init import draw_base_seed, expert_seed, init_expert_slice_
+from .padding import pad_expert_rows
 from .router import TopKRouter
 from .state_dict import install_expert_state_dict_hooks
 
@@ -196,6 +202,22 @@ class MoELayer(nn.Module):
         if hidden_states.device != weight.device:
             raise ValueError(f"MoELayer parameters are on {weight.device}, got input on {hidden_states.device}")
 
+    def _native_row_alignment(self, x_NH: torch.Tensor, sizes) -> Optional[int]:
+        """The row multiple to pad each local expert to, when the active recipe's native grouped
+        path needs one that the sizes lack and the op-fuser predicate says that path runs here."""
+        recipe = get_active_recipe()
+        alignment = native_split_alignment(recipe)
+        if alignment is None or x_NH.device.type != "cuda" or getattr(recipe, "backward_override", None) is not None:
+            return None
+        if not (self.fc1.native_shape_ok and self.fc2.native_shape_ok):
+            return None
+        have = host_split_alignment(sizes)
+        if have is not None and have % alignment == 0:
+            return None
+        if not is_op_fuser_grouped_tensor_supported(recipe, x_NH.dtype, split_alignment=alignment, device=x_NH.device):
+            return None
+        return alignment
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self._check_input(hidden_states)
         shape = hidden_states.shape
@@ -212,10 +234,17 @@ class MoELayer(nn.Module):
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
         # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
         splits = GroupSplits(state.local_expert_offsets, tuple(state.local_expert_sizes))
+        alignment = self._native_row_alignment(x_NH, splits.sizes)
+        padded = None
+        if alignment is not None:  # the native FP8 path needs every expert's rows on a block boundary
+            padded = pad_expert_rows(x_NH, probs_N if probs_in_expert else None, splits.sizes, alignment)
+            x_NH, probs_N, splits = padded.x_PH, padded.probs_P, padded.splits
         if probs_in_expert:
             y_NH = self.mlp(x_NH, splits, probs_N, splits)
         else:
             y_NH = self.mlp(x_NH, splits, splits)
+        if padded is not None:
+            y_NH = padded.unpad(y_NH)
         # Statistics only: set after the MLP is queued, for the same reason (nn.Module attributes are slow).
         self.tokens_per_expert = state.permutation.counts_E
         self.tokens_per_local_expert = split_sizes_El

@@ -23,7 +23,7 @@ class GemmQuantizers:
     """Quantizers for one op under one recipe (all None without a recipe)."""
 
     __slots__ = ("input", "weight", "grad_output", "backward_override", "settings_key", "active",
-                 "save_quantized_operands")
+                 "save_quantized_operands", "recipe")
 
     def __init__(self, recipe, roles=_ROLES):
         self.input = self.weight = self.grad_output = None
@@ -31,6 +31,7 @@ class GemmQuantizers:
         self.settings_key = None
         self.active = recipe is not None  # plain attributes: read on every GEMM call
         self.save_quantized_operands = True
+        self.recipe = recipe  # what the support predicates are asked about
         if recipe is None:
             return
         from ...autocast import get_recipe_group

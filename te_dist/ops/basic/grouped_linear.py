@@ -13,6 +13,14 @@ A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher
 ``grouped_forward`` / ``grouped_backward`` are the functional core the grouped-MLP fused op calls.
 The saved input may carry a per-row scale (``input = x * row_scale[:, None]``) so the fused op can
 use grouped_mm's row-scale epilogue without materialising the scaled activation.
+
+Under an FP8 recipe each forward asks the support predicate (``is_module_grouped_tensor_supported``
+here, the op-fuser one when the grouped-MLP fusion runs) with the input's dtype and device and
+the split alignment the host sizes guarantee. Yes: the native path - x quantized once in both
+layouts its GEMMs read, the weight quantized once per weight version (an in-place update bumps
+its version and invalidates the copy), the FP8 copies saved for backward, the three GEMMs on the
+quantized grouped entry points of ``te_dist.kernels``. No: the emulated path (fake-quantize, then
+the bf16 GEMM), which is also the reference and the path of every ``backward_override``.
 """
 
 from __future__ import annotations
@@ -25,9 +33,20 @@ import torch
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 
-__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups"]
+__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment"]
 
 _kernels = None
+_support = None
+
+
+def support():
+    """te_dist.support, imported on first use."""
+    global _support
+    if _support is None:
+        from ... import support as module
+
+        _support = module
+    return _support
 
 
 def kernels():
@@ -66,6 +85,18 @@ def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor):
         raise ValueError(f"GroupSplits.sizes must have {num_groups} entries (one per group), got {len(sizes)}")
     _check_host_sizes(sizes, x.shape[0], "GroupSplits.sizes")
     return offsets, sizes
+
+
+def host_split_alignment(group_sizes) -> Optional[int]:
+    """The largest power of two up to 128 that divides every group size (so every group's first
+    row), or None when the sizes are not on the host or all groups are empty. Powers of two keep the
+    predicates' cache to a few entries whatever the sizes are."""
+    if group_sizes is None:
+        return None
+    g = math.gcd(*group_sizes)
+    if g == 0:
+        return None
+    return min(g & -g, 128)
 
 
 def _check_host_sizes(sizes, num_rows: int, name: str) -> None:
@@ -127,9 +158,11 @@ class GroupedLinear(BasicOperation):
         else:
             self.register_parameter("bias", None)
         self._quantizers = GemmQuantizers(None)
+        self._weight_copy = None  # (key, QuantizedWeight) of the native FP8 path
 
     def reset_recipe_state(self, recipe) -> None:
         self._quantizers = GemmQuantizers(recipe)
+        self._weight_copy = None
 
     @property
     def quantizers(self) -> GemmQuantizers:
@@ -147,31 +180,97 @@ class GroupedLinear(BasicOperation):
             raise TypeError(f"GroupedLinear input dtype {x.dtype} does not match weight dtype {self.weight.dtype}")
 
     # ------------------------------------------------------------------ functional core
-    def grouped_forward(self, ctx: OpContext, x, groups, *, row_scale: Optional[torch.Tensor] = None):
+    @property
+    def native_shape_ok(self) -> bool:
+        """The quantized grouped kernels tile both features by 128 (the scale block)."""
+        return self.in_features % 128 == 0 and self.out_features % 128 == 0
+
+    def native_path(self, x: torch.Tensor, group_sizes, predicate=None) -> bool:
+        """Does this call take the quantized grouped path? Asks the support predicate (the module
+        one unless the caller passes another) with x's dtype and device and the host sizes' alignment.
+        Only under a recipe whose backward quantizes too (no ``backward_override``) and on CUDA;
+        elsewhere the emulated path is the reference."""
+        q = self._quantizers
+        if not q.active or q.backward_override is not None:
+            return False
+        if not self.native_shape_ok:
+            return False
+        predicate = predicate or support().is_module_grouped_tensor_supported
+        supported = predicate(q.recipe, x.dtype, split_alignment=host_split_alignment(group_sizes), device=x.device)
+        return supported and x.device.type == "cuda"  # on CPU the grouped answer is the reference path
+
+    def grouped_forward(self, ctx: OpContext, x, groups, *, row_scale: Optional[torch.Tensor] = None,
+                        native: Optional[bool] = None):
         """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only).
-        ``groups``: the ``(offsets, group_sizes)`` pair of :meth:`groups`, kept together for the backward."""
+        ``groups``: the ``(offsets, group_sizes)`` pair of :meth:`groups`, kept together for the backward.
+        ``native``: the caller's predicate answer (the fused op asks once for both GEMMs); None asks here."""
         offsets, group_sizes = groups
         q = self._quantizers
         w = self.weight
-        if q.active:
-            assert row_scale is None, "quantized inputs must be scaled before quantization"
-            xq = fake_quantize_or_identity(x, q.input)
-            wq = fake_quantize_or_identity(w, q.weight)
-        else:
-            xq, wq = x, w
-        wq_EKN = wq.transpose(1, 2)
+        if not q.active:
+            backend = None
+            if x.device.type == "cuda" and not support().is_module_grouped_tensor_supported(
+                    None, x.dtype, device=x.device):
+                backend = "loop"  # no single-launch grouped kernel for this dtype or device: split path
+            y = kernels().grouped_mm_forward(x, w.transpose(1, 2), offsets, bias_EN=self.bias, row_scale_T=row_scale,
+                                             check_offsets=False, group_sizes=group_sizes, backend=backend)
+            self._save(ctx, x, row_scale, w.transpose(1, 2), groups)
+            return y
+        assert row_scale is None, "quantized inputs must be scaled before quantization"
+        if native is None:
+            native = self.native_path(x, group_sizes)
+        if native:
+            return self._quantized_forward(ctx, x, groups)
+        xq = fake_quantize_or_identity(x, q.input)
+        wq_EKN = fake_quantize_or_identity(w, q.weight).transpose(1, 2)
         y = kernels().grouped_mm_forward(
-            xq, wq_EKN, offsets, bias_EN=self.bias, row_scale_T=row_scale, check_offsets=False, group_sizes=group_sizes
+            xq, wq_EKN, offsets, bias_EN=self.bias, check_offsets=False, group_sizes=group_sizes
         )
-        if ctx.requires_grad:
-            # The weight is saved as the [E, K, N] view the GEMMs take (dgrad uses it as is).
-            saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
-            bias_rg = self.bias is not None and self.bias.requires_grad
-            ctx.saved = (saved_x if w.requires_grad else None, row_scale, saved_w, groups, w.requires_grad, bias_rg)
+        # The weight is saved as the [E, K, N] view the GEMMs take (dgrad uses it as is).
+        saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
+        self._save(ctx, saved_x, None, saved_w, groups)
         return y
+
+    def _save(self, ctx, x, row_scale, w, groups) -> None:
+        if ctx.requires_grad:
+            weight_rg = self.weight.requires_grad
+            bias_rg = self.bias is not None and self.bias.requires_grad
+            ctx.saved = (x if weight_rg else None, row_scale, w, groups, weight_rg, bias_rg)
+
+    def _quantized_forward(self, ctx, x, groups):
+        """The native path: x quantized once (rowwise for fprop, columnwise for wgrad), the weight's
+        copy reused while its version lasts; only the FP8 copies backward needs are saved."""
+        offsets, group_sizes = groups
+        q = self._quantizers
+        need_wgrad = ctx.requires_grad and self.weight.requires_grad
+        xq = q.input(x, rowwise=True, columnwise=need_wgrad)
+        wq = self.quantized_weight()
+        y = kernels().grouped_mm_quantized_forward(xq, wq, offsets, bias_EN=self.bias, out_dtype=x.dtype,
+                                                   group_sizes=group_sizes)
+        self._save(ctx, _wgrad_copy(xq) if need_wgrad else None, None, wq, groups)
+        return y
+
+    def quantized_weight(self):
+        """The weight quantized under the current recipe, in both GEMM layouts, built once per
+        weight version: an optimizer step (an in-place update) bumps ``weight._version``."""
+        w = self.weight
+        q = self._quantizers
+        key = (w._version, w.data_ptr(), q.settings_key)
+        cached = self._weight_copy
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if getattr(q.weight, "num_updates", None) == 0:
+            # DelayedScaling: the copy lives for the whole weight version, so it must not be cast with
+            # the initial scale (1, before any amax was seen): record this weight's amax first.
+            q.weight.observe(w.detach())
+        wq = kernels().prepare_quantized_weight(q.weight(w.detach(), rowwise=True, columnwise=True))
+        self._weight_copy = (key, wq)
+        return wq
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale``."""
+        if isinstance(ctx.saved[2], kernels().QuantizedWeight):
+            return self._quantized_backward(ctx, dy)
         dyq = fake_quantize_or_identity(dy, self._quantizers.grad_output)
         dx = self.grouped_dgrad(ctx, dyq)
         saved_x, row_scale = ctx.saved[0], ctx.saved[1]
@@ -179,6 +278,22 @@ class GroupedLinear(BasicOperation):
         if saved_x is not None and row_scale is not None:
             x_in = saved_x * row_scale.to(saved_x.dtype).unsqueeze(-1)
         dw, db = self.grouped_wgrad(ctx, dy, dyq, x_in)
+        return dx, dw, db
+
+    def _quantized_backward(self, ctx, dy):
+        """dgrad and wgrad from one quantization of dy (rowwise for dgrad, columnwise for wgrad)."""
+        xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg = ctx.saved
+        ctx.saved = ()
+        need_dx = ctx.input_requires_grad
+        dyq = self._quantizers.grad_output(dy, rowwise=need_dx, columnwise=weight_rg)
+        k = kernels()
+        dx = None
+        if need_dx:
+            dx = k.grouped_mm_quantized_dgrad(dyq, wq, offsets, out_dtype=dy.dtype, group_sizes=group_sizes)
+        dw = None
+        if weight_rg:
+            dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype)
+        db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
         return dx, dw, db
 
     def grouped_dgrad(self, ctx: OpContext, dyq):
@@ -223,3 +338,12 @@ def bias_grad(dy, offsets, num_groups, dtype):
     from ...backends.epilogue import bias_grad as _bias_grad
 
     return _bias_grad(dy, offsets, num_groups, dtype)
+
+
+def _wgrad_copy(xq):
+    """What wgrad reads of a quantized input: a block tensor's columnwise copy alone (the rowwise
+    copy served fprop and is freed); a per-tensor tensor's one copy."""
+    columnwise = getattr(xq, "columnwise", None)
+    if columnwise is None or getattr(xq, "rowwise", None) is None:
+        return xq
+    return type(xq)(xq.shape, xq.dtype, xq.fmt, None, columnwise)

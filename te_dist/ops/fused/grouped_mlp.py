@@ -6,6 +6,10 @@ probabilities ride in the second GEMM's row-scale epilogue (``y = p * (swiglu(h)
 so ``swiglu(h) * p`` is never materialised. Under a recipe the scaled activation is quantized, so
 it is formed first — exactly what the unfused ops quantize.
 
+Under an FP8 recipe the fused forward asks ``is_op_fuser_grouped_tensor_supported`` once (input
+dtype and device, the host sizes' alignment) and both GEMMs follow that answer: the native
+quantized path or the emulated one (see GroupedLinear).
+
 The rule honours ``recipe.enable_fused_grouped_mlp`` (absent means enabled), a public attribute a
 user may attach at runtime; it is part of ``str(recipe)`` and therefore of the plan key.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
+from ..basic.grouped_linear import host_split_alignment, support
 from ..basic.swiglu import scaled_swiglu_backward, swiglu_forward
 from ..op import FusedOperation
 from ..rules import FusionRule
@@ -29,7 +34,11 @@ class GroupedMLP(FusedOperation):
         fc1.check_input(x)
         groups1 = fc1.groups(splits1, x)
         groups2 = groups1 if splits2 is splits1 else fc2.groups(splits2, x)
-        h = fc1.grouped_forward(c1, x, groups1)
+        native = None
+        if fc1.quantizers.active:  # one predicate answer per fused forward, for both GEMMs
+            native = fc1.native_path(x, groups1[1], _op_fuser_predicate()) and fc2.native_shape_ok and (
+                groups2 is groups1 or host_split_alignment(groups2[1]) == host_split_alignment(groups1[1]))
+        h = fc1.grouped_forward(c1, x, groups1, native=native)
         s = swiglu_forward(h, act.limit)
         fc2.check_input(s)
         if isinstance(act, ScaledSwiGLU):
@@ -38,13 +47,13 @@ class GroupedMLP(FusedOperation):
             if c2.requires_grad:
                 c2.saved = (h, probs, probs_in.shape, probs_in.requires_grad)
             if fc2.quantizers.active:
-                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), groups2)
+                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), groups2, native=native)
             else:
                 y = fc2.grouped_forward(c3, s, groups2, row_scale=probs)
         else:
             if c2.requires_grad:
                 c2.saved = (h,)
-            y = fc2.grouped_forward(c3, s, groups2)
+            y = fc2.grouped_forward(c3, s, groups2, native=native)
         return y, [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
@@ -66,6 +75,10 @@ class GroupedMLP(FusedOperation):
         g1 = [dw1] if fc1.bias is None else [dw1, db1]
         g2 = [dw2] if fc2.bias is None else [dw2, db2]
         return dx, [g1, [], g2], [(None,), act_extra, (None,)]
+
+
+def _op_fuser_predicate():
+    return support().is_op_fuser_grouped_tensor_supported
 
 
 def _build(ops, recipe):

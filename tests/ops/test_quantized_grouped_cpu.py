@@ -1,0 +1,185 @@
+"""The quantized grouped path on CPU: routing by the support predicates, operand layouts, the
+weight's FP8 copy, expert-row padding, and the quantized GEMM entry points (emulated backend).
+
+The CUDA kernels themselves are tested on the H200 (tests/kernels/test_fp8_grouped_gpu.py); here
+everything around them runs, with the emulated backend standing in for the kernel: it multiplies
+the same quantized values the kernel reads.
+"""
+
+import math
+
+import pytest
+import torch
+
+import te_dist as td
+from te_dist import kernels as K
+from te_dist import recipe as R
+from te_dist import support as S
+from te_dist.moe.padding import pad_expert_rows, padded_sizes
+from te_dist.ops import GroupedLinear, OperationFuser, ScaledSwiGLU
+from te_dist.ops.basic import grouped_linear as gl
+from te_dist.quantization import make_quantizer
+
+RECIPES = [R.Float8BlockScaling(), R.Float8CurrentScaling(), R.DelayedScaling()]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def test_host_split_alignment():
+    f = gl.host_split_alignment
+    assert f(None) is None
+    assert f((0, 0)) is None
+    assert f((128, 256, 0)) == 128
+    assert f((512, 1024)) == 128  # capped: a few predicate cache entries whatever the sizes
+    assert f((48, 16)) == 16
+    assert f((3, 6)) == 1
+
+
+def test_padding_round_trip_and_gradients():
+    torch.manual_seed(0)
+    sizes = (3, 0, 130, 128)
+    x = torch.randn(sum(sizes), 8, requires_grad=True)
+    probs = torch.rand(sum(sizes))
+    padded = pad_expert_rows(x, probs, sizes, 128)
+    assert padded.splits.sizes == padded_sizes(sizes, 128) == (128, 0, 256, 128)
+    assert padded.splits.offsets.tolist() == [128, 128, 384, 512]
+    assert padded.x_PH.shape == (512, 8)
+    # each expert's rows start its padded group, the rest is zeros (and zero probability)
+    assert torch.equal(padded.x_PH[0:3], x[0:3].detach()) and padded.x_PH[3:128].abs().sum() == 0
+    assert torch.equal(padded.x_PH[128:258], x[3:133].detach()) and padded.probs_P[258:384].abs().sum() == 0
+    y = padded.unpad(padded.x_PH * 2.0)
+    assert torch.equal(y, x.detach() * 2.0)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    # already aligned: no copy, no map
+    same = pad_expert_rows(x, None, (128, 0), 128) if x.shape[0] == 128 else pad_expert_rows(x[:256], None, (128, 128), 128)
+    assert same.row_map_N is None
+    with pytest.raises(ValueError, match="sum to"):
+        pad_expert_rows(x, probs, (1, 2), 128)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_entry_points_emulated_equal_dequantized_reference(recipe):
+    torch.manual_seed(0)
+    E, Kin, N, sizes = 3, 256, 384, [128, 0, 256]
+    T = sum(sizes)
+    x, dy = torch.randn(T, Kin, dtype=torch.bfloat16), torch.randn(T, N, dtype=torch.bfloat16)
+    w = torch.randn(E, N, Kin, dtype=torch.bfloat16) / math.sqrt(Kin)
+    qi, qw, qg = (make_quantizer(recipe, role) for role in ("input", "weight", "grad_output"))
+    xq, dyq = qi(x, rowwise=True, columnwise=True), qg(dy, rowwise=True, columnwise=True)
+    wq = K.prepare_quantized_weight(qw(w, rowwise=True, columnwise=True))
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    assert K.select_quantized_backend(x.device, Kin, N) == "emulated"
+
+    def dq(q, usage):
+        return q.dequantize(torch.float32, usage=usage) if hasattr(q, "rowwise") else q.dequantize(torch.float32)
+
+    y = K.grouped_mm_quantized_forward(xq, wq, offs, out_dtype=torch.float32)
+    dx = K.grouped_mm_quantized_dgrad(dyq, wq, offs, out_dtype=torch.float32)
+    dw = K.grouped_mm_quantized_wgrad(xq, dyq, offs, num_groups=E, out_dtype=torch.float32)
+    bounds = [(0, 128), (128, 128), (128, 384)]
+    xr, wr, dyr = dq(xq, "rowwise"), dq(wq.source, "rowwise"), dq(dyq, "rowwise")
+    xc, dyc = dq(xq, "columnwise"), dq(dyq, "columnwise")
+    assert _rel(y, torch.cat([xr[s:e] @ wr[i].t() for i, (s, e) in enumerate(bounds)])) < 1e-5
+    assert _rel(dx, torch.cat([dyr[s:e] @ wr[i] for i, (s, e) in enumerate(bounds)])) < 1e-5
+    assert _rel(dw, torch.stack([dyc[s:e].t() @ xc[s:e] for s, e in bounds])) < 1e-5
+    assert dw[1].abs().max() == 0  # the empty expert
+    # the operand layouts the kernels read
+    assert wq.fwd_data.shape == (E, N, Kin) and wq.fwd_scale.shape == (E, Kin // 128, N // 128)
+    assert wq.dgrad_data.shape == (E, Kin, N) and wq.dgrad_scale.shape == (E, N // 128, Kin // 128)
+
+
+def test_entry_point_errors_name_what_was_expected():
+    rec = R.Float8BlockScaling()
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    xq = make_quantizer(rec, "input")(x)
+    wq = K.prepare_quantized_weight(make_quantizer(rec, "weight")(w, rowwise=True, columnwise=True))
+    offs = torch.tensor([64, 128], dtype=torch.int32)
+    with pytest.raises(TypeError, match="quantized tensor"):
+        K.grouped_mm_quantized_forward(x, wq, offs)
+    with pytest.raises(TypeError, match="int32"):
+        K.grouped_mm_quantized_forward(xq, wq, offs.long())
+    with pytest.raises(ValueError, match="K=256"):
+        K.grouped_mm_quantized_forward(make_quantizer(rec, "input")(torch.randn(128, 128)), wq, offs)
+    with pytest.raises(ValueError, match="backend='cutlass' cannot run"):
+        K.grouped_mm_quantized_forward(xq, wq, offs, backend="cutlass")  # CPU tensors
+    with pytest.raises(ValueError, match="columnwise copy missing"):
+        K.grouped_mm_quantized_wgrad(xq, xq, offs, num_groups=2)  # rowwise-only operands
+    with pytest.raises(ValueError, match="multiples of 128"):
+        K.prepare_quantized_weight(make_quantizer(R.Float8CurrentScaling(), "weight")(torch.randn(2, 96, 128)))
+
+
+class _Spy:
+    def __init__(self, answer):
+        self.answer, self.calls = answer, []
+
+    def __call__(self, recipe, dtype, *, split_alignment=None, device=None):
+        self.calls.append((type(recipe).__name__, dtype, split_alignment, device))
+        return self.answer
+
+
+def _mlp(E=3, H=256, F=128, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return OperationFuser([GroupedLinear(E, H, 2 * F, dtype=dtype), ScaledSwiGLU(), GroupedLinear(E, F, H, dtype=dtype)])
+
+
+def test_each_forward_asks_the_predicate_once_with_the_tensor_device(monkeypatch):
+    """Fused grouped MLP: the op-fuser predicate, once per forward; a lone GroupedLinear: the module one."""
+    fuser_spy, module_spy = _Spy(False), _Spy(False)
+    monkeypatch.setattr(S, "is_op_fuser_grouped_tensor_supported", fuser_spy)
+    monkeypatch.setattr(S, "is_module_grouped_tensor_supported", module_spy)
+    mlp = _mlp()
+    sizes = (128, 0, 256)
+    x = torch.randn(384, 256, dtype=torch.bfloat16)
+    with td.autocast(recipe=R.Float8BlockScaling()):
+        mlp(x, torch.tensor(sizes), torch.rand(384), torch.tensor(sizes))
+        assert fuser_spy.calls == [("Float8BlockScaling", torch.bfloat16, 128, x.device)]
+        assert module_spy.calls == []
+        lone = GroupedLinear(3, 256, 128, dtype=torch.bfloat16)
+        OperationFuser([lone])(x, torch.tensor((1, 2, 381)))
+    assert module_spy.calls == [("Float8BlockScaling", torch.bfloat16, 1, x.device)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_native_path_plumbing_on_cpu(monkeypatch, recipe):
+    """The native branch (forced here: on a GPU the predicate decides) against the emulated branch:
+    same forward values and input gradient; the weight gradient reads the columnwise copies."""
+    sizes = (128, 0, 256)
+    x = torch.randn(384, 256, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(384)
+
+    def run(native):
+        monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: native)
+        mlp = _mlp()
+        x.grad = None
+        with td.autocast(recipe=recipe):
+            y = mlp(x, torch.tensor(sizes), probs, torch.tensor(sizes))
+        y.float().square().sum().backward()
+        return y.detach(), x.grad.clone(), mlp.basic_ops[0].weight.grad.clone(), mlp
+
+    y_emu, dx_emu, dw_emu, _ = run(False)
+    y_nat, dx_nat, dw_nat, mlp = run(True)
+    assert mlp.basic_ops[0]._weight_copy is not None and mlp.basic_ops[2]._weight_copy is not None
+    assert _rel(y_nat, y_emu) < 1e-2
+    assert _rel(dx_nat, dx_emu) < 5e-2
+    assert _rel(dw_nat, dw_emu) < 0.1
+
+
+def test_weight_copy_is_rebuilt_after_an_in_place_update(monkeypatch):
+    monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
+    op = GroupedLinear(2, 256, 128, dtype=torch.bfloat16)
+    fuser = OperationFuser([op])
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    built = []
+    real = K.prepare_quantized_weight
+    monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: built.append(1) or real(q))
+    with td.autocast(recipe=R.Float8BlockScaling()), torch.no_grad():
+        fuser(x, torch.tensor((128, 128)))
+        fuser(x, torch.tensor((128, 128)))
+        assert len(built) == 1  # quantized once per weight version, not per call
+        op.weight.add_(1.0)
+        fuser(x, torch.tensor((128, 128)))
+        assert len(built) == 2
