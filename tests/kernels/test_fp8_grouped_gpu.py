@@ -132,7 +132,10 @@ def test_layer_native_fp8_close_to_bf16(cuda_device, name):
     y_ref.float().square().mean().backward()  # gradients ~1e-7: a real check of the gradient scaling
     ref_grads = [x.grad.clone(), layer.fc1.weight.grad.clone(), layer.fc2.weight.grad.clone()]
     recipe = RECIPES[name]()
-    for _ in range(2):  # DelayedScaling's first step runs on the initial scale 1 (its amax history is empty)
+    # DelayedScaling warms up: each gradient's scale comes from the previous steps' amax, so the first
+    # backward casts dy with the initial scale 1 (it underflows), and fc1's dh does once more, since
+    # it was all zeros the step before. From the third step on every scale is set.
+    for _ in range(3):
         x.grad = layer.fc1.weight.grad = layer.fc2.weight.grad = None
         with td.autocast(recipe=recipe):
             y = layer(x)
