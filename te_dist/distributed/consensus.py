@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..recipe import Recipe, _describe
+from ..recipe import Recipe
 
 __all__ = [
     "ConsensusError",
@@ -95,8 +95,7 @@ def _payload(recipe: Optional[Recipe]) -> dict:
     """What a rank sends when ranks disagree: enough to print a per-setting diff."""
     if recipe is None:
         return {"key": _NO_RECIPE, "type": "no recipe", "settings": {}}
-    settings = {name: _describe(value) for name, value in recipe.settings().items()}
-    return {"key": str(recipe), "type": type(recipe).__name__, "settings": settings}
+    return {"key": str(recipe), "type": type(recipe).__name__, "settings": recipe.describe_settings()}
 
 
 def _rank_name(group_rank: int, global_ranks) -> str:
