@@ -31,7 +31,7 @@ copy of the split sizes: docs/moe.md "The host read").
 Experts are sharded contiguously: rank r owns global experts [r*El, (r+1)*El), so the
 permuted rows for rank r are one contiguous block of x_SH and no extra gather is needed.
 
-A rank that must fail (NaN router logits) sends -1 counts: every rank sees the flag in the
+A rank that must fail (NaN or inf router logits) sends -1 counts: every rank sees the flag in the
 count exchange and raises the same error before the token all-to-all, so no rank hangs.
 
 Transport. On the GPUs of one host (NCCL backend, symmetric memory available on every rank, the
@@ -131,7 +131,7 @@ class AllToAllDispatcher:
         """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``.
 
         ``invalid``: optional bool scalar tensor (on x's device) that marks this rank's routing as
-        bad (e.g. NaN logits); it travels in-band with the counts (see module docstring).
+        bad (e.g. NaN or inf logits); it travels in-band with the counts (see module docstring).
         """
         R, El = self.ep_size, self.num_local_experts
         if R > 1 and use_peer_rows(self.ep_group, x_TH.device, x_TH.shape[1] * x_TH.element_size()):
@@ -193,7 +193,7 @@ class AllToAllDispatcher:
     def _raise_if_invalid(self, bad_ranks) -> None:
         if bad_ranks:
             raise RoutingError(
-                f"router logits contain NaN on EP rank(s) {sorted(bad_ranks)} (this is EP rank {self.ep_rank}); "
+                f"router logits contain NaN or inf on EP rank(s) {sorted(bad_ranks)} (this is EP rank {self.ep_rank}); "
                 "check the hidden states fed to the MoE layer and the router weight"
             )
 

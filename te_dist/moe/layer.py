@@ -200,9 +200,9 @@ class MoELayer(nn.Module):
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size)
-        routing = self.router(x_TH, check_nan=False)
-        # NaN travels in-band with the count exchange so every EP rank raises together.
-        invalid = torch.isnan(routing.logits_TE).any()
+        routing = self.router(x_TH, check_finite=False)
+        # Non-finite logits (NaN or inf) travel in-band with the count exchange so every EP rank raises together.
+        invalid = ~torch.isfinite(routing.logits_TE).all()
         probs_in_expert = self.probs_position == "expert"
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid
