@@ -49,6 +49,7 @@ __all__ = [
     "agree_recipe_key",
     "recipe_digest",
     "describe_recipe_mismatch",
+    "mismatch_groups",
     "recipe_payload",
     "DEFAULT_TIMEOUT_S",
     "reset_consensus_state",
@@ -141,27 +142,34 @@ def _setting_diff(ref: dict, other: dict, ref_name: str, other_name: str) -> lis
     return lines
 
 
+def mismatch_groups(payloads: list, global_ranks) -> tuple:
+    """``(mismatched group ranks, [(name of a set of ranks, their payload), ...], "differ(s) from rank 0")``:
+    ranks whose key differs from rank 0's, grouped by key in rank order, for a mismatch report."""
+    ref_key = payloads[0]["key"]
+    by_key = collections.OrderedDict()
+    for group_rank, payload in enumerate(payloads):
+        if payload["key"] != ref_key:
+            by_key.setdefault(payload["key"], []).append(group_rank)
+    mismatched = [r for ranks in by_key.values() for r in ranks]
+    mismatched.sort()
+    others = [(_ranks_name(ranks, global_ranks), payloads[ranks[0]]) for ranks in by_key.values()]
+    verb = "differs" if len(mismatched) == 1 else "differ"
+    headline = f"{_ranks_name(mismatched, global_ranks)} {verb} from {_rank_name(0, global_ranks)}"
+    return mismatched, others, headline
+
+
 def describe_recipe_mismatch(payloads: list, global_ranks) -> tuple:
     """``(message, mismatched group ranks)`` for payloads gathered from every group rank (index = group rank).
 
     Ranks with the same key are reported together, each group against rank 0 (authoritative).
     """
     ref = payloads[0]
-    by_key = collections.OrderedDict()
-    for group_rank, payload in enumerate(payloads):
-        by_key.setdefault(payload["key"], []).append(group_rank)
-    mismatched = [r for r, p in enumerate(payloads) if p["key"] != ref["key"]]
+    mismatched, others, headline = mismatch_groups(payloads, global_ranks)
     ref_name = _rank_name(0, global_ranks)
-    parts = [
-        f"recipe mismatch across the {len(payloads)} ranks of a group: {_ranks_name(mismatched, global_ranks)} "
-        f"{'differs' if len(mismatched) == 1 else 'differ'} from {ref_name}, whose recipe is authoritative"
-    ]
-    for key, ranks in by_key.items():
-        if key == ref["key"]:
-            continue
-        other_name = _ranks_name(ranks, global_ranks)
+    parts = [f"recipe mismatch across the {len(payloads)} ranks of a group: {headline}, whose recipe is authoritative"]
+    for other_name, other in others:
         parts.append(f"  {other_name} vs {ref_name}:")
-        parts.extend(f"    {line}" for line in _setting_diff(ref, payloads[ranks[0]], ref_name, other_name))
+        parts.extend(f"    {line}" for line in _setting_diff(ref, other, ref_name, other_name))
     parts.append(
         "Every rank must build the same recipe and change it at the same step (a setting written, a public "
         "attribute attached, a different recipe class all count)."

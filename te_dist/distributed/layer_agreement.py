@@ -29,22 +29,13 @@ carries no tag: there the check runs at the first forward only.
 
 from __future__ import annotations
 
-import collections
 from typing import Optional
 
 import torch
 
 from ..autocast import get_active_recipe, get_recipe_key
+from .consensus import MismatchError, _rank_name, _setting_diff, agree_key, mismatch_groups, recipe_digest, recipe_payload
 from .groups import group_size
-from .consensus import (
-    MismatchError,
-    _rank_name,
-    _ranks_name,
-    _setting_diff,
-    agree_key,
-    recipe_digest,
-    recipe_payload,
-)
 
 __all__ = ["LayerMismatchError", "LayerAgreement", "describe_layer_mismatch"]
 
@@ -67,21 +58,11 @@ def describe_layer_mismatch(payloads: list, global_ranks) -> tuple:
     """``(message, mismatched group ranks, differing fields)`` for payloads gathered from every group rank."""
     ref = payloads[0]
     layer = ref["layer"]
-    by_key = collections.OrderedDict()
-    for group_rank, payload in enumerate(payloads):
-        by_key.setdefault(payload["key"], []).append(group_rank)
-    mismatched = [r for r, p in enumerate(payloads) if p["key"] != ref["key"]]
+    mismatched, others, headline = mismatch_groups(payloads, global_ranks)
     ref_name = _rank_name(0, global_ranks)
-    parts = [
-        f"{layer} mismatch across the {len(payloads)} ranks of its expert-parallel group: "
-        f"{_ranks_name(mismatched, global_ranks)} {'differs' if len(mismatched) == 1 else 'differ'} from {ref_name}"
-    ]
+    parts = [f"{layer} mismatch across the {len(payloads)} ranks of its expert-parallel group: {headline}"]
     fields = []
-    for key, ranks in by_key.items():
-        if key == ref["key"]:
-            continue
-        other = payloads[ranks[0]]
-        other_name = _ranks_name(ranks, global_ranks)
+    for other_name, other in others:
         parts.append(f"  {other_name} vs {ref_name}:")
         for name, value in ref["fields"].items():
             if other["fields"].get(name) != value:

@@ -8,12 +8,11 @@ stay usable for the next scenario.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from harness import run_torchrun
+from harness import run_torchrun, scenario_results
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,20 +30,9 @@ MISMATCHES = {  # scenario -> (differing fields, a line of the report)
 SCENARIOS = ["equal", *MISMATCHES, "midtrain", "all_change", "inf"]
 
 
-def parse_results(logs: dict) -> dict:
-    """{scenario: [payload of rank 0, payload of rank 1, ...]} from the RESULT lines."""
-    results = {}
-    for rank in sorted(logs):
-        for line in logs[rank].splitlines():
-            if line.startswith("RESULT "):
-                _, name, payload = line.split(" ", 2)
-                results.setdefault(name, {})[rank] = json.loads(payload)
-    return {name: [by_rank.get(r) for r in sorted(logs)] for name, by_rank in results.items()}
-
-
 def launch(*extra) -> dict:
     result = run_torchrun(WORKER, 2, args=("--scenarios", ",".join(SCENARIOS), *extra), timeout=240).check()
-    results = parse_results(result.rank_logs)
+    results = scenario_results(result.rank_logs)
     assert sorted(results) == sorted(SCENARIOS), result.report()
     return results
 
