@@ -179,12 +179,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenarios", required=True, help=f"comma list of {sorted(SCENARIOS)}")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--gloo-cuda", action="store_true",
+                        help="gloo with the layers on CUDA (ranks may share one GPU): the tag on the device")
     args = parser.parse_args(argv)
     names = args.scenarios.split(",")
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; expected some of {sorted(SCENARIOS)}")
     args.device, args.dtype = init_worker(args.backend, cpu_dtype=torch.float32, gpu_dtype=torch.bfloat16)
+    if args.gloo_cuda:
+        args.device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     rank, world = dist.get_rank(), dist.get_world_size()
     for name in names:
         SCENARIOS[name](args, rank, world)
