@@ -7,14 +7,21 @@ attached later alike), then rebuilt on the next read.
 
 One list of settings per class (``_SETTINGS``) drives construction, validation, the string,
 equality, hashing, ``to_dict`` and pickling, so none of them can drift apart.
+
+Public attributes attached after construction are part of the recipe too, so three guards keep
+them honest: a name one typo away from a declared setting (``margn``) raises instead of attaching;
+containers are stored as read-only copies (an in-place edit could not reach the cached string);
+values whose changes the string could not follow (tensors, plain objects) are refused.
+``from_dict`` never imports a callable the caller did not allow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
+
+from .recipe_values import CallablePolicy, FrozenDict, FrozenList, freeze, from_plain, near_miss, to_plain
 
 __all__ = [
     "Format",
@@ -27,6 +34,8 @@ __all__ = [
     "NVFP4BlockScaling",
     "RECIPE_NAMES",
     "recipe_from_name",
+    "FrozenDict",
+    "FrozenList",
 ]
 
 
@@ -86,6 +95,7 @@ class Setting:
     default: Any
     check: Callable[[str, str, Any], None]
     doc: str = ""
+    parse: Optional[Callable[[str, Any], Any]] = None  # plain (YAML/JSON) value -> setting value, for from_dict
 
 
 def _is_int(value) -> bool:
@@ -139,6 +149,20 @@ def _format_check(*allowed: Format):
     return check
 
 
+def _parse_format(name, value):
+    if not isinstance(value, str):
+        return value  # the validator reports the type
+    try:
+        return Format[value]
+    except KeyError:
+        raise ValueError(f"{name}: unknown format {value!r}; expected one of {[f.name for f in Format]}") from None
+
+
+def _format_setting(name: str, default: Format, allowed: tuple, doc: str = "") -> Setting:
+    """A declared format setting: the only settings ``from_dict`` turns from a name into a Format."""
+    return Setting(name, default, _format_check(*allowed), doc, parse=_parse_format)
+
+
 def _backward_override_setting() -> Setting:
     return Setting(
         "backward_override",
@@ -183,14 +207,6 @@ def _qualified_name(fn) -> str:
     return f"{module}.{qualname}"
 
 
-def _resolve_qualified_name(path: str):
-    module_name, _, qualname = path.partition(":")
-    obj = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 # --------------------------------------------------------------------------- base class
 
 _STR_CACHE = "_str_cache"
@@ -220,7 +236,9 @@ class Recipe:
         unknown = sorted(set(kwargs) - set(declared))
         if unknown:
             allowed = ", ".join(declared)
-            raise TypeError(f"{cls_name} got unexpected keyword(s) {unknown}; allowed settings: {allowed}")
+            hints = [f"{near_miss(name, declared)!r} for {name!r}" for name in unknown if near_miss(name, declared)]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            raise TypeError(f"{cls_name} got unexpected keyword(s) {unknown}{hint}; allowed settings: {allowed}")
         values = {s.name: kwargs.get(s.name, s.default) for s in self._SETTINGS}
         for name, value in values.items():
             declared[name].check(cls_name, name, value)
@@ -240,6 +258,10 @@ class Recipe:
             out[key] = state[key]
         return out
 
+    def describe_settings(self) -> dict:
+        """Each public setting as the deterministic text ``str(recipe)`` shows for it (for diffs across ranks)."""
+        return {name: _describe(value) for name, value in self.settings().items()}
+
     def __str__(self) -> str:
         cached = self._str_cache
         if cached is None:
@@ -250,7 +272,7 @@ class Recipe:
     __repr__ = __str__
 
     def _build_string(self) -> str:
-        body = ", ".join(f"{k}={_describe(v)}" for k, v in self.settings().items())
+        body = ", ".join(f"{k}={v}" for k, v in self.describe_settings().items())
         return f"{type(self).__name__}({body})"
 
     def __eq__(self, other) -> bool:
@@ -277,6 +299,8 @@ class Recipe:
             proposed = {s.name: self.__dict__[s.name] for s in self._SETTINGS}
             proposed[name] = value
             self._check_combination(proposed)  # raises before anything is written
+        else:
+            value = self._attachable(name, value)
         object.__setattr__(self, name, value)
         self._reset_memos()
         if setting is not None:
@@ -288,6 +312,20 @@ class Recipe:
         object.__delattr__(self, name)
         if not name.startswith("_"):
             self._reset_memos()
+
+    def _attachable(self, name: str, value):
+        """``value`` as stored under a new public attribute ``name`` (raises for a typo or a mutable value)."""
+        cls = type(self)
+        if name not in self.__dict__:  # re-assigning an attached attribute was checked when it was attached
+            known = [s.name for s in cls._SETTINGS]
+            known += [n for n in dir(cls) if not n.startswith("_") and isinstance(getattr(cls, n), property)]
+            typo_of = near_miss(name, known)
+            if typo_of is not None:
+                raise AttributeError(
+                    f"{cls.__name__} has no setting {name!r}; did you mean {typo_of!r}? (public attributes attached "
+                    f"to a recipe become part of its key, so a name this close to a setting is refused)"
+                )
+        return freeze(value, f"{cls.__name__}.{name}")
 
     def _reset_memos(self) -> None:
         for memo in _MEMOS:
@@ -314,19 +352,29 @@ class Recipe:
         return state
 
     def __setstate__(self, state):
+        declared = {s.name for s in self._SETTINGS}
         for key, value in state.items():
+            if not key.startswith("_") and key not in declared:
+                value = freeze(value, f"{type(self).__name__}.{key}")  # state pickled before attributes were frozen
             object.__setattr__(self, key, value)
 
     def to_dict(self) -> dict:
         """A JSON/YAML-friendly description: ``{"type": class name, setting: value, ...}``."""
         out = {"type": type(self).__name__}
         for key, value in self.settings().items():
-            out[key] = _to_plain(value)
+            declared_format = isinstance(value, Format) and self._setting(key) is not None
+            out[key] = value.name if declared_format else to_plain(value)
         return out
 
     @staticmethod
-    def from_dict(data: dict) -> "Recipe":
-        """Inverse of :meth:`to_dict`; unknown declared keys raise, extra public keys are attached."""
+    def from_dict(data: dict, *, callables: Iterable = (), import_callables: bool = False) -> "Recipe":
+        """Inverse of :meth:`to_dict`; unknown declared keys raise, extra public keys are attached.
+
+        A ``{"callable": "module:qualname"}`` entry resolves only to one of ``callables`` (matched by
+        qualified name, nothing imported) unless ``import_callables=True``: a config file must not be
+        able to name ``os:system``. Only declared format settings read a name (``"E4M3"``) as a Format.
+        """
+        policy = CallablePolicy(callables, import_callables)
         if not isinstance(data, dict) or "type" not in data:
             raise ValueError(f"a recipe dict needs a 'type' key naming one of {sorted(_RECIPE_CLASSES)}, got {data!r}")
         data = dict(data)
@@ -334,38 +382,25 @@ class Recipe:
         cls = _RECIPE_CLASSES.get(type_name)
         if cls is None:
             raise ValueError(f"unknown recipe type {type_name!r}; expected one of {sorted(_RECIPE_CLASSES)}")
-        declared = {s.name for s in cls._SETTINGS}
-        kwargs = {k: _from_plain(v, k) for k, v in data.items() if k in declared}
-        recipe = cls(**kwargs)
+        kwargs = {}
         for key, value in data.items():
-            if key not in declared:
-                if key.startswith("_"):
-                    raise ValueError(f"recipe dict key {key!r}: private attributes cannot be set from a dict")
-                setattr(recipe, key, _from_plain(value, key))
+            setting = cls._setting(key)
+            if setting is not None:
+                kwargs[key] = setting.parse(key, value) if setting.parse else from_plain(value, key, policy)
+        extra = {}
+        for key, value in data.items():
+            if key in kwargs:
+                continue
+            if key.startswith("_"):
+                raise ValueError(f"recipe dict key {key!r}: private attributes cannot be set from a dict")
+            extra[key] = from_plain(value, key, policy)  # every callable is checked before anything is built
+        recipe = cls(**kwargs)
+        for key, value in extra.items():
+            try:
+                setattr(recipe, key, value)
+            except AttributeError as exc:  # a near-miss of a setting: a config error, like an unknown keyword
+                raise ValueError(f"recipe dict key {key!r}: {exc}") from None
         return recipe
-
-
-def _to_plain(value):
-    if isinstance(value, Format):
-        return value.name
-    if isinstance(value, enum.Enum):
-        return value.name
-    if callable(value) and not isinstance(value, type):
-        return {"callable": f"{getattr(value, '__module__', '')}:{getattr(value, '__qualname__', '')}"}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    return value
-
-
-def _from_plain(value, key):
-    if key.endswith("format") and isinstance(value, str):
-        try:
-            return Format[value]
-        except KeyError:
-            raise ValueError(f"{key}: unknown format {value!r}; expected one of {[f.name for f in Format]}") from None
-    if isinstance(value, dict) and set(value) == {"callable"}:
-        return _resolve_qualified_name(value["callable"])
-    return value
 
 
 # --------------------------------------------------------------------------- recipes
@@ -377,7 +412,7 @@ class DelayedScaling(Recipe):
     NAME = "delayed"
     _SETTINGS = (
         Setting("margin", 0, _check_nonneg_int, "scale = fp8_max / amax / 2**margin"),
-        Setting("fp8_format", Format.HYBRID, _format_check(Format.E4M3, Format.E5M2, Format.HYBRID)),
+        _format_setting("fp8_format", Format.HYBRID, (Format.E4M3, Format.E5M2, Format.HYBRID)),
         Setting("amax_history_len", 1024, _check_positive_int, "number of past amax values kept"),
         Setting("amax_compute_algo", "max", _check_amax_algo, "'max' | 'most_recent' | callable(history)->amax"),
         Setting("reduce_amax", True, _check_bool, "all-reduce (MAX) amax over the process group"),
@@ -390,7 +425,7 @@ class Float8CurrentScaling(Recipe):
 
     NAME = "current"
     _SETTINGS = (
-        Setting("fp8_format", Format.HYBRID, _format_check(Format.E4M3, Format.E5M2, Format.HYBRID)),
+        _format_setting("fp8_format", Format.HYBRID, (Format.E4M3, Format.E5M2, Format.HYBRID)),
         Setting("use_power_2_scales", False, _check_bool, "round scales down to a power of two"),
         _backward_override_setting(),
     )
@@ -401,7 +436,7 @@ class Float8BlockScaling(Recipe):
 
     NAME = "block"
     _SETTINGS = (
-        Setting("fp8_format", Format.E4M3, _format_check(Format.E4M3, Format.HYBRID)),
+        _format_setting("fp8_format", Format.E4M3, (Format.E4M3, Format.HYBRID)),
         Setting("x_block_scaling_dim", 1, _check_block_dim, "input blocks"),
         Setting("w_block_scaling_dim", 2, _check_block_dim, "weight blocks"),
         Setting("grad_block_scaling_dim", 1, _check_block_dim, "grad_output blocks"),
@@ -423,7 +458,7 @@ class MXFP8BlockScaling(Recipe):
     NAME = "mxfp8"
     _SETTINGS = (
         Setting("margin", 0, _check_nonneg_int, "shared exponent lowered by margin"),
-        Setting("fp8_format", Format.E4M3, _format_check(Format.E4M3, Format.E5M2, Format.HYBRID)),
+        _format_setting("fp8_format", Format.E4M3, (Format.E4M3, Format.E5M2, Format.HYBRID)),
         _backward_override_setting(),
     )
 

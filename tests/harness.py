@@ -7,6 +7,7 @@ group, so a hang fails the test instead of blocking the suite.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "TorchrunResult", "run_torchrun"]
+__all__ = ["REPO_ROOT", "TorchrunResult", "run_torchrun", "scenario_results"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,18 @@ class TorchrunResult:
         if not self.ok:
             raise AssertionError(self.report())
         return self
+
+
+def scenario_results(logs: dict) -> dict:
+    """``{scenario: [payload of rank 0, payload of rank 1, ...]}`` from ``RESULT <name> <json>`` lines of
+    rank logs (``{rank: text}``); a rank that printed no line for a scenario gets None."""
+    results = {}
+    for rank in sorted(logs):
+        for line in logs[rank].splitlines():
+            if line.startswith("RESULT "):
+                _, name, payload = line.split(" ", 2)
+                results.setdefault(name, {})[rank] = json.loads(payload)
+    return {name: [by_rank.get(r) for r in sorted(logs)] for name, by_rank in results.items()}
 
 
 def _collect_rank_logs(log_dir: Path, nproc: int) -> dict:

@@ -1,15 +1,18 @@
-"""Distributed pieces: recipe consensus across ranks, expert-parallel groups, token all-to-all.
+"""Distributed pieces: recipe consensus and layer agreement across ranks, expert-parallel groups, token all-to-all.
 
 A thin re-export list; each name lives in the module that owns it.
 """
 
 from .all_to_all import all_to_all_tokens, exchange_counts
-from .consensus import ConsensusError, RecipeMismatchError, sync_recipe
+from .consensus import ConsensusError, MismatchError, RecipeMismatchError, sync_recipe
 from .groups import ExpertParallelGroups, group_rank, group_size, init_expert_parallel_groups
+from .layer_agreement import LayerMismatchError
 
 __all__ = [
     "sync_recipe",
     "RecipeMismatchError",
+    "LayerMismatchError",
+    "MismatchError",
     "ConsensusError",
     "ExpertParallelGroups",
     "init_expert_parallel_groups",

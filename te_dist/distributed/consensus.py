@@ -3,14 +3,15 @@
 Why: a fusion plan decides which kernels and collectives an op sequence runs. Two ranks keyed by
 different recipe strings run different plans, and their next collective hangs or mixes up data.
 
-Protocol (one call of :func:`sync_recipe`, identical on every rank of the group)::
+Protocol (one call of :func:`agree_key`, identical on every rank of the group; :func:`sync_recipe`
+agrees on recipe keys with it, te_dist.distributed.layer_agreement on layer descriptions)::
 
     digest d = 62-bit blake2b of the local key ("None" when no recipe)
     all_reduce(MAX) of [d, -d]  ->  [max d, -min d]         (16 bytes, the steady-state cost)
     max == min, digest already verified for this group  ->  agreed, no further collective
     max == min, first time for this group               ->  all_gather the strings once and compare
     max != min                                          ->  all_gather the strings and settings,
-                                                            raise RecipeMismatchError on EVERY rank
+                                                            raise a MismatchError on EVERY rank
 
 Every branch is chosen from the all-reduced value (or from history that the same calls built
 identically on every rank), so all ranks run the same sequence of collectives: no rank can wait
@@ -32,20 +33,24 @@ import json
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..recipe import Recipe, _describe
+from ..recipe import Recipe
 
 __all__ = [
     "ConsensusError",
+    "MismatchError",
     "RecipeMismatchError",
+    "agree_key",
     "sync_recipe",
     "agree_recipe_key",
     "recipe_digest",
     "describe_recipe_mismatch",
+    "mismatch_groups",
+    "recipe_payload",
     "DEFAULT_TIMEOUT_S",
     "reset_consensus_state",
 ]
@@ -61,8 +66,8 @@ class ConsensusError(RuntimeError):
     """A consensus collective failed or timed out: a peer died, hung, or left the group."""
 
 
-class RecipeMismatchError(RuntimeError):
-    """Ranks of a group hold different recipes; raised identically on every rank of the group.
+class MismatchError(RuntimeError):
+    """Ranks of a group hold different keys; raised identically on every rank of the group.
 
     ``mismatched_ranks`` are group ranks whose key differs from group rank 0's (the authoritative
     one); ``keys`` maps every group rank to its key; ``global_ranks`` maps group ranks to global ones.
@@ -73,6 +78,10 @@ class RecipeMismatchError(RuntimeError):
         self.mismatched_ranks = list(mismatched_ranks)
         self.keys = dict(keys)
         self.global_ranks = list(global_ranks)
+
+
+class RecipeMismatchError(MismatchError):
+    """Ranks of a group hold different recipes (the message lists the differing settings)."""
 
 
 # --------------------------------------------------------------------------- local pieces
@@ -91,12 +100,11 @@ def _local_key(recipe: Optional[Recipe]) -> str:
     return str(recipe)
 
 
-def _payload(recipe: Optional[Recipe]) -> dict:
+def recipe_payload(recipe: Optional[Recipe]) -> dict:
     """What a rank sends when ranks disagree: enough to print a per-setting diff."""
     if recipe is None:
         return {"key": _NO_RECIPE, "type": "no recipe", "settings": {}}
-    settings = {name: _describe(value) for name, value in recipe.settings().items()}
-    return {"key": str(recipe), "type": type(recipe).__name__, "settings": settings}
+    return {"key": str(recipe), "type": type(recipe).__name__, "settings": recipe.describe_settings()}
 
 
 def _rank_name(group_rank: int, global_ranks) -> str:
@@ -134,27 +142,34 @@ def _setting_diff(ref: dict, other: dict, ref_name: str, other_name: str) -> lis
     return lines
 
 
+def mismatch_groups(payloads: list, global_ranks) -> tuple:
+    """``(mismatched group ranks, [(name of a set of ranks, their payload), ...], "differ(s) from rank 0")``:
+    ranks whose key differs from rank 0's, grouped by key in rank order, for a mismatch report."""
+    ref_key = payloads[0]["key"]
+    by_key = collections.OrderedDict()
+    for group_rank, payload in enumerate(payloads):
+        if payload["key"] != ref_key:
+            by_key.setdefault(payload["key"], []).append(group_rank)
+    mismatched = [r for ranks in by_key.values() for r in ranks]
+    mismatched.sort()
+    others = [(_ranks_name(ranks, global_ranks), payloads[ranks[0]]) for ranks in by_key.values()]
+    verb = "differs" if len(mismatched) == 1 else "differ"
+    headline = f"{_ranks_name(mismatched, global_ranks)} {verb} from {_rank_name(0, global_ranks)}"
+    return mismatched, others, headline
+
+
 def describe_recipe_mismatch(payloads: list, global_ranks) -> tuple:
     """``(message, mismatched group ranks)`` for payloads gathered from every group rank (index = group rank).
 
     Ranks with the same key are reported together, each group against rank 0 (authoritative).
     """
     ref = payloads[0]
-    by_key = collections.OrderedDict()
-    for group_rank, payload in enumerate(payloads):
-        by_key.setdefault(payload["key"], []).append(group_rank)
-    mismatched = [r for r, p in enumerate(payloads) if p["key"] != ref["key"]]
+    mismatched, others, headline = mismatch_groups(payloads, global_ranks)
     ref_name = _rank_name(0, global_ranks)
-    parts = [
-        f"recipe mismatch across the {len(payloads)} ranks of a group: {_ranks_name(mismatched, global_ranks)} "
-        f"{'differs' if len(mismatched) == 1 else 'differ'} from {ref_name}, whose recipe is authoritative"
-    ]
-    for key, ranks in by_key.items():
-        if key == ref["key"]:
-            continue
-        other_name = _ranks_name(ranks, global_ranks)
+    parts = [f"recipe mismatch across the {len(payloads)} ranks of a group: {headline}, whose recipe is authoritative"]
+    for other_name, other in others:
         parts.append(f"  {other_name} vs {ref_name}:")
-        parts.extend(f"    {line}" for line in _setting_diff(ref, payloads[ranks[0]], ref_name, other_name))
+        parts.extend(f"    {line}" for line in _setting_diff(ref, other, ref_name, other_name))
     parts.append(
         "Every rank must build the same recipe and change it at the same step (a setting written, a public "
         "attribute attached, a different recipe class all count)."
@@ -256,64 +271,73 @@ def reset_consensus_state() -> None:
 # --------------------------------------------------------------------------- collectives with a timeout
 
 
-def _wait(work, state: _GroupConsensus, phase: str, timeout_s: float, started: float) -> None:
+class _Call:
+    """What one agreement call reports a failed collective as (``what``), and since when it runs."""
+
+    __slots__ = ("what", "timeout_s", "started")
+
+    def __init__(self, what: str, timeout_s: float):
+        self.what, self.timeout_s, self.started = what, timeout_s, time.monotonic()
+
+
+def _wait(work, state: _GroupConsensus, phase: str, call: _Call) -> None:
     try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        ok = work.wait(timeout=datetime.timedelta(seconds=call.timeout_s))
     except Exception as exc:  # gloo raises on a closed peer connection or on the timeout
-        raise _consensus_error(state, phase, timeout_s, started, exc) from exc
+        raise _consensus_error(state, phase, call, exc) from exc
     if ok is False:
-        raise _consensus_error(state, phase, timeout_s, started, "the collective did not complete")
+        raise _consensus_error(state, phase, call, "the collective did not complete")
 
 
-def _consensus_error(state, phase, timeout_s, started, cause) -> ConsensusError:
-    elapsed = time.monotonic() - started
+def _consensus_error(state, phase, call: _Call, cause) -> ConsensusError:
+    elapsed, timeout_s = time.monotonic() - call.started, call.timeout_s
     return ConsensusError(
-        f"recipe consensus failed on {_rank_name(state.group_rank, state.global_ranks)} of a group of "
+        f"{call.what} failed on {_rank_name(state.group_rank, state.global_ranks)} of a group of "
         f"{state.size} (global ranks {state.global_ranks}) during {phase} after {elapsed:.1f}s "
         f"(timeout {timeout_s:g}s): a peer rank died, hung, or skipped this consensus point. Cause: {cause}"
     )
 
 
-def _all_reduce_digest(state, timeout_s: float, started: float) -> tuple:
+def _all_reduce_digest(state, call: _Call) -> tuple:
     """(max, min) of the ranks' digests of their last keys."""
     box = state.box
     box.copy_(state.last_pair)
     work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=state.cpu_group, async_op=True)
-    _wait(work, state, "the digest all_reduce", timeout_s, started)
+    _wait(work, state, "the digest all_reduce", call)
     high, neg_low = box.tolist()
     return high, -neg_low
 
 
-def _all_gather_text(state, text: str, timeout_s: float, started: float) -> list:
+def _all_gather_text(state, text: str, call: _Call) -> list:
     """All ranks' ``text`` (index = group rank); two fixed-order collectives, both with a timeout."""
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
     length = torch.tensor([data.numel()], dtype=torch.int64)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(state.size)]
     work = dist.all_gather(lengths, length, group=state.cpu_group, async_op=True)
-    _wait(work, state, "the length all_gather", timeout_s, started)
+    _wait(work, state, "the length all_gather", call)
     sizes = [int(n) for n in lengths]
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
     buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(state.size)]
     work = dist.all_gather(buffers, padded, group=state.cpu_group, async_op=True)
-    _wait(work, state, "the string all_gather", timeout_s, started)
+    _wait(work, state, "the string all_gather", call)
     return [buf[:n].numpy().tobytes().decode("utf-8") for buf, n in zip(buffers, sizes)]
 
 
 # --------------------------------------------------------------------------- public entry points
 
 
-def _resolve_group(group):
+def _resolve_group(group, what: str):
     """The group to agree over, or None when consensus is a local no-op."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError(f"sync_recipe got group={group!r} but torch.distributed is not initialised")
+            raise ValueError(f"{what} got group={group!r} but torch.distributed is not initialised")
         return None
     if group is None:
         group = dist.group.WORLD
     if dist.get_rank(group) < 0:
         raise ValueError(
-            f"this rank (global {dist.get_rank()}) is not a member of the group given to sync_recipe "
+            f"this rank (global {dist.get_rank()}) is not a member of the group given to {what} "
             f"(global ranks {dist.get_process_group_ranks(group)})"
         )
     return group
@@ -331,41 +355,53 @@ def _check_timeout(timeout) -> float:
     return float(timeout)
 
 
+def agree_key(key: str, group, *, payload: Callable[[], dict], mismatch: Callable[[list, list], MismatchError],
+              what: str = "recipe consensus", timeout=None) -> bool:
+    """Agree on ``key`` across ``group``; True when it ran on a group, False when it was a local no-op.
+
+    On a mismatch every rank gathers every rank's ``payload()`` (a JSON-able dict holding ``"key"``)
+    and raises ``mismatch(payloads, global_ranks)``. ``what`` names the check in a
+    :class:`ConsensusError` (a dead or stuck peer). See the module docstring for the protocol.
+    """
+    timeout_s = DEFAULT_TIMEOUT_S if timeout is None else _check_timeout(timeout)
+    state = None if group is None else _REGISTRY.lookup(group)  # steady state: skip the group checks
+    if state is None:
+        group = _resolve_group(group, what)
+        if group is None or dist.get_world_size(group) == 1:
+            return False
+        state = _REGISTRY.get(group, timeout_s)
+    call = _Call(what, timeout_s)
+    state.digest(key)
+    high, low = _all_reduce_digest(state, call)
+    if high == low:
+        if high in state.verified:  # decided from the digest alone: the same answer on every rank
+            state.verified.move_to_end(high)
+            return True
+        # First time this key is seen on this group: compare the exact strings once (digest collisions).
+        keys = _all_gather_text(state, key, call)
+        if all(k == keys[0] for k in keys):
+            state.remember(high, keys[0])
+            return True
+    # Every rank is here (the branch depends only on values identical on all ranks): build the diff.
+    texts = _all_gather_text(state, json.dumps(payload(), sort_keys=False), call)
+    raise mismatch([json.loads(t) for t in texts], state.global_ranks)
+
+
+def _recipe_mismatch(payloads: list, global_ranks) -> RecipeMismatchError:
+    message, mismatched = describe_recipe_mismatch(payloads, global_ranks)
+    keys = {r: p["key"] for r, p in enumerate(payloads)}
+    return RecipeMismatchError(message, mismatched_ranks=mismatched, keys=keys, global_ranks=global_ranks)
+
+
 def agree_recipe_key(recipe: Optional[Recipe], group, *, timeout=None) -> Optional[str]:
     """The recipe key all ranks of ``group`` agreed on (None: no recipe on every rank).
 
     Called by ``te_dist.autocast(group=...)`` at entry; see the module docstring for the protocol.
     """
-    timeout_s = DEFAULT_TIMEOUT_S if timeout is None else _check_timeout(timeout)
     key = _local_key(recipe)
-    state = None if group is None else _REGISTRY.lookup(group)  # steady state: skip the group checks
-    if state is None:
-        group = _resolve_group(group)
-        if group is None or dist.get_world_size(group) == 1:
-            return None if recipe is None else key
-        state = _REGISTRY.get(group, timeout_s)
-    started = time.monotonic()
-    state.digest(key)
-    high, low = _all_reduce_digest(state, timeout_s, started)
-    if high == low:
-        if high in state.verified:  # decided from the digest alone: the same answer on every rank
-            state.verified.move_to_end(high)
-            return None if recipe is None else key
-        # First time this key is seen on this group: compare the exact strings once (digest collisions).
-        keys = _all_gather_text(state, key, timeout_s, started)
-        if all(k == keys[0] for k in keys):
-            state.remember(high, keys[0])
-            return None if recipe is None else keys[0]
-    # Every rank is here (the branch depends only on values identical on all ranks): build the diff.
-    texts = _all_gather_text(state, json.dumps(_payload(recipe), sort_keys=False), timeout_s, started)
-    payloads = [json.loads(t) for t in texts]
-    message, mismatched = describe_recipe_mismatch(payloads, state.global_ranks)
-    raise RecipeMismatchError(
-        message,
-        mismatched_ranks=mismatched,
-        keys={r: p["key"] for r, p in enumerate(payloads)},
-        global_ranks=state.global_ranks,
-    )
+    agree_key(key, group, payload=lambda: recipe_payload(recipe), mismatch=_recipe_mismatch,
+              what="recipe consensus", timeout=timeout)
+    return None if recipe is None else key
 
 
 def sync_recipe(recipe: Optional[Recipe], group=None, *, timeout=None) -> Optional[str]:

@@ -31,8 +31,10 @@ copy of the split sizes: docs/moe.md "The host read").
 Experts are sharded contiguously: rank r owns global experts [r*El, (r+1)*El), so the
 permuted rows for rank r are one contiguous block of x_SH and no extra gather is needed.
 
-A rank that must fail (NaN router logits) sends -1 counts: every rank sees the flag in the
-count exchange and raises the same error before the token all-to-all, so no rank hangs.
+A rank that must fail (NaN or inf router logits) sends -1 counts: every rank sees the flag in the
+count exchange and raises the same error before the token all-to-all, so no rank hangs. A ``tag``
+(the layer's agreement digest, te_dist.distributed.layer_agreement) rides in the same exchange as
+one more int64 per destination rank; every rank gets every rank's tag in ``state.peer_tags``.
 
 Transport. On the GPUs of one host (NCCL backend, symmetric memory available on every rank, the
 choice agreed once per group: te_dist.distributed.peer_rows.use_peer_rows) the rows move through
@@ -100,6 +102,7 @@ class DispatchState:
     local_expert_sizes: list  # rows each local expert received (host ints: the read's by-product)
     local_expert_offsets: torch.Tensor  # int32 cumulative end rows of the local experts, on the device
     peer_plan: Optional[RowPlan] = None  # set when the rows moved through peer memory (module docstring)
+    peer_tags: Optional[list] = None  # every EP rank's tag (index = EP rank), when a tag rode in the counts
 
 
 class AllToAllDispatcher:
@@ -127,11 +130,14 @@ class AllToAllDispatcher:
         *,
         probs_in_expert: bool,
         invalid: Optional[torch.Tensor] = None,
+        tag: Optional[torch.Tensor] = None,
     ):
         """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``.
 
         ``invalid``: optional bool scalar tensor (on x's device) that marks this rank's routing as
-        bad (e.g. NaN logits); it travels in-band with the counts (see module docstring).
+        bad (e.g. NaN or inf logits); it travels in-band with the counts (see module docstring).
+        ``tag``: optional int64 [1] tensor (on x's device) sent to every rank with the counts; the
+        all-to-all transport returns every rank's tag in ``state.peer_tags`` (the peer one does not).
         """
         R, El = self.ep_size, self.num_local_experts
         if R > 1 and use_peer_rows(self.ep_group, x_TH.device, x_TH.shape[1] * x_TH.element_size()):
@@ -149,12 +155,14 @@ class AllToAllDispatcher:
         counts_send = perm.counts_E
         if invalid is not None:
             counts_send = torch.where(invalid, torch.full_like(counts_send, -1), counts_send)
-        counts_recv = exchange_counts(counts_send, self.ep_group)
+        width = El + (tag is not None)  # entries per rank in the exchange: counts, then the tag
+        sent = counts_send if tag is None else torch.cat([counts_send.view(R, El), tag.expand(R, 1)], 1).view(-1)
+        counts_recv = exchange_counts(sent, self.ep_group)
         # Queued before the host read (module docstring): none of it needs the counts on the host.
         probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
         if packed:
             rows_S = pack_expand(x_TH, probs_S, perm)
-        counts_recv_RL = counts_recv.view(R, El)
+        counts_recv_RL = counts_recv.view(R, width)[:, :El]
         split_sizes_El = counts_recv_RL.sum(dim=0)
         offsets_El = torch.cumsum(split_sizes_El, 0, dtype=torch.int32)  # the grouped GEMMs' offsets
         if sort_rows:
@@ -163,7 +171,8 @@ class AllToAllDispatcher:
         # The single device→host read of the step: the all-to-all needs host split lists.
         host = torch.cat([counts_send, counts_recv]).tolist()
         sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
-        recv_RL = [host[self.num_experts + r * El:self.num_experts + (r + 1) * El] for r in range(R)]
+        recv_RL = [host[self.num_experts + r * width:self.num_experts + r * width + El] for r in range(R)]
+        peer_tags = None if tag is None else [host[self.num_experts + r * width + El] for r in range(R)]
         self._raise_if_invalid({r for r in range(R) if min(recv_RL[r], default=0) < 0}
                                | ({self.ep_rank} if min(host[:self.num_experts], default=0) < 0 else set()))
         input_splits = [sum(c) for c in sent_RL]
@@ -186,14 +195,14 @@ class AllToAllDispatcher:
                 probs_N = all_to_all_tokens(probs_S, output_splits, input_splits, self.ep_group)
         state = DispatchState(
             perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK,
-            local_expert_sizes, offsets_El,
+            local_expert_sizes, offsets_El, peer_tags=peer_tags,
         )
         return x_NH, split_sizes_El, probs_N, state
 
     def _raise_if_invalid(self, bad_ranks) -> None:
         if bad_ranks:
             raise RoutingError(
-                f"router logits contain NaN on EP rank(s) {sorted(bad_ranks)} (this is EP rank {self.ep_rank}); "
+                f"router logits contain NaN or inf on EP rank(s) {sorted(bad_ranks)} (this is EP rank {self.ep_rank}); "
                 "check the hidden states fed to the MoE layer and the router weight"
             )
 

@@ -17,6 +17,10 @@ Where the routing probability is applied (``probs_position``):
   * ``"combine"``: the MLP runs unscaled and each expert output is weighted while summing the K
     outputs of a token (the only choice for non-gated activations, which have no scaled op).
 
+The EP group agrees on the layer's shape, options and recipe at the first forward, and re-checks
+them every step through a tag in the count exchange (te_dist.distributed.layer_agreement): ranks
+that differ raise one LayerMismatchError together instead of crashing inside the transport.
+
 Experts are sharded contiguously over ``ep_group``: EP rank r owns global experts
 ``[r*El, (r+1)*El)``. Expert parameters carry ``allreduce = False`` (the Megatron-Core marker),
 so data-parallel wrappers reduce them over the expert-data-parallel group, not the full DP group.
@@ -31,6 +35,7 @@ from torch import nn
 
 from ..autocast import get_active_recipe
 from ..distributed.groups import group_rank, group_size
+from ..distributed.layer_agreement import LayerAgreement
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
@@ -135,6 +140,13 @@ class MoELayer(nn.Module):
             if getattr(op, kind, None) is not None
         }
         install_expert_state_dict_hooks(self, slots, self.first_expert, num_experts)
+        router = self.router  # what every EP rank must share (checked at the first forward, not here)
+        self._agreement = LayerAgreement("MoELayer", dict(
+            num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size, top_k=top_k,
+            activation=activation, dtype=dtype, probs_position=probs_position, bias=bias, swiglu_limit=swiglu_limit,
+            score_function=router.score_function, pre_softmax=router.pre_softmax, normalize=router.normalize,
+            expert_bias=router.expert_bias is not None,
+        ), ep_group)
         # Statistics of the last forward (for balancing updates and logs), on the input's device:
         self.tokens_per_expert = None  # int64 [E]: this rank's tokens routed to each global expert
         self.tokens_per_local_expert = None  # int64 [El]: rows this rank's experts received
@@ -220,15 +232,17 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self._check_input(hidden_states)
+        tag = self._agreement.check(hidden_states.device)  # the first forward agrees over the EP group
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size)
-        routing = self.router(x_TH, check_nan=False)
-        # NaN travels in-band with the count exchange so every EP rank raises together.
-        invalid = torch.isnan(routing.logits_TE).any()
+        routing = self.router(x_TH, check_finite=False)
+        # Non-finite logits (NaN or inf) travel in-band with the count exchange so every EP rank raises together.
+        invalid = ~torch.isfinite(routing.logits_TE).all()
         probs_in_expert = self.probs_position == "expert"
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
-            x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid
+            x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag
         )
+        self._agreement.verify(state.peer_tags)  # every rank's tag: a change on some ranks raises on all
         # The experts get the split both ways: the offsets the dispatcher queued on the device before
         # its host read, and the sizes that read brought. The GEMM backend sees the actual group sizes
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the

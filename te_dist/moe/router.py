@@ -171,10 +171,12 @@ class TopKRouter(nn.Module):
             probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return probs_TK, indices_TK, balance_TE
 
-    def forward(self, x_TH: torch.Tensor, *, check_nan: bool = True) -> RoutingResult:
+    def forward(self, x_TH: torch.Tensor, *, check_finite: bool = True) -> RoutingResult:
+        """``check_finite=False``: the caller checks the logits itself (MoELayer agrees on it across EP ranks)."""
         logits_TE = self.logits(x_TH)
-        if check_nan and torch.isnan(logits_TE).any():
-            raise ValueError("router logits contain NaN (check the input hidden states and the router weight)")
+        # inf is as bad as NaN: top-k still picks experts, then the softmax turns inf into NaN.
+        if check_finite and not torch.isfinite(logits_TE).all():
+            raise ValueError("router logits contain NaN or inf (check the input hidden states and the router weight)")
         probs_TK, indices_TK, balance_TE = self.select(logits_TE)
         aux = zl = None
         if self.training and torch.is_grad_enabled():

@@ -12,10 +12,10 @@ from te_dist import recipe as R
 from te_dist.autocast import get_active_recipe, get_recipe_key
 from te_dist.distributed import ConsensusError, RecipeMismatchError, sync_recipe
 from te_dist.distributed.consensus import (
-    _payload,
     agree_recipe_key,
     describe_recipe_mismatch,
     recipe_digest,
+    recipe_payload,
     reset_consensus_state,
 )
 
@@ -64,7 +64,7 @@ def test_mismatch_report_groups_ranks_and_lists_only_differences():
     b = R.DelayedScaling(margin=1)
     c = R.DelayedScaling()
     c.enable_fused_grouped_mlp = False
-    payloads = [_payload(a), _payload(b), _payload(a), _payload(b), _payload(c)]
+    payloads = [recipe_payload(a), recipe_payload(b), recipe_payload(a), recipe_payload(b), recipe_payload(c)]
     message, mismatched = describe_recipe_mismatch(payloads, [4, 5, 6, 7, 8])
     assert mismatched == [1, 3, 4]
     assert "ranks 1 (global 5), 3 (global 7), 4 (global 8) differ from rank 0 (global 4)" in message
@@ -74,7 +74,7 @@ def test_mismatch_report_groups_ranks_and_lists_only_differences():
 
 
 def test_mismatch_report_for_different_classes_and_no_recipe():
-    payloads = [_payload(R.MXFP8BlockScaling()), _payload(R.NVFP4BlockScaling()), _payload(None)]
+    payloads = [recipe_payload(R.MXFP8BlockScaling()), recipe_payload(R.NVFP4BlockScaling()), recipe_payload(None)]
     message, mismatched = describe_recipe_mismatch(payloads, [0, 1, 2])
     assert mismatched == [1, 2]
     assert "recipe class: MXFP8BlockScaling on rank 0, NVFP4BlockScaling on rank 1" in message
@@ -86,7 +86,7 @@ def test_callable_setting_is_reported_by_name():
     def my_amax(history):
         return history.max()
 
-    payloads = [_payload(R.DelayedScaling()), _payload(R.DelayedScaling(amax_compute_algo=my_amax))]
+    payloads = [recipe_payload(R.DelayedScaling()), recipe_payload(R.DelayedScaling(amax_compute_algo=my_amax))]
     message, _ = describe_recipe_mismatch(payloads, [0, 1])
     assert "amax_compute_algo: 'max' on rank 0, " in message and "my_amax on rank 1" in message
     assert " at 0x" not in message

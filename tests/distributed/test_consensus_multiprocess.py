@@ -7,7 +7,6 @@ every rank. Mismatch scenarios must have raised on EVERY rank with the same read
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,24 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import REPO_ROOT, run_torchrun
+from harness import REPO_ROOT, run_torchrun, scenario_results as parse_results
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).resolve().parent / "workers" / "consensus_scenarios.py"
 SCENARIOS = "equal,class,field,attr,none,two_groups_of_ranks,midtrain,recover,subgroups,hang"
 DEAD_TIMEOUT_S = 4.0
-
-
-def parse_results(logs: dict) -> dict:
-    """{scenario: [payload of rank 0, payload of rank 1, ...]} from the RESULT lines."""
-    results = {}
-    for rank in sorted(logs):
-        for line in logs[rank].splitlines():
-            if line.startswith("RESULT "):
-                _, name, payload = line.split(" ", 2)
-                results.setdefault(name, {})[rank] = json.loads(payload)
-    return {name: [by_rank.get(r) for r in sorted(logs)] for name, by_rank in results.items()}
 
 
 def launch(nproc: int, scenarios: str, *extra) -> dict:

@@ -107,6 +107,11 @@ def test_errors_are_clear():
     x[3, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         layer(x)
+    x = _x()
+    x[2, :] = 0.0
+    x[2, 5] = float("inf")  # +-inf logits, no NaN
+    with pytest.raises(td.moe.RoutingError, match="NaN or inf on EP rank"):
+        layer(x)
 
 
 def test_same_seed_same_weights_and_state_dict_round_trip():

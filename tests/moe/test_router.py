@@ -87,5 +87,18 @@ def test_errors():
     r = _router()
     x = torch.randn(3, 8)
     x[1, 2] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="NaN or inf"):
         r(x)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf")])
+def test_non_finite_logits_raise(bad):
+    r = _router()
+    x = torch.randn(3, 8)
+    x[1, :] = 0.0
+    x[1, 2] = bad  # one infinite feature: every logit of that token is +-inf, none is NaN
+    logits = r.logits(x)
+    assert torch.isinf(logits[1]).all() and not torch.isnan(logits).any()  # what a NaN-only check let through
+    with pytest.raises(ValueError, match="router logits contain NaN or inf"):
+        r(x)
+    assert r(x, check_finite=False).logits_TE.shape == (3, 6)  # the caller's own check (MoELayer) instead

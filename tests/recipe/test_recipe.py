@@ -159,7 +159,10 @@ def test_dict_round_trip_with_callable_and_derived():
     r = R.DelayedScaling(amax_compute_algo=custom_amax, margin=2)
     d = r.to_dict()
     assert d["amax_compute_algo"] == {"callable": f"{__name__}:custom_amax"}
-    assert R.Recipe.from_dict(d) == r
+    assert R.Recipe.from_dict(d, callables=[custom_amax]) == r
+    assert R.Recipe.from_dict(d, import_callables=True) == r
+    with pytest.raises(ValueError, match="not allowed; pass it to Recipe.from_dict"):
+        R.Recipe.from_dict(d)
     n = R.Recipe.from_dict({"type": "NVFP4BlockScaling", "disable_rht": True})
     assert not n.fp4_quant_bwd_grad.random_hadamard_transform
 
