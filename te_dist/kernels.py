@@ -23,7 +23,6 @@ Legend: T rows (tokens), K in-features, N out-features, E experts.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch

@@ -74,9 +74,10 @@ def fused_casts_available() -> bool:
     return _load()[0] is not None
 
 
-@functools.lru_cache(maxsize=None)
 def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    from ..support import device_capability  # the one owner of capability lookups (and its test hook)
+
+    return device_capability(torch.device("cuda", index)) >= (8, 9)
 
 
 def fused_casts_for(x: torch.Tensor, family: str = "fp8"):

@@ -10,7 +10,6 @@ cutlass_kernels' job). Predicates are cached per device and never start CUDA at 
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -29,9 +28,10 @@ __all__ = [
 _PER_TENSOR = (DelayedScalingQuantizer, CurrentScalingQuantizer)
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device)
+    from ..support import device_capability  # the one owner of capability lookups (and its test hook)
+
+    return device_capability(device)
 
 
 def _cuda_device(device) -> Optional[torch.device]:
