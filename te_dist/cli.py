@@ -155,6 +155,10 @@ def _support_matrix(devices) -> dict:
                     except Exception as exc:
                         cell[kind] = f"error: {type(exc).__name__}: {exc}"
                 cells[str(dtype).replace("torch.", "")] = cell
+            try:
+                cells["path"] = support.explain_path(recipe, torch.bfloat16, device=device)
+            except Exception as exc:
+                cells["path"] = ("error", f"{type(exc).__name__}: {exc}")
             rows[name] = cells
         matrix[str(device)] = rows
     return matrix
@@ -209,12 +213,18 @@ def format_env_report(report: dict) -> str:
         lines.append(f"  {support['error']}")
         return "\n".join(lines)
     for device, rows in support.items():
-        dtypes = list(next(iter(rows.values())).keys())
+        dtypes = [d for d in next(iter(rows.values())) if d != "path"]
         lines.append(f"  {device}")
         lines.append("    " + f"{'recipe':<10}" + "".join(f"{d:>22}" for d in dtypes))
         for name, cells in rows.items():
-            text = "".join(f"{_mark(c['module']) + ' / ' + _mark(c['op_fuser']):>22}" for c in cells.values())
+            text = "".join(f"{_mark(cells[d]['module']) + ' / ' + _mark(cells[d]['op_fuser']):>22}" for d in dtypes)
             lines.append(f"    {name:<10}{text}")
+    lines += ["", "which path a bf16 MoE expert MLP takes per device and recipe, and why:"]
+    for device, rows in support.items():
+        lines.append(f"  {device}")
+        for name, cells in rows.items():
+            path, why = cells["path"]
+            lines.append(f"    {name:<10}{path:<10}{why}")
     return "\n".join(lines)
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "clear_caches",
     "resolve_device",
     "native_split_alignment",
+    "explain_path",
 ]
 
 CacheInfo = collections.namedtuple("CacheInfo", ["hits", "misses", "maxsize", "currsize"])
@@ -411,3 +412,40 @@ is_op_fuser_grouped_tensor_supported = _make_predicate(
     _op_fuser_rule,
     """Can the op fuser's fused grouped MLP run its single-launch path (module rules + bf16 on CUDA)?""",
 )
+
+
+def explain_path(recipe, dtype, *, device=None) -> Tuple[str, str]:
+    """("native" | "emulated" | "split", why) for a fused grouped-MLP call under ``recipe`` with
+    ``dtype`` activations on ``device``, splits aligned as MoELayer pads them. For people
+    (``te-dist env``), not the hot path: it re-derives the reason the op-fuser rule answers with."""
+    spec = _spec_for(recipe)
+    dev = resolve_device(device)
+    cap = _capability_lookup(dev)
+    alignment = native_split_alignment(recipe)
+    if is_op_fuser_grouped_tensor_supported(recipe, dtype, split_alignment=alignment, device=dev) and cap is not None:
+        if spec.tag == "none":
+            return "native", "bf16 grouped kernels (CUTLASS SM90, else torch._grouped_mm)"
+        return "native", (f"CUTLASS SM90 FP8 grouped GEMMs ({'block' if spec.tag == 'fp8_block' else 'per-tensor'} "
+                          f"scales), expert rows padded to {alignment}")
+    if cap is None:
+        return ("emulated" if spec.tag != "none" else "split"), f"{dev.type}: the float32 reference path"
+    if spec.tag == "none":
+        return "split", f"no single-launch grouped kernel for {dtype} on sm_{cap[0]}{cap[1]} (bf16 on SM 9.0+ only)"
+    if spec.tag in ("mxfp8", "nvfp4") and cap < (10, 0):
+        return "emulated", f"{type(recipe).__name__} has no tensor-core path before SM 10.0 (this is sm_{cap[0]}{cap[1]})"
+    if spec.tag in ("mxfp8", "nvfp4"):
+        return "emulated", f"te_dist has no native {type(recipe).__name__} grouped kernel yet"
+    if cap != (9, 0):
+        return "emulated", f"the FP8 grouped kernels are built for sm_90a; this is sm_{cap[0]}{cap[1]}"
+    if not fp8_kernels_available():
+        from .backends import fp8_cutlass_backend
+
+        return "emulated", f"FP8 grouped kernels unavailable: {fp8_cutlass_backend.unavailable_reason()}"
+    if dtype != torch.bfloat16:
+        return "emulated", f"the fused grouped MLP takes bf16 activations natively, received {dtype}"
+    if spec.tag == "fp8_block":
+        fmt, x_dim, w_dim, grad_dim = spec.read(recipe)
+        if (x_dim, w_dim, grad_dim) != (1, 2, 1):
+            return "emulated", (f"the kernels take 1x128 activations/gradients and 128x128 weights "
+                                f"(x/w/grad dims 1/2/1), received {x_dim}/{w_dim}/{grad_dim}")
+    return "emulated", "E5M2 for every operand has no kernel (use E4M3 or HYBRID)"

@@ -330,3 +330,21 @@ def test_device_capability_is_cached_and_faked(fake_gpus):
     assert S.device_capability(HOPPER) == (9, 0)
     assert S.device_capability(CPU) is None
     assert fake_gpus.count(HOPPER) == 1
+
+
+def test_explain_path_names_the_path_and_the_reason(fake_gpus):
+    explain = S.explain_path
+    assert explain(R.Float8BlockScaling(), torch.bfloat16, device=HOPPER)[0] == "native"
+    assert explain(R.Float8CurrentScaling(), torch.bfloat16, device=HOPPER)[0] == "native"
+    path, why = explain(R.MXFP8BlockScaling(), torch.bfloat16, device=HOPPER)
+    assert path == "emulated" and "SM 10.0" in why
+    path, why = explain(R.Float8BlockScaling(), torch.bfloat16, device=BLACKWELL)
+    assert path == "emulated" and "sm_90a" in why
+    path, why = explain(R.Float8BlockScaling(w_block_scaling_dim=1), torch.bfloat16, device=HOPPER)
+    assert path == "emulated" and "1/1/1" in why
+    assert explain(R.Float8BlockScaling(), torch.bfloat16, device=CPU) == ("emulated", "cpu: the float32 reference path")
+    assert explain(None, torch.bfloat16, device=HOPPER)[0] == "native"
+    assert explain(None, torch.bfloat16, device=AMPERE)[0] == "split"
+    with S.set_fp8_kernels_lookup(lambda: False):
+        path, why = explain(R.Float8BlockScaling(), torch.bfloat16, device=HOPPER)
+        assert path == "emulated" and "unavailable" in why
