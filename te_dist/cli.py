@@ -155,13 +155,28 @@ def _support_matrix(devices) -> dict:
                     except Exception as exc:
                         cell[kind] = f"error: {type(exc).__name__}: {exc}"
                 cells[str(dtype).replace("torch.", "")] = cell
-            try:
-                cells["path"] = support.explain_path(recipe, torch.bfloat16, device=device)
-            except Exception as exc:
-                cells["path"] = ("error", f"{type(exc).__name__}: {exc}")
             rows[name] = cells
         matrix[str(device)] = rows
     return matrix
+
+
+def _paths(devices) -> dict:
+    """{device: {recipe name: [path, why]}}: which path a bf16 expert MLP takes (support.explain_path)."""
+    import torch
+
+    from .recipe import RECIPE_NAMES, recipe_from_name
+
+    out = {}
+    for device in devices:
+        rows = {}
+        for name in RECIPE_NAMES:
+            try:
+                rows[name] = list(importlib.import_module("te_dist.support").explain_path(
+                    recipe_from_name(name), torch.bfloat16, device=device))
+            except Exception as exc:  # report, never crash
+                rows[name] = ["error", f"{type(exc).__name__}: {exc}"]
+        out[str(device)] = rows
+    return out
 
 
 def env_report() -> dict:
@@ -190,6 +205,7 @@ def env_report() -> dict:
         "devices": [_device_name(d) for d in devices],
         "backends": _backends(devices),
         "support": _support_matrix(devices),
+        "paths": _paths(devices),
     }
 
 
@@ -213,17 +229,16 @@ def format_env_report(report: dict) -> str:
         lines.append(f"  {support['error']}")
         return "\n".join(lines)
     for device, rows in support.items():
-        dtypes = [d for d in next(iter(rows.values())) if d != "path"]
+        dtypes = list(next(iter(rows.values())).keys())
         lines.append(f"  {device}")
         lines.append("    " + f"{'recipe':<10}" + "".join(f"{d:>22}" for d in dtypes))
         for name, cells in rows.items():
-            text = "".join(f"{_mark(cells[d]['module']) + ' / ' + _mark(cells[d]['op_fuser']):>22}" for d in dtypes)
+            text = "".join(f"{_mark(c['module']) + ' / ' + _mark(c['op_fuser']):>22}" for c in cells.values())
             lines.append(f"    {name:<10}{text}")
     lines += ["", "which path a bf16 MoE expert MLP takes per device and recipe, and why:"]
-    for device, rows in support.items():
+    for device, rows in report.get("paths", {}).items():
         lines.append(f"  {device}")
-        for name, cells in rows.items():
-            path, why = cells["path"]
+        for name, (path, why) in rows.items():
             lines.append(f"    {name:<10}{path:<10}{why}")
     return "\n".join(lines)
 

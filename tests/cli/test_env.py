@@ -42,3 +42,11 @@ def test_env_lists_every_gpu():
     for i in range(torch.cuda.device_count()):
         assert f"grouped_mm backends on cuda:{i}" in report["backends"]
         assert set(report["support"][f"cuda:{i}"]) == set(RECIPE_NAMES)
+
+
+def test_report_names_the_path_each_recipe_takes():
+    report = env_report()
+    paths = report["paths"]["cpu"]
+    assert list(paths) == list(RECIPE_NAMES)
+    assert all(path == ["emulated", "cpu: the float32 reference path"] for name, path in paths.items() if name != "none")
+    assert "which path a bf16 MoE expert MLP takes" in format_env_report(report)
