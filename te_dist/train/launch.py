@@ -22,12 +22,16 @@ waits 30 s on a rank that does not exit. The launcher therefore:
     a rank failed        (its failed.<rank> file) the others get FAILURE_SETTLE_S to report
                          their own errors, then the job is killed
 
+Should the launcher die without a chance to act (SIGKILL), Linux sends torchrun SIGTERM
+(``PR_SET_PDEATHSIG``), and torchrun stops the ranks the same way.
+
 Exit code: 128 + the signal (130 SIGINT, 143 SIGTERM) after a signal, else torchrun's. The
 ranks print the stop line; the launcher prints one only when it had to kill them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -119,6 +123,25 @@ class _Job:
         kill_tagged(job_files.JOB_DIR_ENV, str(self.root), fallback=self.ready().values())
 
 
+def _terminate_with_parent():
+    """A ``preexec_fn`` that has Linux send torchrun SIGTERM if the launcher dies (even by SIGKILL,
+    which no handler sees): torchrun then stops the ranks itself, so nothing is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: the child only calls it
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above took effect
+            os._exit(1)
+
+    return arm
+
+
 def launch(nproc: int, worker_args: Sequence[str], *, env: Optional[dict] = None,
            grace_s: float = DEFAULT_GRACE_S) -> int:
     """Run the job and return its exit code: torchrun's (0 only when every rank succeeded), or
@@ -135,8 +158,11 @@ def launch(nproc: int, worker_args: Sequence[str], *, env: Optional[dict] = None
         child_env.update(env)
     with tempfile.TemporaryDirectory(prefix="te_dist_job_") as root, _Signals() as signals:
         child_env[job_files.JOB_DIR_ENV] = root
+        # How long torchrun itself waits for the ranks when it is signalled (_terminate_with_parent).
+        child_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(math.ceil(grace_s)))
         # Its own session: a terminal's Ctrl-C reaches only the launcher, which decides for the job.
-        proc = subprocess.Popen(torchrun_command(nproc, worker_args), env=child_env, start_new_session=True)
+        proc = subprocess.Popen(torchrun_command(nproc, worker_args), env=child_env, start_new_session=True,
+                                preexec_fn=_terminate_with_parent())
         job = _Job(proc, Path(root), nproc)
         try:
             return _supervise(job, signals, float(grace_s))
