@@ -8,9 +8,9 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ -z "${NPROC:-}" ]]; then
-  NPROC="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"
+  NPROC="$(python3 -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)')"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # --standalone: a local rendezvous on a free port; --max-restarts 0: a failing rank ends the job.
-exec python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts 0 \
+exec python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts 0 \
   "$HERE/train.py" "$@"

@@ -15,6 +15,7 @@ import importlib
 import json
 import platform
 import shutil
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -68,8 +69,8 @@ def _train(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"te-dist train: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    code = launch(nproc, worker_argv(ns))
-    if code != 0:
+    code = launch(nproc, worker_argv(ns), grace_s=cfg.train.stop_grace_s)
+    if code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop by signal has said so already
         print(f"te-dist train: the job failed (torchrun exit code {code}); the failing rank's error is shown above",
               file=sys.stderr)
     return code
@@ -252,7 +253,11 @@ def _env(ns: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "train":
-        return _train(ns)
+        try:
+            return _train(ns)
+        except KeyboardInterrupt:  # Ctrl-C before the ranks started (later the launcher handles it)
+            print("te-dist train: interrupted by SIGINT before the job started", file=sys.stderr)
+            return 128 + signal.SIGINT
     return _env(ns)
 
 

@@ -1,9 +1,11 @@
-"""Distributed pieces: recipe consensus and layer agreement across ranks, expert-parallel groups, token all-to-all.
+"""Distributed pieces: recipe consensus and layer agreement across ranks, expert-parallel groups, token all-to-all,
+bounded collective waits.
 
 A thin re-export list; each name lives in the module that owns it.
 """
 
 from .all_to_all import all_to_all_tokens, exchange_counts
+from .bounded import CollectiveError, CollectiveTimeoutError, wait_collective
 from .consensus import ConsensusError, MismatchError, RecipeMismatchError, sync_recipe
 from .groups import ExpertParallelGroups, group_rank, group_size, init_expert_parallel_groups
 from .layer_agreement import LayerMismatchError
@@ -20,4 +22,7 @@ __all__ = [
     "group_size",
     "all_to_all_tokens",
     "exchange_counts",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "wait_collective",
 ]

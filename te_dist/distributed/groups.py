@@ -14,10 +14,13 @@ code never needs ``torch.distributed`` to be initialised.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+
+from .bounded import check_timeout_s, group_timeout_s
 
 __all__ = [
     "ExpertParallelGroups",
@@ -66,12 +69,15 @@ def _layout(world_size: int, ep_size: int):
     return ep_blocks, edp_lists
 
 
-def init_expert_parallel_groups(ep_size: int, *, backend: Optional[str] = None) -> ExpertParallelGroups:
+def init_expert_parallel_groups(ep_size: int, *, backend: Optional[str] = None,
+                                timeout_s: Optional[float] = None) -> ExpertParallelGroups:
     """Create every EP and EDP group (collective: all ranks must call it with the same ``ep_size``).
 
     ``torch.distributed.new_group`` must be entered by every rank for every group, in the same
     order, even for groups a rank is not in; that is why all groups are built here at once.
     Groups of size one are returned as ``None`` when the world is a single process.
+    ``timeout_s`` (default: the default group's timeout, not torch's 30 min for a new group) bounds
+    every collective on these groups (te_dist.distributed.bounded).
     """
     if not isinstance(ep_size, int) or isinstance(ep_size, bool):
         raise TypeError(f"ep_size must be an int, got {type(ep_size).__name__}")
@@ -81,6 +87,8 @@ def init_expert_parallel_groups(ep_size: int, *, backend: Optional[str] = None) 
         if ep_size != 1:
             raise ValueError(f"{ep_size=} needs torch.distributed to be initialised (world size 1 allows only 1)")
         return ExpertParallelGroups(None, None, (0,), (0,))
+    timeout_s = check_timeout_s(timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else group_timeout_s(None))
     world_size = dist.get_world_size()
     if world_size % ep_size != 0:
         raise ValueError(f"world size {world_size} is not divisible by {ep_size=}")
@@ -88,11 +96,11 @@ def init_expert_parallel_groups(ep_size: int, *, backend: Optional[str] = None) 
     ep_blocks, edp_lists = _layout(world_size, ep_size)
     my_ep = my_edp = None
     for ranks in ep_blocks:
-        g = dist.new_group(ranks, backend=backend)
+        g = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             my_ep = (g, tuple(ranks))
     for ranks in edp_lists:
-        g = dist.new_group(ranks, backend=backend)
+        g = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             my_edp = (g, tuple(ranks))
     assert my_ep is not None and my_edp is not None

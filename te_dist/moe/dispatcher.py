@@ -44,6 +44,10 @@ grouped by (local expert, source rank), so no sort follows; the combine pushes t
 where the K-sum reads them. The probabilities always ride in the rows when applied in the expert.
 The host reads the count matrix once, to size the received rows and the GEMMs' host sizes.
 ``TE_DIST_EP_TRANSPORT=nccl`` (on every rank) keeps the all-to-all path.
+
+Every all-to-all wait is bounded (``timeout_s``, default: the EP group's timeout) and a stuck or
+dead peer raises te_dist.distributed.CollectiveError naming the step (dispatch, combine, their
+backward) on every live rank, instead of a hang (te_dist.distributed.bounded).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from typing import Optional
 import torch
 
 from ..distributed.all_to_all import all_to_all_tokens, exchange_counts
+from ..distributed.bounded import check_timeout_s
 from ..distributed.groups import group_rank, group_size
 from ..distributed.peer_rows import RowPlan, peer_workspace, use_peer_rows
 from .payload import pack_expand, unpack_rows
@@ -109,9 +114,11 @@ class AllToAllDispatcher:
     """Moves routed token copies to the ranks that own their experts and back.
 
     Holds no tensors between calls; the per-call state is the returned :class:`DispatchState`.
+    ``timeout_s`` bounds each all-to-all wait (None: the EP group's timeout).
     """
 
-    def __init__(self, num_experts: int, ep_group=None):
+    def __init__(self, num_experts: int, ep_group=None, *, timeout_s: Optional[float] = None):
+        self.timeout_s = check_timeout_s(timeout_s)
         self.ep_group = ep_group
         self.ep_size = group_size(ep_group)
         self.ep_rank = group_rank(ep_group)
@@ -157,7 +164,7 @@ class AllToAllDispatcher:
             counts_send = torch.where(invalid, torch.full_like(counts_send, -1), counts_send)
         width = El + (tag is not None)  # entries per rank in the exchange: counts, then the tag
         sent = counts_send if tag is None else torch.cat([counts_send.view(R, El), tag.expand(R, 1)], 1).view(-1)
-        counts_recv = exchange_counts(sent, self.ep_group)
+        counts_recv = exchange_counts(sent, self.ep_group, timeout_s=self.timeout_s)
         # Queued before the host read (module docstring): none of it needs the counts on the host.
         probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
         if packed:
@@ -178,7 +185,8 @@ class AllToAllDispatcher:
         input_splits = [sum(c) for c in sent_RL]
         output_splits = [sum(c) for c in recv_RL]
         local_expert_sizes = [sum(col) for col in zip(*recv_RL)] if recv_RL else []
-        rows_N = all_to_all_tokens(rows_S, output_splits, input_splits, self.ep_group)
+        rows_N = all_to_all_tokens(rows_S, output_splits, input_splits, self.ep_group,
+                                   op="token dispatch (all_to_all)", timeout_s=self.timeout_s)
         probs_N = None
         if sort_rows:
             num_rows = rows_N.shape[0]
@@ -192,7 +200,8 @@ class AllToAllDispatcher:
         else:
             x_NH, chunk_idx, chunk_inv = rows_N, None, None
             if probs_in_expert:
-                probs_N = all_to_all_tokens(probs_S, output_splits, input_splits, self.ep_group)
+                probs_N = all_to_all_tokens(probs_S, output_splits, input_splits, self.ep_group,
+                                            op="probability dispatch (all_to_all)", timeout_s=self.timeout_s)
         state = DispatchState(
             perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK,
             local_expert_sizes, offsets_El, peer_tags=peer_tags,
@@ -235,5 +244,6 @@ class AllToAllDispatcher:
             return unpermute_tokens(y_SH, state.permutation, state.probs_TK)
         if state.chunk_idx is not None:
             y_NH = unpermute_rows(y_NH, state.chunk_idx, state.chunk_inv)
-        y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group)
+        y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group,
+                                 op="token combine (all_to_all)", timeout_s=self.timeout_s)
         return unpermute_tokens(y_SH, state.permutation, state.probs_TK)

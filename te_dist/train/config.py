@@ -11,7 +11,8 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
                num_experts, top_k, activation, expert_bias, aux_loss_coeff, dtype}
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
-               ckpt_every, checkpoint, out_dir, device, threads}
+               ckpt_every, checkpoint, out_dir, device, threads,
+               collective_timeout_s, stop_grace_s}
     parallel: {ep}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
 """
@@ -90,6 +91,8 @@ class TrainConfig:
     out_dir: str = "te_dist_out"
     device: str = "auto"  # auto: one CUDA device per rank when GPUs exist, else CPU
     threads: int = 1  # torch intra-op threads per rank on CPU (fixed, so results are reproducible)
+    collective_timeout_s: float = 300.0  # a collective waiting longer on a stuck or dead peer fails on every live rank
+    stop_grace_s: float = 8.0  # after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill
 
 
 @dataclass(kw_only=True)
@@ -149,6 +152,9 @@ class JobConfig:
                 f"train.warmup_steps, train.weight_decay and train.ckpt_every must be >= 0, got "
                 f"{t.warmup_steps}, {t.weight_decay}, {t.ckpt_every}"
             )
+        for key in ("collective_timeout_s", "stop_grace_s"):
+            if not getattr(t, key) > 0:
+                raise ConfigError(f"train.{key} must be > 0 seconds, got {getattr(t, key)}")
         _positive("train.log_every", t.log_every)
         _positive("train.threads", t.threads)
         _choice("train.device", t.device, DEVICES)

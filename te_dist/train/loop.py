@@ -5,6 +5,10 @@ One step on every rank:
     batch(step) -> autocast(recipe, group=WORLD) { loss = CE(model(x), y) } -> backward
       -> reduce grads (dense: WORLD, experts: EDP; both / W) -> AdamW -> loss all-reduce for the log
 
+The loss all-reduce also carries the ranks' SIGINT/SIGTERM votes (te_dist.train.stop): every rank
+stops after the same step, SIGTERM after saving a checkpoint, and rank 0 prints one line saying so.
+Every collective is bounded by ``train.collective_timeout_s`` (te_dist.distributed.bounded).
+
 Rank 0 prints the agreed recipe key and the fusion plan once, a progress line every
 ``log_every`` steps and a summary; it also writes ``<out>/metrics.jsonl`` (one JSON line per
 step, losses as exact floats) so runs can be compared bit for bit.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,11 +30,13 @@ import torch
 import torch.distributed as dist
 
 from ..autocast import autocast
+from ..distributed.bounded import wait_collective
 from .checkpoint import checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
 from .data import MarkovData
 from .model import build_model
 from .parallel import GradientReducer, Runtime, dense_group, init_runtime
+from .stop import StopRequest
 
 __all__ = ["FaultInjection", "TrainResult", "train", "lr_at"]
 
@@ -50,6 +57,7 @@ class TrainResult:
     tokens_per_s: float = float("nan")
     wall_s: float = 0.0
     checkpoint: Optional[str] = None
+    stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
 
 
 def lr_at(step: int, cfg) -> float:
@@ -124,7 +132,7 @@ def _build(cfg: JobConfig) -> _Job:
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
     ep_size, _ = cfg.layout(int(os.environ.get("WORLD_SIZE", "1")))
     recipe = resolve_recipe(cfg.recipe)
-    rt = init_runtime(device=t.device, ep_size=ep_size)
+    rt = init_runtime(device=t.device, ep_size=ep_size, timeout_s=t.collective_timeout_s)
     agreed_key = None
     if recipe is not None:
         from ..distributed import sync_recipe
@@ -138,8 +146,8 @@ def _build(cfg: JobConfig) -> _Job:
     return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size)
 
 
-def _step(job: _Job, step: int, lr: float) -> float:
-    """One optimizer step on every rank; returns the global mean loss (collective)."""
+def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
+    """One optimizer step on every rank; returns (global mean loss, agreed stop signal or None) (collective)."""
     rt, model = job.runtime, job.model
     for group in job.optimizer.param_groups:
         group["lr"] = lr
@@ -148,16 +156,19 @@ def _step(job: _Job, step: int, lr: float) -> float:
         loss = model.loss(x_BS, y_BS)
     # A non-finite local loss still enters every collective below; the all-reduced loss then
     # tells every rank, and all of them stop at the same step.
-    loss_for_log = loss.detach().float().clone()
+    # [loss, SIGINT votes, SIGTERM votes]: the stop decision rides on the loss all-reduce (stop.py).
+    loss_and_votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(stop_votes, device=loss.device)])
     loss.backward()
     job.reducer.reduce()
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_for_log)
-    global_loss = loss_for_log.item() / rt.world_size
+    if dist.is_initialized():
+        wait_collective(dist.all_reduce(loss_and_votes, async_op=True), "loss all-reduce", None)
+    summed_loss, sigint_votes, sigterm_votes = loss_and_votes.tolist()
+    global_loss = summed_loss / rt.world_size
     if not math.isfinite(global_loss):
         raise FloatingPointError(f"loss is {global_loss} at step {step}; lower train.lr or check the recipe")
-    return global_loss
+    return global_loss, StopRequest.agreed(sigint_votes, sigterm_votes)
 
 
 def _recipe_state_word(recipe, meta: dict) -> str:
@@ -178,8 +189,12 @@ def _resume(job: _Job, path, cfg: JobConfig) -> tuple:
     return int(meta["step"]), {int(k): v for k, v in meta.get("losses", {}).items()}
 
 
-def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[FaultInjection] = None) -> TrainResult:
-    """Run the job on this rank (collective; call on every rank of the torchrun job)."""
+def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[FaultInjection] = None,
+          stop: Optional[StopRequest] = None) -> TrainResult:
+    """Run the job on this rank (collective; call on every rank of the torchrun job).
+
+    ``stop``: the signals this rank received (installed by the worker); None never stops early.
+    """
     cfg.validate()
     t, m, d = cfg.train, cfg.model, cfg.data
     job = _build(cfg)
@@ -207,7 +222,8 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
         if fault is not None and fault.step == step and fault.rank == rt.rank:
             raise RuntimeError(f"injected failure on rank {rt.rank} at step {step} (--fail-rank/--fail-step)")
         lr = lr_at(step, cfg)
-        losses[step] = loss = _step(job, step, lr)
+        losses[step], stop_signal = _step(job, step, lr, stop.votes() if stop is not None else [0.0, 0.0])
+        loss = losses[step]
         dt = time.perf_counter() - t0
         if step > start_step + 1 or t.steps == start_step + 1:  # the first step pays for warm-up
             speeds.append(tokens_per_step / dt)
@@ -218,13 +234,22 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
         if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
             _say(rt, f"step {step:>5}/{t.steps} [{_bar(step, t.steps)}] loss {loss:.4f} | lr {lr:.2e} | "
                      f"{tokens_per_step / dt:>9,.0f} tok/s | {time.perf_counter() - t_start:6.1f}s")
-        if t.checkpoint and ((t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps):
+        stopping = stop_signal is not None and step < t.steps  # on the last step the run simply ends
+        preempted = stopping and stop_signal == signal.SIGTERM
+        saved_now = t.checkpoint and ((t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps or preempted)
+        if saved_now:
             history.update(losses)
             meta = {"model": asdict(m), "recipe": cfg.recipe, "recipe_key": job.agreed_key,
                     "losses": {str(k): v for k, v in sorted(history.items())}}
             last_ckpt = save_checkpoint(checkpoint_dir(out_dir, step), model=job.model, optimizer=job.optimizer,
                                         runtime=rt, step=step, meta=meta)
-            _say(rt, f"[te-dist] checkpoint {last_ckpt}")
+            if not stopping:  # the stop line below names it
+                _say(rt, f"[te-dist] checkpoint {last_ckpt}")
+        if stopping:
+            saved = f"checkpoint {last_ckpt}" if saved_now else "no checkpoint written"
+            _say(rt, f"te-dist train: stopped by {stop_signal.name} after step {step}/{t.steps}; {saved}")
+            return TrainResult(start_step + 1, step, losses, float("nan"), time.perf_counter() - t_start,
+                               str(last_ckpt) if last_ckpt else None, stopped_by=stop_signal.name)
 
     result = TrainResult(start_step + 1, t.steps, losses, sum(speeds) / len(speeds) if speeds else float("nan"),
                          time.perf_counter() - t_start, str(last_ckpt) if last_ckpt else None)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.bounded import wait_collective
+
 __all__ = ["Runtime", "init_runtime", "expert_parameter_names", "GradientReducer", "global_expert_ids", "dense_group"]
 
 
@@ -65,6 +67,7 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
 def init_runtime(*, device: str, ep_size: int, timeout_s: float = 300.0) -> Runtime:
     """Join the torchrun job (env:// rendezvous) and build the EP/EDP groups.
 
+    ``timeout_s`` bounds every collective of the job on all its groups (te_dist.distributed.bounded).
     Runs as world size 1 without torchrun too (a plain ``python -m te_dist.train.worker``).
     """
     from ..distributed.groups import init_expert_parallel_groups
@@ -77,7 +80,7 @@ def init_runtime(*, device: str, ep_size: int, timeout_s: float = 300.0) -> Runt
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    groups = init_expert_parallel_groups(ep_size)
+    groups = init_expert_parallel_groups(ep_size, timeout_s=timeout_s)
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, groups)
 
 
@@ -127,7 +130,7 @@ class GradientReducer:
         self.expert = [p for n, p in named if n in expert]
         self.runtime = runtime
 
-    def _reduce(self, params: Iterable[nn.Parameter], group, group_size: int) -> None:
+    def _reduce(self, params: Iterable[nn.Parameter], group, group_size: int, kind: str) -> None:
         params = list(params)
         if not params:
             return
@@ -140,7 +143,7 @@ class GradientReducer:
                 p.grad.mul_(scale)
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # one collective, not one per tensor
-        dist.all_reduce(flat, group=group)
+        wait_collective(dist.all_reduce(flat, group=group, async_op=True), f"{kind} gradient all-reduce", group)
         flat.mul_(scale)
         offset = 0
         for p in params:
@@ -150,8 +153,8 @@ class GradientReducer:
 
     def reduce(self) -> None:
         rt = self.runtime
-        self._reduce(self.dense, None, rt.world_size)
-        self._reduce(self.expert, rt.groups.edp_group, rt.groups.edp_size)
+        self._reduce(self.dense, None, rt.world_size, "dense")
+        self._reduce(self.expert, rt.groups.edp_group, rt.groups.edp_size, "expert")
 
 
 def dense_group() -> Optional[object]:

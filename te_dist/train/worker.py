@@ -3,24 +3,39 @@
 ``te-dist train`` starts this under torchrun; ``launchers/train.py`` calls :func:`main` too.
 ``@record`` writes the rank's traceback where torchrun's failure summary shows it, and torchrun
 stops the other ranks as soon as one exits non-zero, so a failing rank ends the job.
+
+SIGINT/SIGTERM are handled from the first line of :func:`main` (te_dist.train.stop): the ranks
+stop together at a step boundary and exit 0 at once, without the process-group teardown. A failed or timed-out collective is reported in one
+line and ends the process at once: the collective's thread may still be blocked, and an orderly
+interpreter exit would wait on it or abort in the process group's destructor.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from typing import Optional, Sequence
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from . import job_files
+from .stop import StopRequest
 
 __all__ = ["main"]
+
+EXIT_COLLECTIVE_FAILED = 1
 
 
 @record
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    stop = StopRequest().install()  # first: from here on a signal stops the job at a step boundary
+    job_files.mark_ready()
+
     import torch.distributed as dist
 
+    from ..distributed.bounded import CollectiveError
     from .args import add_train_arguments, config_from_args, fault_from_args
     from .config import ConfigError
     from .loop import train
@@ -30,10 +45,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = parser.parse_args(argv)
     try:
         cfg = config_from_args(ns)
-        train(cfg, resume=ns.resume, fault=fault_from_args(ns))
+        result = train(cfg, resume=ns.resume, fault=fault_from_args(ns), stop=stop)
     except ConfigError as exc:
         print(f"te-dist train: error: {exc}", file=sys.stderr, flush=True)
+        job_files.mark_failed(str(exc))
         raise
+    except CollectiveError as exc:
+        _exit_now(exc)
+    except BaseException as exc:
+        job_files.mark_failed(f"{type(exc).__name__}: {exc}")
+        raise
+    if result.stopped_by is not None:  # every rank is past its last collective; a teardown only delays the stop
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     # Only on success: after a failure, peers may sit in a collective that a destroy would wait on.
     if dist.is_initialized():
         # Free cyclic garbage (modules, quantizers) that may still reference process groups while
@@ -41,6 +66,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gc.collect()
         dist.destroy_process_group()
     return 0
+
+
+def _exit_now(exc: BaseException) -> None:
+    """One line on stderr, the failure recorded for the launcher and torchrun, then exit (module docstring)."""
+    print(f"te-dist train: error: {exc}", file=sys.stderr, flush=True)
+    job_files.mark_failed(str(exc))
+    ErrorHandler().record_exception(exc)
+    sys.stdout.flush()
+    os._exit(EXIT_COLLECTIVE_FAILED)
 
 
 if __name__ == "__main__":
