@@ -12,26 +12,16 @@ answer False, so calls take the emulated path), and ``te-dist env`` shows the re
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
-from .cutlass_backend import _raw_stream, _sm_count, kernels_module
+from .cutlass_backend import _raw_stream, _sm_count, _tools_present, kernels_module
 from .fp8_operands import BLOCK, columnwise_operand, fp8_format, rowwise_operand
 
 __all__ = ["available", "disable", "forward", "dgrad", "wgrad"]
 
 _state = {"disabled": None}  # None, or the reason the kernels cannot run
-
-
-@functools.lru_cache(maxsize=None)
-def _tools_present() -> bool:
-    try:
-        ck = kernels_module()
-    except ImportError:
-        return False
-    return ck.find_nvcc() is not None and ck.find_cutlass() is not None
 
 
 def available() -> bool:
