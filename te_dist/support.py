@@ -59,6 +59,9 @@ __all__ = [
     "capability_lookup",
     "device_capability",
     "fp8_kernels_available",
+    "cutlass_tools_present",
+    "fp8_kernels_unavailable_reason",
+    "mark_fp8_kernels_unavailable",
     "clear_caches",
     "resolve_device",
     "native_split_alignment",
@@ -188,10 +191,35 @@ def set_capability_lookup(fn: Callable):
         _clear_all()
 
 
-def _default_fp8_kernels() -> bool:
-    from .backends import fp8_cutlass_backend  # lazy: only on a cache miss of an FP8 rule
+_fp8_unavailable: list = []  # the reason the FP8 kernels cannot run here (set by their backend)
 
-    return fp8_cutlass_backend.available()
+
+@functools.lru_cache(maxsize=None)
+def cutlass_tools_present() -> bool:
+    """nvcc and the CUTLASS headers are found, so cutlass_kernels can build (bf16 and FP8 alike)."""
+    try:
+        import cutlass_kernels  # a top-level package below te_dist: the sources and their build
+    except ImportError:
+        return False
+    return cutlass_kernels.find_nvcc() is not None and cutlass_kernels.find_cutlass() is not None
+
+
+def _default_fp8_kernels() -> bool:
+    return not _fp8_unavailable and cutlass_tools_present()
+
+
+def fp8_kernels_unavailable_reason() -> str:
+    """Why the FP8 grouped kernels cannot run here ("" when they can)."""
+    if _fp8_unavailable:
+        return _fp8_unavailable[0]
+    return "" if cutlass_tools_present() else "nvcc or the CUTLASS headers are not found"
+
+
+def mark_fp8_kernels_unavailable(reason: str) -> None:
+    """Their backend reports a library that fails to load: every FP8 rule answers False from now on."""
+    if not _fp8_unavailable:
+        _fp8_unavailable.append(reason)
+    _clear_all()
 
 
 _fp8_kernels_lookup: Callable = _default_fp8_kernels
@@ -438,9 +466,7 @@ def explain_path(recipe, dtype, *, device=None) -> Tuple[str, str]:
     if cap != (9, 0):
         return "emulated", f"the FP8 grouped kernels are built for sm_90a; this is sm_{cap[0]}{cap[1]}"
     if not fp8_kernels_available():
-        from .backends import fp8_cutlass_backend
-
-        return "emulated", f"FP8 grouped kernels unavailable: {fp8_cutlass_backend.unavailable_reason()}"
+        return "emulated", f"FP8 grouped kernels unavailable: {fp8_kernels_unavailable_reason() or 'lookup says no'}"
     if dtype != torch.bfloat16:
         return "emulated", f"the fused grouped MLP takes bf16 activations natively, received {dtype}"
     if spec.tag == "fp8_block":

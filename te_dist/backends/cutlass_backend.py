@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import support
 from . import torch_backend
 
 __all__ = ["is_available", "disable", "forward", "dgrad", "wgrad", "kernels_module"]
@@ -40,13 +41,8 @@ def kernels_module():
     return ck
 
 
-@functools.lru_cache(maxsize=None)
 def _tools_present() -> bool:
-    try:
-        ck = kernels_module()
-    except ImportError:
-        return False
-    return ck.find_nvcc() is not None and ck.find_cutlass() is not None
+    return support.cutlass_tools_present()
 
 
 def is_available(device: torch.device) -> bool:

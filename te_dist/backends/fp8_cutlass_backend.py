@@ -16,32 +16,25 @@ import warnings
 
 import torch
 
-from .cutlass_backend import _raw_stream, _sm_count, _tools_present, kernels_module
+from .. import support
+from .cutlass_backend import _raw_stream, _sm_count, kernels_module
 from .fp8_operands import BLOCK, columnwise_operand, fp8_format, rowwise_operand
 
 __all__ = ["available", "disable", "forward", "dgrad", "wgrad"]
 
-_state = {"disabled": None}  # None, or the reason the kernels cannot run
-
-
 def available() -> bool:
-    """The kernels can be built (nvcc and CUTLASS headers found) and none failed to build or load."""
-    return _state["disabled"] is None and _tools_present()
+    """The kernels can be built (nvcc and CUTLASS headers found) and none failed to load."""
+    return support.fp8_kernels_available()
 
 
 def unavailable_reason() -> str:
-    if _state["disabled"] is not None:
-        return _state["disabled"]
-    return "" if _tools_present() else "nvcc or the CUTLASS headers are not found"
+    return support.fp8_kernels_unavailable_reason()
 
 
 def disable(reason: str) -> None:
-    if _state["disabled"] is None:
+    if available():
         warnings.warn(f"te_dist FP8 grouped-GEMM kernels disabled, FP8 GEMMs run emulated: {reason}", stacklevel=3)
-        _state["disabled"] = reason
-        from .. import support  # cached answers said "native": ask again
-
-        support.clear_caches()
+    support.mark_fp8_kernels_unavailable(reason)  # cached answers said "native": they are dropped
 
 
 def _module():
@@ -119,7 +112,7 @@ def guarded(fn, fallback):
     library that fails to load disables the kernels."""
 
     def inner(*args, **kwargs):
-        if _state["disabled"] is None:
+        if available():
             try:
                 return fn(*args, **kwargs)
             except kernels_module().BuildError as exc:
