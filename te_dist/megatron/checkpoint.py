@@ -15,7 +15,9 @@ per projection with a leading expert axis. Expert-parallel rank r owns global ex
 Rows 0..F-1 of fc1 are the gate (SiLU input), rows F..2F-1 the linear ("up") half, in both.
 With a gated fc1 Megatron writes the two halves as separate shards (its SwiGLU factory); we write
 the same shards, plus the ``_extra_state`` objects its local linears write, so either side finds
-every key it asks for. Only expert tensor-parallel size 1 is supported.
+every key it asks for. With ``metadata={"singleton_local_shards": True}`` each global expert g has
+keys of its own, ``{prefix}experts.{g}.linear_fc1.weight`` (gated halves ``..._w`` / ``..._v``),
+as SequentialMLP writes them then. Only expert tensor-parallel size 1 is supported.
 """
 
 from __future__ import annotations
@@ -27,8 +29,14 @@ import torch
 __all__ = ["expert_tensor_factory", "expert_extra_state_objects"]
 
 
+def expert_key(prefix: str, name: str, global_idx: Optional[int] = None) -> str:
+    """``{prefix}experts.{name}``, or ``{prefix}experts.{g}.{name}`` for one expert's singleton keys."""
+    return f"{prefix}experts.{name}" if global_idx is None else f"{prefix}experts.{global_idx}.{name}"
+
+
 def expert_tensor_factory(
-    key: str,
+    prefix: str,
+    name: str,
     data: torch.Tensor,
     *,
     sharded_offsets: tuple,
@@ -36,41 +44,52 @@ def expert_tensor_factory(
     ep_size: int,
     replica_id: tuple,
     glu: bool,
-    extra_state_key: Optional[str] = None,
+    singleton: bool = False,
+    extra_state_owner: Optional[str] = None,
 ):
-    """A ShardedTensorFactory writing ``data`` [E_local, ...] as per-expert shards of ``key`` [E, ...].
+    """A ShardedTensorFactory writing ``data`` [E_local, ...] as per-expert shards of ``experts.{name}`` [E, ...].
 
     With ``glu`` the first local axis (2F) is written as two half shards, as Megatron's SwiGLU
-    factory does for a tensor-parallel size of 1. With ``extra_state_key`` the factory also writes
-    the (empty) per-expert ``_extra_state`` objects of that linear; loading ignores them.
+    factory does for a tensor-parallel size of 1. With ``singleton`` every expert gets keys of its
+    own (no expert axis). With ``extra_state_owner`` (``"linear_fc1"``) the factory also writes the
+    (empty) per-expert ``_extra_state`` objects of that linear; loading ignores them.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     num_local = data.shape[0]
     num_global = num_local * ep_size
     expert_axis = len(sharded_offsets)
-    prepend = expert_axis + 1  # the expert axis is prepended to each [..] expert slice
+
+    def expert_shards(t_e, global_idx):
+        pieces = torch.chunk(t_e, 2, dim=0) if glu else (t_e,)
+        if singleton:  # Megatron's singleton SwiGLU halves: separate "_w" / "_v" tensors
+            key = expert_key(prefix, name, global_idx)
+            keys = (f"{key}_w", f"{key}_v") if glu else (key,)
+            return [
+                ShardedTensor.from_rank_offsets(
+                    k, piece, *sharded_offsets, (expert_axis, 0, 1),
+                    replica_id=replica_id, prepend_axis_num=expert_axis,
+                )
+                for k, piece in zip(keys, pieces)
+            ]
+        prepend = expert_axis + 1  # the expert axis is prepended to each [..] expert slice
+        return [
+            ShardedTensor.from_rank_offsets(
+                expert_key(prefix, name), piece, *sharded_offsets, (expert_axis, global_idx, num_global),
+                (prepend, half, len(pieces)), replica_id=replica_id, prepend_axis_num=prepend,
+            )
+            for half, piece in enumerate(pieces)
+        ]
 
     @torch.no_grad()
     def build(key, t, replica_id, flattened_range):
         if flattened_range is not None:
             raise ValueError(f"{key}: flattened (distributed-optimizer flat) shards are not supported")
-        shards = []
-        for local_idx in range(num_local):
-            expert_offset = (expert_axis, ep_rank * num_local + local_idx, num_global)
-            pieces = torch.chunk(t[local_idx], 2, dim=0) if glu else (t[local_idx],)
-            shards.append([
-                ShardedTensor.from_rank_offsets(
-                    key, piece, *sharded_offsets, expert_offset, (prepend, half, len(pieces)),
-                    replica_id=replica_id, prepend_axis_num=prepend,
-                )
-                for half, piece in enumerate(pieces)
-            ])
-        built = {"shards": shards}
-        if extra_state_key is not None:
+        built = {"shards": [expert_shards(t[i], ep_rank * num_local + i) for i in range(num_local)]}
+        if extra_state_owner is not None:
             built["extra_state"] = list(expert_extra_state_objects(
-                extra_state_key, sharded_offsets=sharded_offsets, ep_rank=ep_rank, num_local=num_local,
-                ep_size=ep_size, replica_id=replica_id,
+                prefix, extra_state_owner, sharded_offsets=sharded_offsets, ep_rank=ep_rank, num_local=num_local,
+                ep_size=ep_size, replica_id=replica_id, singleton=singleton,
             ).values())
         return built
 
@@ -78,11 +97,11 @@ def expert_tensor_factory(
         with torch.no_grad():
             return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded["shards"]])
 
-    return ShardedTensorFactory(key, data, build, merge, replica_id)
+    return ShardedTensorFactory(expert_key(prefix, name), data, build, merge, replica_id)
 
 
-def expert_extra_state_objects(key: str, *, sharded_offsets: tuple, ep_rank: int, num_local: int,
-                               ep_size: int, replica_id: tuple) -> dict:
+def expert_extra_state_objects(prefix: str, owner: str, *, sharded_offsets: tuple, ep_rank: int, num_local: int,
+                               ep_size: int, replica_id: tuple, singleton: bool = False) -> dict:
     """Empty ``_extra_state`` objects at the keys SequentialMLP's local linears use (nothing to restore)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -91,11 +110,12 @@ def expert_extra_state_objects(key: str, *, sharded_offsets: tuple, ep_rank: int
     objects = {}
     for local_idx in range(num_local):
         global_idx = ep_rank * num_local + local_idx
-        objects[local_idx] = ShardedObject(
-            key,
-            None,
-            (*(o[2] for o in outer), num_global),
-            (*(o[1] for o in outer), global_idx),
-            replica_id,
-        )
+        if singleton:  # Megatron's _get_extra_state_offsets of the enclosing offsets alone
+            shape, offset = (tuple(o[2] for o in outer), tuple(o[1] for o in outer)) if outer else ((1,), (0,))
+            key = expert_key(prefix, f"{owner}._extra_state", global_idx)
+        else:
+            shape = (*(o[2] for o in outer), num_global)
+            offset = (*(o[1] for o in outer), global_idx)
+            key = expert_key(prefix, f"{owner}._extra_state")
+        objects[local_idx] = ShardedObject(key, None, shape, offset, replica_id)
     return objects

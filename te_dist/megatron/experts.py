@@ -6,6 +6,10 @@ constructor and forward, and runs all local experts as one te_dist fused op sequ
     x_TH --GroupedLinear(fc1 [E, 2F, H])--> h_T2F --ScaledSwiGLU(probs_T)--> a_TF
          --GroupedLinear(fc2 [E, H, F])--> y_TH
 
+Other activations (GeGLU, GELU, ReLU, ``glu_linear_offset``, ...) run Megatron's own activation
+function between two te_dist grouped GEMMs (fc1 [E, 2F or F, H], fc2 [E, H, F]), scaled by the
+probability and rounded to the activations' dtype exactly as ``MLP.forward`` does.
+
 under the spec's recipe (``te_dist.autocast``), where Megatron's ``SequentialMLP`` loops over
 experts. It computes the same function as ``SequentialMLP`` built from the same config: the
 routing probability scales the SwiGLU output before fc2, and an fc2 bias is scaled by it too.
@@ -45,20 +49,39 @@ def _check_config(config, num_local_experts: int, ep_size: int, expt_tp_size: in
         )
     if config.moe_ffn_hidden_size is None:
         raise ValueError("config.moe_ffn_hidden_size must be set for MoE experts, got None")
-    if not (config.gated_linear_unit and config.activation_func is F.silu):
-        act = getattr(config.activation_func, "__name__", config.activation_func)
-        raise ValueError(
-            "te_dist experts compute SwiGLU: expected gated_linear_unit=True and activation_func=F.silu, "
-            f"got gated_linear_unit={config.gated_linear_unit}, activation_func={act}"
-        )
-    if getattr(config, "glu_linear_offset", 0.0):
-        raise ValueError(f"config.glu_linear_offset must be 0 for te_dist experts, got {config.glu_linear_offset}")
+    if not callable(config.activation_func):
+        raise TypeError(f"config.activation_func must be callable, got {config.activation_func!r}")
     if getattr(config, "moe_latent_size", None):
         raise ValueError(f"config.moe_latent_size must be None for te_dist experts, got {config.moe_latent_size}")
     if getattr(config, "delay_wgrad_compute", False):
         raise ValueError("config.delay_wgrad_compute=True is not supported by te_dist experts")
     if expt_tp_size != 1:
         raise ValueError(f"te_dist experts need expert tensor-parallel size 1, got {expt_tp_size}")
+
+
+def _fused_swiglu(config) -> bool:
+    """The activation ScaledSwiGLU computes inside the fused op sequence."""
+    return bool(config.gated_linear_unit) and config.activation_func is F.silu and not config.glu_linear_offset
+
+
+def _megatron_activation(config):
+    """Megatron's unfused expert activation (``MLP.forward``'s ``glu``), for every other config."""
+    act, limit, offset = config.activation_func, config.activation_func_clamp_value, config.glu_linear_offset
+    if not config.gated_linear_unit:
+        return act
+
+    def glu(h):
+        gate, linear = torch.chunk(h, 2, dim=-1)
+        if limit is not None:
+            gate, linear = gate.clamp(min=None, max=limit), linear.clamp(min=-limit, max=limit)
+        return act(gate) * (linear + offset)
+
+    return glu
+
+
+# Routing-probability dtypes ScaledSwiGLU takes; Megatron's fp64 router (moe_router_dtype="fp64")
+# gives float64, which is cast to float32: the product is rounded to the activations' dtype either way.
+_PROBS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _pg_size(group) -> int:
@@ -120,9 +143,15 @@ class GroupedExperts(MegatronModule):
         dtype = config.params_dtype
         device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
         bias = bool(config.add_bias_linear)
-        self.linear_fc1 = GroupedLinear(num_local_experts, hidden, 2 * ffn, bias=bias, dtype=dtype, device=device)
-        # activation_func_clamp_value clamps gate <= v and -v <= up <= v, as ScaledSwiGLU's limit does.
-        self.activation = ScaledSwiGLU(limit=getattr(config, "activation_func_clamp_value", None))
+        self.gated = config.gated_linear_unit
+        fc1_out = 2 * ffn if self.gated else ffn
+        self.linear_fc1 = GroupedLinear(num_local_experts, hidden, fc1_out, bias=bias, dtype=dtype, device=device)
+        if _fused_swiglu(config):
+            # activation_func_clamp_value clamps gate <= v and -v <= up <= v, as ScaledSwiGLU's limit does.
+            self.activation = ScaledSwiGLU(limit=getattr(config, "activation_func_clamp_value", None))
+        else:
+            self.activation = None
+            self._activation_func = _megatron_activation(config)
         self.linear_fc2 = GroupedLinear(num_local_experts, ffn, hidden, bias=False, dtype=dtype, device=device)
         # Megatron scales the fc2 bias by the routing probability (MLP.forward with per_token_scale),
         # which a bias inside the fused sequence (added after the scaled SwiGLU) would not: kept here.
@@ -130,7 +159,12 @@ class GroupedExperts(MegatronModule):
             torch.nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype, device=device)) if bias else None
         )
         # Not a registered child: the ops above already own the parameters under Megatron-like names.
-        self.__dict__["_fuser"] = OperationFuser([self.linear_fc1, self.activation, self.linear_fc2])
+        if self.activation is not None:
+            self.__dict__["_fuser"] = OperationFuser([self.linear_fc1, self.activation, self.linear_fc2])
+        else:  # two grouped GEMMs around Megatron's activation
+            self.__dict__["_fuser"] = None
+            self.__dict__["_fc1_fuser"] = OperationFuser([self.linear_fc1])
+            self.__dict__["_fc2_fuser"] = OperationFuser([self.linear_fc2])
 
         if config.perform_initialization:
             self._initialize(config)
@@ -184,6 +218,8 @@ class GroupedExperts(MegatronModule):
             )
         if tuple(probs_T.shape) != (x_TH.shape[0],):
             raise ValueError(f"permuted_probs must have shape ({x_TH.shape[0]},), got {tuple(probs_T.shape)}")
+        if not probs_T.is_floating_point():
+            raise TypeError(f"permuted_probs must be a floating-point tensor, got {probs_T.dtype}")
         if tokens_per_expert.device.type == "cpu":  # free to check here; on a GPU it would sync
             total = int(tokens_per_expert.sum())
             if total != x_TH.shape[0]:
@@ -194,7 +230,13 @@ class GroupedExperts(MegatronModule):
             probs_T = torch.ones_like(probs_T)
         split_sizes = tokens_per_expert.to(torch.int64)
         with self._recipe_context():
-            y_TH = self._fuser(x_TH, split_sizes, probs_T, split_sizes)
+            if self._fuser is not None:
+                fused_probs_T = probs_T if probs_T.dtype in _PROBS_DTYPES else probs_T.to(torch.float32)
+                y_TH = self._fuser(x_TH, split_sizes, fused_probs_T, split_sizes)
+            else:
+                h_TF = self._fc1_fuser(x_TH, split_sizes)
+                a_TF = (self._activation_func(h_TF) * probs_T.unsqueeze(-1)).to(h_TF.dtype)
+                y_TH = self._fc2_fuser(a_TF, split_sizes)
         if self.linear_fc2_bias is not None:
             expert_T = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=x_TH.device),
@@ -209,14 +251,12 @@ class GroupedExperts(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """SequentialMLP's checkpoint layout (see ``te_dist.megatron.checkpoint``)."""
-        if (metadata or {}).get("singleton_local_shards", False):
-            raise ValueError("metadata singleton_local_shards=True is not supported by te_dist experts")
         replica_id = (0, 0, _pg_rank(self.expt_dp_group))
         common = dict(sharded_offsets=sharded_offsets, ep_rank=self.ep_rank, ep_size=self.ep_size,
-                      replica_id=replica_id)
+                      replica_id=replica_id, singleton=bool((metadata or {}).get("singleton_local_shards", False)))
         tensors = (  # (our state-dict name, checkpoint name, tensor, gated halves, linear owning _extra_state)
-            ("linear_fc1.weight", "linear_fc1.weight", self.linear_fc1.weight, True, "linear_fc1"),
-            ("linear_fc1.bias", "linear_fc1.bias", getattr(self.linear_fc1, "bias", None), True, None),
+            ("linear_fc1.weight", "linear_fc1.weight", self.linear_fc1.weight, self.gated, "linear_fc1"),
+            ("linear_fc1.bias", "linear_fc1.bias", getattr(self.linear_fc1, "bias", None), self.gated, None),
             ("linear_fc2.weight", "linear_fc2.weight", self.linear_fc2.weight, False, "linear_fc2"),
             ("linear_fc2_bias", "linear_fc2.bias", self.linear_fc2_bias, False, None),
         )
@@ -224,8 +264,7 @@ class GroupedExperts(MegatronModule):
         for local_name, ckpt_name, tensor, glu, extra_owner in tensors:
             if tensor is None:
                 continue
-            extra_key = f"{prefix}experts.{extra_owner}._extra_state" if extra_owner else None
             sharded[f"{prefix}{local_name}"] = expert_tensor_factory(
-                f"{prefix}experts.{ckpt_name}", tensor.detach(), glu=glu, extra_state_key=extra_key, **common
+                prefix, ckpt_name, tensor.detach(), glu=glu, extra_state_owner=extra_owner, **common
             )
         return sharded

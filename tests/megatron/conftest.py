@@ -29,3 +29,6 @@ def megatron_world1():
     finally:
         mcore_helpers.destroy_megatron()
         mcore_helpers.undo_cpu_workarounds()
+
+# Megatron's own tests run through upstream_suite.py (their own plugin and process), never in this session.
+collect_ignore = ["upstream"]

@@ -107,6 +107,37 @@ def test_probs_on_input_and_clamped_swiglu_match_sequential(megatron_world1):
         torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{overrides}: {m}")
 
 
+@pytest.mark.parametrize("overrides", [
+    {"moe_router_dtype": "fp64"},  # the router, dispatcher and so the experts' probabilities are float64
+    {"gated_linear_unit": False, "activation_func": F.gelu},  # Megatron's default experts
+    {"gated_linear_unit": False, "activation_func": F.relu},
+    {"gated_linear_unit": False, "activation_func": F.gelu, "moe_router_dtype": "fp64"},
+    {"activation_func": F.gelu},  # GeGLU: gated with Megatron's default activation
+    {"glu_linear_offset": 1.0, "activation_func_clamp_value": 0.5},
+])
+def test_router_dtypes_and_non_gated_experts_match_sequential(megatron_world1, overrides):
+    config = H.make_config(**overrides)
+    seq, ours = _pair(config)
+    x = torch.randn(8, 2, config.hidden_size, device=H.device())
+    dy = torch.randn_like(x)
+    y_ref, dx_ref = _fwd_bwd(seq, x, dy)
+    y, dx = _fwd_bwd(ours, x, dy)
+    assert y.dtype == config.params_dtype  # the expert math stays in the parameters' dtype
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.router.weight.grad, seq.router.weight.grad, rtol=1e-5, atol=1e-6)
+    assert ours.experts.linear_fc1.weight.shape[1] == (2 if config.gated_linear_unit else 1) * 8
+    assert (ours.experts._fuser is None) == (overrides.get("activation_func", F.silu) is not F.silu
+                                             or "glu_linear_offset" in overrides)  # SwiGLU stays fused
+
+
+def test_integer_probs_are_refused(megatron_world1):
+    ours = H.build_moe_layer(H.make_config(), "te_dist")
+    x = torch.randn(4, 16, device=H.device())
+    with pytest.raises(TypeError, match="floating-point"):
+        ours.experts(x, torch.tensor([4, 0, 0, 0]), torch.ones(4, dtype=torch.int64, device=H.device()))
+
+
 def test_expert_params_are_marked_and_named(megatron_world1):
     config = H.make_config(add_bias_linear=True)
     ours = H.build_moe_layer(config, "te_dist")
@@ -135,17 +166,19 @@ def test_init_is_expert_parallel_invariant(megatron_world1):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"gated_linear_unit": False}, "SwiGLU"),
-    ({"activation_func": F.gelu}, "SwiGLU"),
-    ({"glu_linear_offset": 1.0}, "glu_linear_offset"),
+    ({"delay_wgrad_compute": True}, "delay_wgrad_compute"),
+    ({"moe_latent_size": 4}, "moe_latent_size"),
+    ({"activation_func": "silu"}, "callable"),
 ])
 def test_unsupported_configs_raise_before_building(megatron_world1, overrides, match):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     from te_dist.megatron import GroupedExperts
 
-    config = H.make_config(**overrides)
-    with pytest.raises(ValueError, match=match):
+    config = H.make_config()
+    for name, value in overrides.items():  # set after construction: TransformerConfig checks some itself
+        setattr(config, name, value)
+    with pytest.raises((ValueError, TypeError), match=match):
         GroupedExperts(4, config, get_default_pg_collection())
 
 
