@@ -163,9 +163,12 @@ def test_native_path_plumbing_on_cpu(monkeypatch, recipe):
     y_emu, dx_emu, dw_emu, _ = run(False)
     y_nat, dx_nat, dw_nat, mlp = run(True)
     assert mlp.basic_ops[0]._weight_copy is not None and mlp.basic_ops[2]._weight_copy is not None
-    assert _rel(y_nat, y_emu) < 1e-2
-    assert _rel(dx_nat, dx_emu) < 5e-2
-    assert _rel(dw_nat, dw_emu) < 0.1
+    # DelayedScaling: the native path records the weight's amax before its one cast per weight version,
+    # the emulated path's first cast uses the initial scale 1, so only there the first step differs more.
+    tol = 0.15 if isinstance(recipe, R.DelayedScaling) else 1e-2
+    assert _rel(y_nat, y_emu) < tol
+    assert _rel(dx_nat, dx_emu) < max(tol, 5e-2)
+    assert _rel(dw_nat, dw_emu) < max(tol, 0.1)
 
 
 def test_weight_copy_is_rebuilt_after_an_in_place_update(monkeypatch):
