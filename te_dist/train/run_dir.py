@@ -63,7 +63,8 @@ def _existing_run(out: Path) -> Optional[str]:
     parts = []
     steps = list_checkpoints(out / "checkpoints")
     if steps:
-        parts.append(f"checkpoints {steps[0].name}..{steps[-1].name}" if len(steps) > 1 else f"checkpoint {steps[0].name}")
+        span = f"{steps[0].name}..{steps[-1].name}" if len(steps) > 1 else steps[0].name
+        parts.append(f"checkpoints {span}")
     metrics = out / METRICS
     if metrics.is_file() and metrics.stat().st_size:
         parts.append(METRICS)
@@ -111,7 +112,7 @@ def plan_run(cfg: JobConfig, *, resume: Union[None, bool, str] = None, overwrite
             raise ConfigError(f"--resume {source}: no checkpoint (a step_* directory) found there")
         if overwrite:
             raise ConfigError("--overwrite replaces the run in --out and --resume continues it: pass only one")
-        note = f"[te-dist] no checkpoint in {out}: starting at step 1" + (f" (replacing its {existing})" if existing else "")
+        note = f"[te-dist] no checkpoint in {out}: starting at step 1" + (f", replacing its {existing}" if existing else "")
         return RunPlan(new_run_id(), replace=bool(existing), notes=[note])
     in_place = ckpt.parent.resolve() == (out / "checkpoints").resolve()
     if in_place and overwrite:
@@ -128,10 +129,11 @@ def plan_run(cfg: JobConfig, *, resume: Union[None, bool, str] = None, overwrite
     if in_place:
         later = [p.name for p in list_checkpoints(ckpt.parent) if step_of(p) > step]
         if later:
-            notes.append(f"[te-dist] checkpoints after step {step} ({', '.join(later)}) are replaced as the run reaches them")
+            notes.append(f"[te-dist] checkpoints after step {step} ({', '.join(later)}) are replaced "
+                         f"as the run reaches them")
     history = {int(k): (meta["run_id"], loss) for k, loss in meta.get("losses", {}).items() if int(k) <= step}
-    return RunPlan(meta["run_id"] if in_place else new_run_id(), str(ckpt), step, in_place, bool(existing) and not in_place,
-                   history, notes)
+    return RunPlan(meta["run_id"] if in_place else new_run_id(), str(ckpt), step, in_place,
+                   replace=bool(existing) and not in_place, history=history, notes=notes)
 
 
 class Run:
@@ -171,7 +173,8 @@ def _trash(path: Path) -> None:
 def _start_metrics(path: Path, plan: RunPlan) -> list:
     """A new run starts an empty file; a resumed run keeps its own lines up to the resumed step
     (the checkpoint's losses fill any gap) and drops the rest. Returns notes."""
-    kept = {step: json.dumps({"run": run_id, "step": step, "loss": loss}) for step, (run_id, loss) in plan.history.items()}
+    kept = {step: json.dumps({"run": run_id, "step": step, "loss": loss})
+            for step, (run_id, loss) in plan.history.items()}
     dropped = 0
     if plan.in_place and path.is_file():
         for line in path.read_text().splitlines():

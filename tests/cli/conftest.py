@@ -65,7 +65,8 @@ def one_rank_runtime():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     patch = pytest.MonkeyPatch()
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key, value in env.items():
         patch.setenv(key, value)
     runtime = init_runtime(device="cpu", ep_size=1)
     yield runtime
