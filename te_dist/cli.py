@@ -41,14 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from .train.args import config_from_args, worker_argv
-    import dataclasses
-
+    from .train.args import config_from_args, output_options, worker_argv
     import torch
 
-    from .train.checkpoint import check_compatible, find_checkpoint
     from .train.config import ConfigError
     from .train.launch import default_nproc, launch
+    from .train.run_dir import plan_run
 
     try:
         cfg = config_from_args(ns)
@@ -62,8 +60,7 @@ def _train(ns: argparse.Namespace) -> int:
         if uses_gpus and nproc > torch.cuda.device_count():
             raise ConfigError(f"--nproc {nproc} needs one GPU per rank, but {torch.cuda.device_count()} are visible; "
                               f"use --nproc {torch.cuda.device_count()} or --device cpu")
-        if ns.resume is not None:
-            check_compatible(find_checkpoint(ns.resume), dataclasses.asdict(cfg.model))
+        plan_run(cfg, **output_options(ns))  # reads only: refuses a taken --out or a bad checkpoint here, exit 2
         if ns.fail_rank is not None and not 0 <= ns.fail_rank < nproc:
             raise ConfigError(f"--fail-rank {ns.fail_rank} is not a rank of a {nproc}-rank job")
     except ConfigError as exc:

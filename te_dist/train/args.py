@@ -12,8 +12,9 @@ from typing import Optional
 from ..recipe import RECIPE_NAMES
 from .config import JobConfig, load_config
 from .loop import FaultInjection
+from .run_dir import RESUME_LATEST
 
-__all__ = ["add_train_arguments", "config_from_args", "worker_argv", "fault_from_args"]
+__all__ = ["add_train_arguments", "config_from_args", "worker_argv", "fault_from_args", "output_options"]
 
 # flag dest -> dotted config key it overrides
 _OVERRIDES = {
@@ -27,7 +28,10 @@ _OVERRIDES = {
     "device": "train.device",
     "seed": "train.seed",
     "checkpoint": "train.checkpoint",
+    "keep_last": "train.keep_last",
 }
+# flag dest -> how the output directory is used (run_dir.py); not part of the job's config
+_OUTPUT_FLAGS = ("resume", "overwrite", "skip_invalid")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +40,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="total training steps (a resumed run continues up to this step)")
     parser.add_argument("--recipe", choices=RECIPE_NAMES, help="quantization recipe by name (default: the config's, else 'current')")
     parser.add_argument("--ep", type=int, help="expert-parallel size (default: all ranks)")
-    parser.add_argument("--resume", metavar="DIR", help="continue from a checkpoint: a step dir, or an out dir (latest)")
+    parser.add_argument("--resume", metavar="DIR", nargs="?", const=RESUME_LATEST,
+                        help="continue the run in --out from its newest valid checkpoint; with DIR: start from that "
+                             "checkpoint (a step dir, or an out dir's newest)")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="replace the run that --out holds (its checkpoints and metrics)")
+    parser.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
+                        help="with --resume: pass over checkpoints that fail verification for the newest that verifies")
+    parser.add_argument("--keep-last", type=int, dest="keep_last", metavar="K",
+                        help="keep only the newest K checkpoints (default 0: all)")
     parser.add_argument("--out", metavar="DIR", help="output dir for checkpoints and metrics.jsonl (default te_dist_out)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
     parser.add_argument("--ckpt-every", type=int, dest="ckpt_every", help="checkpoint every K steps (0: only at the end)")
@@ -55,6 +67,11 @@ def config_from_args(ns: argparse.Namespace) -> JobConfig:
     return load_config(ns.config, overrides=overrides)
 
 
+def output_options(ns: argparse.Namespace) -> dict:
+    """``resume``, ``overwrite``, ``skip_invalid`` keyword arguments for ``train`` and ``plan_run``."""
+    return {"resume": ns.resume, "overwrite": bool(ns.overwrite), "skip_invalid": bool(ns.skip_invalid)}
+
+
 def fault_from_args(ns: argparse.Namespace) -> Optional[FaultInjection]:
     if ns.fail_rank is None and ns.fail_step is None:
         return None
@@ -64,10 +81,12 @@ def fault_from_args(ns: argparse.Namespace) -> Optional[FaultInjection]:
 def worker_argv(ns: argparse.Namespace) -> list:
     """Rebuild the job flags for the workers from parsed args (only those that were given)."""
     argv = []
-    for dest in ("config", *_OVERRIDES, "resume", "fail_rank", "fail_step"):
+    for dest in ("config", *_OVERRIDES, *_OUTPUT_FLAGS, "fail_rank", "fail_step"):
         value = getattr(ns, dest, None)
         if dest == "checkpoint":
             argv += ["--no-checkpoint"] if value is False else []
+        elif value is True:  # a bare flag (--resume without DIR, --overwrite, --skip-invalid)
+            argv += [f"--{dest.replace('_', '-')}"]
         elif value is not None:
             argv += [f"--{dest.replace('_', '-')}", str(value)]
     return argv

@@ -11,7 +11,7 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
                num_experts, top_k, activation, expert_bias, aux_loss_coeff, dtype}
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
-               ckpt_every, checkpoint, out_dir, device, threads,
+               ckpt_every, keep_last, checkpoint, out_dir, device, threads,
                collective_timeout_s, stop_grace_s}
     parallel: {ep}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
@@ -87,6 +87,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 6
     ckpt_every: int = 30  # 0: only at the end
+    keep_last: int = 0  # > 0: keep only the newest K checkpoints; 0: keep all
     checkpoint: bool = True  # False: no checkpoints at all (benchmarks)
     out_dir: str = "te_dist_out"
     device: str = "auto"  # auto: one CUDA device per rank when GPUs exist, else CPU
@@ -147,6 +148,7 @@ class JobConfig:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        _positive("train.keep_last", t.keep_last, minimum=0)
         if t.warmup_steps < 0 or t.weight_decay < 0 or t.ckpt_every < 0:
             raise ConfigError(
                 f"train.warmup_steps, train.weight_decay and train.ckpt_every must be >= 0, got "

@@ -11,12 +11,12 @@ Every collective is bounded by ``train.collective_timeout_s`` (te_dist.distribut
 
 Rank 0 prints the agreed recipe key and the fusion plan once, a progress line every
 ``log_every`` steps and a summary; it also writes ``<out>/metrics.jsonl`` (one JSON line per
-step, losses as exact floats) so runs can be compared bit for bit.
+step with the run id, losses as exact floats) so runs can be compared bit for bit. What the run
+may do with ``<out>`` (refuse, resume, overwrite) is decided in run_dir.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -31,11 +31,12 @@ import torch.distributed as dist
 
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
-from .checkpoint import checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
 from .data import MarkovData
 from .model import build_model
 from .parallel import GradientReducer, Runtime, dense_group, init_runtime
+from .run_dir import Run, RunPlan, open_run
 from .stop import StopRequest
 
 __all__ = ["FaultInjection", "TrainResult", "train", "lr_at"]
@@ -92,24 +93,6 @@ def _fuser_report(model) -> str:
             body = "\n".join("  " + line for line in described.splitlines())
             return f"[te-dist] fusion key: {module.fusion_key!r}\n[te-dist] fusion plan of {name}:\n{body}"
     return "fusion plan: the model holds no OperationFuser"
-
-
-def _start_metrics(path: Path, *, keep_until: Optional[int], history: dict) -> None:
-    """Start the metrics file: a fresh run empties it; a resumed run keeps the steps up to its
-    checkpoint (from this file, else the losses the checkpoint recorded)."""
-    kept = {}
-    if keep_until is not None:
-        kept = {step: json.dumps({"step": step, "loss": loss}) for step, loss in history.items() if step <= keep_until}
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= keep_until:
-                    kept[json.loads(line)["step"]] = line
-    path.write_text("".join(kept[step] + "\n" for step in sorted(kept)))
-
-
-def _append_metrics(path: Path, row: dict) -> None:
-    with path.open("a") as f:  # line by line: a crashed run still leaves its history
-        f.write(json.dumps(row) + "\n")
 
 
 @dataclass
@@ -177,35 +160,41 @@ def _recipe_state_word(recipe, meta: dict) -> str:
     return "restored" if meta["restored_recipe_state"] else "starts fresh (other ranks, EP size or recipe)"
 
 
-def _resume(job: _Job, path, cfg: JobConfig) -> tuple:
-    """(start step, loss history) after loading the newest checkpoint under ``path``."""
+def _resume(job: _Job, plan: RunPlan, cfg: JobConfig) -> tuple:
+    """(start step, loss history) after loading the checkpoint the run's plan chose (and verified)."""
     rt, recipe = job.runtime, job.recipe
-    ckpt = find_checkpoint(path)
-    meta = load_checkpoint(ckpt, model=job.model, optimizer=job.optimizer, runtime=rt, model_config=asdict(cfg.model),
-                           recipe=recipe, recipe_key=str(recipe) if recipe is not None else None)
-    _say(rt, f"[te-dist] resumed from {ckpt} at step {meta['step']} "
+    meta = load_checkpoint(plan.checkpoint, model=job.model, optimizer=job.optimizer, runtime=rt,
+                           model_config=asdict(cfg.model), recipe=recipe,
+                           recipe_key=str(recipe) if recipe is not None else None, verify=False)
+    _say(rt, f"[te-dist] resumed from {plan.checkpoint} at step {meta['step']} "
              f"(written by {meta['world_size']} ranks, ep={meta['ep']}; now {rt.world_size} ranks, ep={job.ep_size}; "
              f"recipe state {_recipe_state_word(recipe, meta)})")
     return int(meta["step"]), {int(k): v for k, v in meta.get("losses", {}).items()}
 
 
-def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[FaultInjection] = None,
-          stop: Optional[StopRequest] = None) -> TrainResult:
+def save_step(job: _Job, run: Run, cfg: JobConfig, step: int, history: dict) -> Path:
+    """Collective: checkpoint ``step`` into the run's output directory (with the run id, the resolved
+    config and the losses so far), then apply ``train.keep_last``."""
+    meta = {"model": asdict(cfg.model), "recipe": cfg.recipe, "recipe_key": job.agreed_key, "run_id": run.run_id,
+            "config": cfg.to_dict(), "losses": {str(k): v for k, v in sorted(history.items())}}
+    return save_checkpoint(checkpoint_dir(run.out_dir, step), model=job.model, optimizer=job.optimizer,
+                           runtime=job.runtime, step=step, meta=meta, keep_last=cfg.train.keep_last)
+
+
+def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None, stop: Optional[StopRequest] = None,
+          overwrite: bool = False, skip_invalid: bool = False) -> TrainResult:
     """Run the job on this rank (collective; call on every rank of the torchrun job).
 
+    ``resume``: None, True (the newest valid checkpoint in ``train.out_dir``) or a checkpoint /
+    output directory; ``overwrite`` and ``skip_invalid`` as the flags of the same names.
     ``stop``: the signals this rank received (installed by the worker); None never stops early.
     """
     cfg.validate()
     t, m, d = cfg.train, cfg.model, cfg.data
     job = _build(cfg)
     rt = job.runtime
-    start_step, history = _resume(job, resume, cfg) if resume is not None else (0, {})
-
-    out_dir = Path(t.out_dir)
-    metrics_path = out_dir / "metrics.jsonl"
-    if rt.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _start_metrics(metrics_path, keep_until=start_step if resume is not None else None, history=history)
+    run = open_run(cfg, rt, resume=resume, overwrite=overwrite, skip_invalid=skip_invalid)
+    start_step, history = _resume(job, run.plan, cfg) if run.plan.checkpoint is not None else (0, {})
     tokens_per_step = d.global_batch_size * d.seq_len
     num_params = sum(p.numel() for p in job.model.parameters())
     _say(rt, (f"[te-dist] {rt.world_size} ranks ({rt.backend}, {rt.device.type}) | ep={job.ep_size} "
@@ -227,8 +216,7 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
         dt = time.perf_counter() - t0
         if step > start_step + 1 or t.steps == start_step + 1:  # the first step pays for warm-up
             speeds.append(tokens_per_step / dt)
-        if rt.is_main:
-            _append_metrics(metrics_path, {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt})
+        run.append_metrics({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt})
         if step == start_step + 1:
             _say(rt, _fuser_report(job.model))
         if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
@@ -239,15 +227,13 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
         saved_now = t.checkpoint and ((t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps or preempted)
         if saved_now:
             history.update(losses)
-            meta = {"model": asdict(m), "recipe": cfg.recipe, "recipe_key": job.agreed_key,
-                    "losses": {str(k): v for k, v in sorted(history.items())}}
-            last_ckpt = save_checkpoint(checkpoint_dir(out_dir, step), model=job.model, optimizer=job.optimizer,
-                                        runtime=rt, step=step, meta=meta)
+            last_ckpt = save_step(job, run, cfg, step, history)
             if not stopping:  # the stop line below names it
                 _say(rt, f"[te-dist] checkpoint {last_ckpt}")
         if stopping:
             saved = f"checkpoint {last_ckpt}" if saved_now else "no checkpoint written"
             _say(rt, f"te-dist train: stopped by {stop_signal.name} after step {step}/{t.steps}; {saved}")
+            run.close()
             return TrainResult(start_step + 1, step, losses, float("nan"), time.perf_counter() - t_start,
                                str(last_ckpt) if last_ckpt else None, stopped_by=stop_signal.name)
 
@@ -255,6 +241,7 @@ def train(cfg: JobConfig, *, resume: Optional[str] = None, fault: Optional[Fault
                          time.perf_counter() - t_start, str(last_ckpt) if last_ckpt else None)
     if rt.is_main:
         _print_summary(result, job.data, rt, job.ep_size, job.agreed_key)
+    run.close()
     return result
 
 

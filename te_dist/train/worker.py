@@ -36,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch.distributed as dist
 
     from ..distributed.bounded import CollectiveError
-    from .args import add_train_arguments, config_from_args, fault_from_args
+    from .args import add_train_arguments, config_from_args, fault_from_args, output_options
     from .config import ConfigError
     from .loop import train
 
@@ -45,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = parser.parse_args(argv)
     try:
         cfg = config_from_args(ns)
-        result = train(cfg, resume=ns.resume, fault=fault_from_args(ns), stop=stop)
+        result = train(cfg, fault=fault_from_args(ns), stop=stop, **output_options(ns))
     except ConfigError as exc:
         print(f"te-dist train: error: {exc}", file=sys.stderr, flush=True)
         job_files.mark_failed(str(exc))

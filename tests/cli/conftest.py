@@ -49,3 +49,52 @@ def run_cli(tmp_path):
         return _run(args, cwd=tmp_path, timeout=timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def one_rank_runtime():
+    """This process as a one-rank gloo job (``te_dist.train.parallel.Runtime``), for in-process
+    checkpoint and output-directory tests; torch.distributed can be initialised once per process."""
+    import socket
+
+    import torch.distributed as dist
+
+    from te_dist.train.parallel import init_runtime
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    patch = pytest.MonkeyPatch()
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key, value in env.items():
+        patch.setenv(key, value)
+    runtime = init_runtime(device="cpu", ep_size=1)
+    yield runtime
+    dist.destroy_process_group()
+    patch.undo()
+
+
+@pytest.fixture
+def fake_checkpoint():
+    """``fake_checkpoint(out, step, run_id=..., losses=..., **model)``: a step directory as a save
+    leaves it (small stand-in files, then a meta.json that lists them), without any rank."""
+    import json
+    from dataclasses import asdict
+
+    from te_dist.train.checkpoint import checkpoint_dir
+    from te_dist.train.config import JobConfig, ModelConfig
+    from te_dist.train.manifest import file_digest, write_manifest
+
+    def make(out, step, *, run_id="r1", losses=None, **model):
+        path = checkpoint_dir(out, step)
+        path.mkdir(parents=True)
+        for name in ("__0_0.distcp", ".metadata"):
+            (path / name).write_bytes(f"{name} of step {step}".encode())
+        config = JobConfig(model=ModelConfig(**model))
+        config.train.out_dir = str(out)
+        meta = {"step": step, "run_id": run_id, "world_size": 1, "ep": 1, "model": asdict(config.model),
+                "config": config.to_dict(), "losses": {str(k): v for k, v in (losses or {}).items()}}
+        write_manifest(path, json.loads(json.dumps(meta)), {p.name: file_digest(p) for p in path.iterdir()})
+        return path
+
+    return make

@@ -7,9 +7,12 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(out_dir):
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {row["step"]: row["loss"] for row in _rows(out_dir)}
 
 
 def test_two_ranks_three_steps(run_cli, tmp_path):
@@ -109,3 +112,45 @@ def test_plain_torchrun_entry(tmp_path):
     assert "te-dist train summary" in result.log(0)
     assert "te-dist train summary" not in result.log(1)  # rank 0 reports for the job
     assert sorted(_losses(tmp_path / "out")) == [1, 2]
+
+
+def test_damaged_checkpoint_refused_then_skipped_when_asked(run_cli, tmp_path):
+    """A bit flipped in the newest checkpoint: ``--resume`` exits 2 with one line naming the file,
+    before any rank starts; ``--resume --skip-invalid`` continues from the checkpoint before it and
+    reproduces the run's own losses exactly, in one metrics file of one run. A new run into the
+    same --out is refused."""
+    common = ("train", "--steps", 4, "--ckpt-every", 2, "--recipe", "none", "--out", "run")
+    run_cli(*common).check()
+    original = _rows(tmp_path / "run")
+    again = run_cli(*common, timeout=120)
+    assert again.returncode == 2 and "--out run holds another run (checkpoints step_000002..step_000004" in again.output
+    shard = tmp_path / "run" / "checkpoints" / "step_000004" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    shard.write_bytes(bytes(data))
+    refused = run_cli(*common, "--resume", timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.output
+    errors = [line for line in refused.output.splitlines() if "error" in line]
+    assert errors == ["te-dist train: error: run/checkpoints/step_000004/__1_0.distcp: checksum mismatch (the content "
+                      "changed after the save); --skip-invalid resumes from the newest checkpoint that verifies"]
+    resumed = run_cli(*common, "--resume", "--skip-invalid").check()
+    assert "skipped step_000004: run/checkpoints/step_000004/__1_0.distcp: checksum mismatch" in resumed.output
+    assert "resumed from run/checkpoints/step_000002 at step 2" in resumed.output
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and {r["run"] for r in rows} == {original[0]["run"]}
+    assert [r["loss"] for r in rows] == [r["loss"] for r in original]  # bit-identical
+    from te_dist.train.manifest import verify_checkpoint
+
+    assert verify_checkpoint(shard.parent)["step"] == 4  # step 4 was written again, whole
+
+
+def test_a_live_run_holds_its_out(run_cli, tmp_path):
+    from te_dist.train.run_lock import RunLock
+
+    lock = RunLock(tmp_path / "busy").acquire("first")
+    try:
+        result = run_cli("train", "--steps", 2, "--out", "busy", timeout=120)
+    finally:
+        lock.release()
+    assert result.returncode == 2
+    assert "te-dist train: error: --out busy is in use by the live run first (pid" in result.output
