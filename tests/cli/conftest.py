@@ -51,10 +51,11 @@ def run_cli(tmp_path):
     return run
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def one_rank_runtime():
     """This process as a one-rank gloo job (``te_dist.train.parallel.Runtime``), for in-process
-    checkpoint and output-directory tests; torch.distributed can be initialised once per process."""
+    checkpoint and output-directory tests. Module-scoped and torn down after the module, so tests
+    elsewhere in the session see no process group."""
     import socket
 
     import torch.distributed as dist
