@@ -118,6 +118,10 @@ def _train(ns: argparse.Namespace) -> int:
     if code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop by signal has said so already
         print(f"te-dist train: the job failed (torchrun exit code {code}); the failing rank's error is shown above",
               file=sys.stderr)
+    if "torch" in sys.modules:
+        import gc
+
+        gc.freeze()  # exit without the collections that walk all of torch's objects (see train/worker.py)
     return code
 
 

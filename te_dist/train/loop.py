@@ -179,7 +179,8 @@ def save_step(job: _Job, run: Run, cfg: JobConfig, step: int, history: dict) -> 
     """Collective: checkpoint ``step`` into the run's output directory (with the run id, the resolved
     config and the losses so far), then apply ``train.keep_last``."""
     meta = {"model": asdict(cfg.model), "recipe": cfg.recipe, "recipe_key": job.agreed_key, "run_id": run.run_id,
-            "config": resolved_config(cfg, world_size=job.runtime.world_size), "losses": {str(k): v for k, v in sorted(history.items())}}
+            "config": resolved_config(cfg, world_size=job.runtime.world_size),
+            "losses": {str(k): v for k, v in sorted(history.items())}}
     return save_checkpoint(checkpoint_dir(run.out_dir, step), model=job.model, optimizer=job.optimizer,
                            runtime=job.runtime, step=step, meta=meta, keep_last=cfg.train.keep_last)
 
