@@ -1,7 +1,7 @@
 """The resolved configuration of a run: every field it trains with (defaults filled in), and how it was made.
 
 Why one function: ``te-dist train`` prints it at start, rank 0 saves it as ``<out>/config.yaml``,
-every checkpoint keeps it in ``meta.json`` and a resume compares the two. All of them call
+every checkpoint keeps it in ``meta.json`` and a resume compares the two (run_dir.plan_run). All of them call
 :func:`resolved_config`, so they cannot drift apart. The result is plain data (YAML/JSON-ready),
 and a saved ``config.yaml`` is itself a valid ``--config`` (its ``provenance`` key is ignored
 when read), so a run can be repeated from its output directory.
@@ -19,7 +19,7 @@ from typing import Optional
 
 from .config import PROVENANCE, JobConfig, resolve_recipe
 
-__all__ = ["resolved_config", "versions", "config_yaml", "write_config_yaml", "config_differences", "summary_lines"]
+__all__ = ["resolved_config", "versions", "config_yaml", "write_config_yaml", "summary_lines"]
 
 CONFIG_FILE = "config.yaml"
 
@@ -80,28 +80,6 @@ def write_config_yaml(out_dir, resolved: dict) -> Path:
     tmp.write_text(config_yaml(resolved))
     tmp.replace(path)
     return path
-
-
-def _flatten(data, prefix: str = "") -> dict:
-    if not isinstance(data, dict):
-        return {prefix: data}
-    out = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        out.update(_flatten(value, dotted) if isinstance(value, dict) else {dotted: value})
-    return out
-
-
-def config_differences(saved: dict, current: dict) -> list:
-    """``[(dotted key, saved value, current value)]`` for every field that differs, sorted by key."""
-    a, b = _flatten(saved), _flatten(current)
-    missing = object()
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        old, new = a.get(key, missing), b.get(key, missing)
-        if old != new:
-            diffs.append((key, None if old is missing else old, None if new is missing else new))
-    return diffs
 
 
 def _scalar(value) -> str:

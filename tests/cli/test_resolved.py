@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from te_dist.train.config import JobConfig, config_from_dict, load_config
-from te_dist.train.resolved import config_differences, resolved_config, summary_lines, write_config_yaml
+from te_dist.train.resolved import resolved_config, summary_lines, write_config_yaml
 
 
 def test_resolved_config_fills_defaults_expands_the_recipe_and_records_versions():
@@ -25,17 +25,6 @@ def test_config_yaml_round_trips(tmp_path):
     assert path.name == "config.yaml" and not list(tmp_path.glob(".*tmp"))
     assert yaml.safe_load(path.read_text()) == resolved
     assert resolved_config(load_config(path), world_size=2) == resolved
-
-
-def test_differences_name_every_changed_field():
-    old = resolved_config(JobConfig(), world_size=2)
-    new = resolved_config(config_from_dict({"train": {"lr": 0.02}, "recipe": "block"}), world_size=1)
-    diffs = {key: (a, b) for key, a, b in config_differences(old, new)}
-    assert diffs["train.lr"] == (0.01, 0.02)
-    assert diffs["provenance.world_size"] == (2, 1)
-    assert diffs["recipe.type"] == ("Float8CurrentScaling", "Float8BlockScaling")
-    assert diffs["recipe.x_block_scaling_dim"] == (None, 1)  # a key only one side has
-    assert config_differences(old, old) == []
 
 
 def test_summary_lines_read_like_the_yaml():
