@@ -1,11 +1,16 @@
 """The ``te-dist`` command.
 
-    te-dist train [--nproc N] [--steps N] [--recipe NAME] [--config FILE] [--ep N] [--resume DIR] ...
+    te-dist train [--nproc N] [--config FILE] [--SECTION.KEY VALUE ...] [--print-config] [--resume DIR] ...
     te-dist env [--json]
+    te-dist --version
 
-``train`` validates the job in this process (a bad config fails here with exit code 2, before
-any rank starts), then runs the ranks under torchrun and returns its exit code. ``env`` reports
-versions, backends and the grouped-GEMM support matrix for every visible device and recipe.
+``train`` prints what it launches at once, validates the job in this process (a bad config fails
+here with exit code 2, before any rank starts), prints the resolved config and a memory estimate,
+then runs the ranks under torchrun and returns its exit code. ``env`` reports versions, backends
+and the grouped-GEMM support matrix for every visible device and recipe.
+
+Building the parser and ``--help``/``--version`` never import torch (they answer in a fraction of
+a second); ``train`` imports it only for checks that need it (GPUs, a checkpoint to resume).
 """
 
 from __future__ import annotations
@@ -24,52 +29,99 @@ __all__ = ["main", "build_parser", "env_report", "format_env_report"]
 EXIT_USAGE = 2  # argparse's code for bad usage; also used for a bad config
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: te_dist's and torch's versions, read from package metadata (torch is not imported)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from . import __version__
+
+        parser.exit(message=f"te-dist {__version__} (torch {_version_of('torch') or 'not installed'}, "
+                            f"python {platform.python_version()})\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train.args import add_train_arguments
 
-    parser = argparse.ArgumentParser(prog="te-dist", description="te_dist: expert-parallel MoE training tools")
+    parser = argparse.ArgumentParser(prog="te-dist", description="te_dist: expert-parallel MoE training tools",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action=_VersionAction, help="print the te_dist and torch versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a small MoE transformer (starts its own torchrun workers)")
+    train = sub.add_parser("train", help="train a small MoE transformer (starts its own torchrun workers)",
+                           description="Train a small MoE transformer on synthetic text; starts its own torchrun "
+                                       "workers. Every config field is a --SECTION.KEY flag (below).",
+                           usage="%(prog)s [--nproc N] [--config FILE] [--SECTION.KEY VALUE ...] [--print-config] "
+                                 "[--resume DIR] [options]",
+                           allow_abbrev=False)
     train.add_argument("--nproc", type=int, help="ranks on this machine (default: number of GPUs, else 2)")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved config as YAML (usable as --config) and exit")
+    train.add_argument("--skip-memory-check", action="store_true",
+                       help="launch a CPU job even when its memory estimate exceeds the machine's available memory")
     add_train_arguments(train)
     env = sub.add_parser("env", help="versions, backends and the support matrix per device and recipe")
     env.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
 # --------------------------------------------------------------------------- train
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def _train(ns: argparse.Namespace) -> int:
     from .train.args import config_from_args, output_options, worker_argv
-    import torch
-
     from .train.config import ConfigError
-    from .train.launch import default_nproc, launch
-    from .train.run_dir import plan_run
+    from .train.launch import launch
+    from .train.preflight import check_gpus, check_logging, first_line, memory_report, plan_launch
+    from .train.resolved import config_yaml, resolved_config, summary_lines
 
     try:
         cfg = config_from_args(ns)
-        nproc = ns.nproc if ns.nproc is not None else default_nproc(cfg.train.device)
-        if nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {nproc}")
-        cfg.validate(world_size=nproc)
-        if cfg.train.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but no GPU is visible (torch.cuda.is_available() is False)")
-        uses_gpus = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-        if uses_gpus and nproc > torch.cuda.device_count():
-            raise ConfigError(f"--nproc {nproc} needs one GPU per rank, but {torch.cuda.device_count()} are visible; "
-                              f"use --nproc {torch.cuda.device_count()} or --device cpu")
+        plan = plan_launch(cfg, ns.nproc)
+        if not ns.print_config:
+            _say(first_line(plan, config=ns.config, out_dir=cfg.train.out_dir, resume=ns.resume))
+        cfg.validate(world_size=plan.nproc)
+        resolved = resolved_config(cfg, world_size=plan.nproc)
+        if ns.print_config:
+            print(config_yaml(resolved), end="")
+            return 0
+        for line in summary_lines(resolved):
+            _say(line)
+        check_logging(cfg)
+        if plan.device == "cuda":
+            plan, note = check_gpus(cfg, plan)
+            if note:
+                _say(note)
+                cfg.validate(world_size=plan.nproc)
+        _say(memory_report(cfg, plan, enforce=not ns.skip_memory_check))
+        from .train.run_dir import plan_run  # imports torch: after the first line
+
         plan_run(cfg, **output_options(ns))  # reads only: refuses a taken --out or a bad checkpoint here, exit 2
-        if ns.fail_rank is not None and not 0 <= ns.fail_rank < nproc:
-            raise ConfigError(f"--fail-rank {ns.fail_rank} is not a rank of a {nproc}-rank job")
+        if ns.fail_rank is not None and not 0 <= ns.fail_rank < plan.nproc:
+            raise ConfigError(f"--fail-rank {ns.fail_rank} is not a rank of a {plan.nproc}-rank job")
     except ConfigError as exc:
         print(f"te-dist train: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    code = launch(nproc, worker_argv(ns), grace_s=cfg.train.stop_grace_s)
+    code = launch(plan.nproc, [*worker_argv(ns), "--from-cli"], grace_s=cfg.train.stop_grace_s)
     if code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop by signal has said so already
         print(f"te-dist train: the job failed (torchrun exit code {code}); the failing rank's error is shown above",
               file=sys.stderr)
+    if "torch" in sys.modules:
+        import gc
+
+        gc.freeze()  # exit without the collections that walk all of torch's objects (see train/worker.py)
     return code
 
 
@@ -248,13 +300,19 @@ def _env(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ns = build_parser().parse_args(argv)
+    from .train.args import check_unknown_flags
+
+    parser = build_parser()
+    ns, extras = parser.parse_known_args(argv)
     if ns.command == "train":
+        check_unknown_flags(_subparser(parser, "train"), extras)
         try:
             return _train(ns)
         except KeyboardInterrupt:  # Ctrl-C before the ranks started (later the launcher handles it)
             print("te-dist train: interrupted by SIGINT before the job started", file=sys.stderr)
             return 128 + signal.SIGINT
+    if extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     return _env(ns)
 
 

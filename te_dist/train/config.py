@@ -11,15 +11,20 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
                num_experts, top_k, activation, expert_bias, aux_loss_coeff, dtype}
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
-               ckpt_every, keep_last, checkpoint, out_dir, device, threads,
+               ckpt_every, keep_last, checkpoint, out_dir, device, threads, log,
                collective_timeout_s, stop_grace_s}
     parallel: {ep}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
+    provenance: {...}   # written by te-dist into config.yaml (versions, ranks); ignored when read
+
+Every key is also a ``--SECTION.KEY VALUE`` flag of ``te-dist train`` (``te_dist.train.args``);
+flags reach :func:`load_config` as ``{"section.key": value}`` overrides and pass the same checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +42,16 @@ __all__ = [
     "load_config",
     "config_from_dict",
     "resolve_recipe",
+    "config_fields",
+    "recipe_setting_names",
+    "closest",
     "DEFAULT_RECIPE",
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 DEVICES = ("auto", "cpu", "cuda")
+LOGS = ("jsonl", "tensorboard")
 DEFAULT_RECIPE = "current"  # Float8CurrentScaling: stateless FP8 (emulated on CPU), a real recipe key to agree on
 
 
@@ -50,55 +59,61 @@ class ConfigError(ValueError):
     """A bad training configuration; the message names the key, what was expected and what was given."""
 
 
+def _f(default, help: str, **kwargs):
+    """A config field with the help text ``te-dist train --help`` shows for its ``--SECTION.KEY`` flag."""
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """A small decoder: embedding, ``num_layers`` x (RMSNorm, causal attention, RMSNorm, MoE), LM head."""
 
-    vocab_size: int = 64
-    hidden_size: int = 128  # a multiple of 128: every recipe's scaling blocks tile it
-    ffn_hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_experts: int = 4
-    top_k: int = 2
-    activation: str = "swiglu"
-    expert_bias: bool = False  # per-expert biases in both expert GEMMs
-    aux_loss_coeff: float = 0.01  # router load-balancing loss weight
-    dtype: str = "float32"
+    vocab_size: int = _f(64, "vocabulary size (embedding rows, LM head outputs)")
+    hidden_size: int = _f(128, "model width (a multiple of 128 tiles every recipe's scaling blocks)")
+    ffn_hidden_size: int = _f(128, "hidden size of each expert's MLP")
+    num_layers: int = _f(2, "transformer blocks")
+    num_heads: int = _f(4, "attention heads (must divide hidden_size)")
+    num_experts: int = _f(4, "experts per MoE layer (must be divisible by the EP size)")
+    top_k: int = _f(2, "experts each token is routed to")
+    activation: str = _f("swiglu", f"expert activation, one of {list(ACTIVATIONS)}")
+    expert_bias: bool = _f(False, "per-expert biases in both expert GEMMs")
+    aux_loss_coeff: float = _f(0.01, "router load-balancing loss weight")
+    dtype: str = _f("float32", f"parameter and activation dtype, one of {list(DTYPES)}")
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     """Synthetic Markov-chain text: ``branching`` possible successors per token, so the loss can fall."""
 
-    seq_len: int = 32
-    global_batch_size: int = 8  # sequences per step, summed over all ranks
-    branching: int = 2
-    seed: int = 1234
+    seq_len: int = _f(32, "tokens per sequence")
+    global_batch_size: int = _f(8, "sequences per step, summed over all ranks")
+    branching: int = _f(2, "likely successors per token in the synthetic Markov chain")
+    seed: int = _f(1234, "data seed (the batch of step s is a pure function of it and s)")
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 60
-    lr: float = 1e-2
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 4
-    weight_decay: float = 0.0
-    seed: int = 0
-    log_every: int = 6
-    ckpt_every: int = 30  # 0: only at the end
-    keep_last: int = 0  # > 0: keep only the newest K checkpoints; 0: keep all
-    checkpoint: bool = True  # False: no checkpoints at all (benchmarks)
-    out_dir: str = "te_dist_out"
-    device: str = "auto"  # auto: one CUDA device per rank when GPUs exist, else CPU
-    threads: int = 1  # torch intra-op threads per rank on CPU (fixed, so results are reproducible)
-    collective_timeout_s: float = 300.0  # a collective waiting longer on a stuck or dead peer fails on every live rank
-    stop_grace_s: float = 8.0  # after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill
+    steps: int = _f(60, "total training steps (a resumed run continues up to this step)")
+    lr: float = _f(1e-2, "peak learning rate (linear warm-up, then cosine decay)")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr")
+    warmup_steps: int = _f(4, "linear warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    seed: int = _f(0, "model initialisation seed")
+    log_every: int = _f(6, "print a progress line every K steps (metrics.jsonl gets every step)")
+    ckpt_every: int = _f(30, "checkpoint every K steps (0: only at the end)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
+    checkpoint: bool = _f(True, "false: write no checkpoint at all (benchmarks)")
+    out_dir: str = _f("te_dist_out", "output dir: config.yaml, metrics.jsonl, checkpoints/, tensorboard/")
+    device: str = _f("auto", f"one of {list(DEVICES)}; auto: one GPU per rank when GPUs exist, else CPU")
+    threads: int = _f(1, "torch intra-op threads per rank on CPU (fixed, so results are reproducible)")
+    log: str = _f("jsonl", f"metrics sinks besides stdout, one of {list(LOGS)} (metrics.jsonl is always written)")
+    collective_timeout_s: float = _f(300.0, "a collective waiting longer on a stuck or dead peer fails on every live rank")
+    stop_grace_s: float = _f(8.0, "after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    ep: Optional[int] = None  # expert-parallel size; None: every rank of the job
+    ep: Optional[int] = _f(None, "expert-parallel size; null: every rank of the job")
 
 
 @dataclass(kw_only=True)
@@ -160,6 +175,7 @@ class JobConfig:
         _positive("train.log_every", t.log_every)
         _positive("train.threads", t.threads)
         _choice("train.device", t.device, DEVICES)
+        _choice("train.log", t.log, LOGS)
         if self.parallel.ep is not None:
             _positive("parallel.ep", self.parallel.ep)
         recipe = resolve_recipe(self.recipe)  # raises ConfigError for an unknown name or setting
@@ -191,6 +207,8 @@ class JobConfig:
 
 
 # ---------------------------------------------------------------------- helpers
+
+PROVENANCE = "provenance"  # top-level key of a saved config.yaml: how the run was made, not what it runs
 
 # Block-scaled recipes quantize the GEMMs' K and N dims in blocks of this many elements.
 _RECIPE_BLOCK = {"Float8BlockScaling": 128, "MXFP8BlockScaling": 32, "NVFP4BlockScaling": 16}
@@ -250,7 +268,8 @@ def _section_from_dict(name: str, data) -> Any:
     allowed = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(allowed))
     if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in config section {name!r}; expected some of {allowed}")
+        raise ConfigError(f"unknown key(s) {unknown} in config section {name!r}{_did_you_mean(unknown, allowed)}; "
+                          f"expected some of {allowed}")
     data = dict(data)
     for f in dataclasses.fields(cls):
         # YAML 1.1 reads "3e-3" (no dot) as a string; accept it for float settings.
@@ -266,10 +285,11 @@ def config_from_dict(data: dict) -> JobConfig:
     """Build (not yet validate) a JobConfig from a plain mapping, rejecting unknown keys."""
     if not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping at the top level, got {type(data).__name__}")
-    allowed = [*_SECTIONS, "recipe"]
+    allowed = [*_SECTIONS, "recipe", PROVENANCE]
     unknown = sorted(set(data) - set(allowed))
     if unknown:
-        raise ConfigError(f"unknown top-level config key(s) {unknown}; expected some of {allowed}")
+        raise ConfigError(f"unknown top-level config key(s) {unknown}{_did_you_mean(unknown, allowed)}; "
+                          f"expected some of {allowed}")
     sections = {name: _section_from_dict(name, data.get(name)) for name in _SECTIONS}
     return JobConfig(**sections, recipe=data.get("recipe", DEFAULT_RECIPE))
 
@@ -291,15 +311,63 @@ def load_config(path: Optional[Union[str, Path]] = None, *, overrides: Optional[
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     data = {k: (dict(v) if isinstance(v, dict) and k != "recipe" else v) for k, v in data.items()}
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        if dotted == "recipe":
-            data["recipe"] = value
-            continue
+    overrides = dict(overrides or {})
+    if "recipe" in overrides:
+        data["recipe"] = overrides.pop("recipe")
+    for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
+        if section == "recipe":
+            data["recipe"] = _with_recipe_setting(data.get("recipe", DEFAULT_RECIPE), key, value)
+            continue
         sec = data.setdefault(section, {})
         if not isinstance(sec, dict):
             raise ConfigError(f"config section {section!r} must be a mapping, got {sec!r}")
         sec[key] = value
     return config_from_dict(data).validate()
+
+
+# ------------------------------------------------------------------ keys and flags
+
+
+def closest(name: str, candidates, n: int = 3) -> list:
+    """The valid names nearest to a misspelt ``name`` (for "did you mean" hints)."""
+    return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.6)
+
+
+def _did_you_mean(unknown, allowed) -> str:
+    hints = sorted({c for u in unknown for c in closest(u, allowed)})
+    return f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
+
+
+def config_fields() -> list:
+    """``(dotted key, type name, default, help)`` for every field of every section, in YAML order."""
+    out = []
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append((f"{section}.{f.name}", str(f.type), default, f.metadata.get("help", "")))
+    return out
+
+
+def recipe_setting_names() -> dict:
+    """{setting name: help} over every recipe class (the ``--recipe.KEY`` flags)."""
+    names = {}
+    for recipe_name in RECIPE_NAMES:
+        recipe = recipe_from_name(recipe_name)
+        for setting in getattr(type(recipe), "_SETTINGS", ()):
+            names.setdefault(setting.name, setting.doc)
+    return names
+
+
+def _with_recipe_setting(spec, key: str, value) -> dict:
+    """``spec`` (a recipe name or mapping) as a mapping with setting ``key`` replaced by ``value``."""
+    recipe = resolve_recipe(spec)
+    if recipe is None:
+        raise ConfigError(f"recipe.{key} was given but the recipe is 'none'; pick one with --recipe NAME")
+    mapping = dict(spec) if isinstance(spec, dict) else recipe.to_dict()
+    allowed = [name for name in mapping if name != "type"]
+    if key not in allowed:
+        raise ConfigError(f"recipe.{key} is not a setting of {mapping['type']}{_did_you_mean([key], allowed)}; "
+                          f"its settings are {allowed}")
+    mapping[key] = value
+    return mapping

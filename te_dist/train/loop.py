@@ -10,8 +10,9 @@ stops after the same step, SIGTERM after saving a checkpoint, and rank 0 prints 
 Every collective is bounded by ``train.collective_timeout_s`` (te_dist.distributed.bounded).
 
 Rank 0 prints the agreed recipe key and the fusion plan once, a progress line every
-``log_every`` steps and a summary; it also writes ``<out>/metrics.jsonl`` (one JSON line per
-step with the run id, losses as exact floats) so runs can be compared bit for bit. What the run
+``log_every`` steps and a summary; it also writes ``<out>/config.yaml`` (the resolved config) and
+``<out>/metrics.jsonl`` (one JSON line per step with the run id, losses as exact floats, the
+fields of progress.py) so runs can be repeated and compared bit for bit. What the run
 may do with ``<out>`` (refuse, resume, overwrite) is decided in run_dir.py.
 """
 
@@ -34,8 +35,11 @@ from ..distributed.bounded import wait_collective
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
 from .data import MarkovData
+from .estimate import flops_per_token, memory_estimate
 from .model import build_model
 from .parallel import GradientReducer, Runtime, dense_group, init_runtime
+from .progress import Progress, peak_flops_note
+from .resolved import resolved_config, summary_lines, write_config_yaml
 from .run_dir import Run, RunPlan, open_run
 from .stop import StopRequest
 
@@ -74,11 +78,6 @@ def lr_at(step: int, cfg) -> float:
 def _say(runtime: Runtime, text: str) -> None:
     if runtime.is_main:
         print(text, flush=True)
-
-
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = int(width * done / total)
-    return "#" * filled + "." * (width - filled)
 
 
 def _fuser_report(model) -> str:
@@ -130,7 +129,8 @@ def _build(cfg: JobConfig) -> _Job:
 
 
 def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
-    """One optimizer step on every rank; returns (global mean loss, agreed stop signal or None) (collective)."""
+    """One optimizer step on every rank; returns (global mean loss, global gradient norm, agreed stop
+    signal or None) (collective)."""
     rt, model = job.runtime, job.model
     for group in job.optimizer.param_groups:
         group["lr"] = lr
@@ -143,15 +143,18 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     loss_and_votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(stop_votes, device=loss.device)])
     loss.backward()
     job.reducer.reduce()
+    # The same all-reduce carries both squared gradient norms (see GradientReducer.squared_norms).
+    stats = torch.cat([loss_and_votes, job.reducer.squared_norms()])
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
     if dist.is_initialized():
-        wait_collective(dist.all_reduce(loss_and_votes, async_op=True), "loss all-reduce", None)
-    summed_loss, sigint_votes, sigterm_votes = loss_and_votes.tolist()
+        wait_collective(dist.all_reduce(stats, async_op=True), "loss all-reduce", None)
+    summed_loss, sigint_votes, sigterm_votes, dense_sq, expert_sq = stats.tolist()
     global_loss = summed_loss / rt.world_size
+    grad_norm = math.sqrt(max(dense_sq / rt.world_size + expert_sq / rt.groups.edp_size, 0.0))
     if not math.isfinite(global_loss):
         raise FloatingPointError(f"loss is {global_loss} at step {step}; lower train.lr or check the recipe")
-    return global_loss, StopRequest.agreed(sigint_votes, sigterm_votes)
+    return global_loss, grad_norm, StopRequest.agreed(sigint_votes, sigterm_votes)
 
 
 def _recipe_state_word(recipe, meta: dict) -> str:
@@ -176,24 +179,45 @@ def save_step(job: _Job, run: Run, cfg: JobConfig, step: int, history: dict) -> 
     """Collective: checkpoint ``step`` into the run's output directory (with the run id, the resolved
     config and the losses so far), then apply ``train.keep_last``."""
     meta = {"model": asdict(cfg.model), "recipe": cfg.recipe, "recipe_key": job.agreed_key, "run_id": run.run_id,
-            "config": cfg.to_dict(), "losses": {str(k): v for k, v in sorted(history.items())}}
+            "config": resolved_config(cfg, world_size=job.runtime.world_size),
+            "losses": {str(k): v for k, v in sorted(history.items())}}
     return save_checkpoint(checkpoint_dir(run.out_dir, step), model=job.model, optimizer=job.optimizer,
                            runtime=job.runtime, step=step, meta=meta, keep_last=cfg.train.keep_last)
 
 
+def _announce(cfg: JobConfig, world_size: int) -> str:
+    """The resolved config and the memory estimate, as ``te-dist train`` prints them before the launch
+    (for jobs started by a plain torchrun, whose ranks may span machines: no comparison with this one's memory)."""
+    uses_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    estimate = memory_estimate(cfg, world_size, device_type="cuda" if uses_gpu else "cpu")
+    return "\n".join([*summary_lines(resolved_config(cfg, world_size=world_size)),
+                      f"[te-dist] memory per rank (estimate): {estimate.describe()}"])
+
+
 def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None, stop: Optional[StopRequest] = None,
-          overwrite: bool = False, skip_invalid: bool = False) -> TrainResult:
+          overwrite: bool = False, skip_invalid: bool = False, announce: bool = True) -> TrainResult:
     """Run the job on this rank (collective; call on every rank of the torchrun job).
 
     ``resume``: None, True (the newest valid checkpoint in ``train.out_dir``) or a checkpoint /
     output directory; ``overwrite`` and ``skip_invalid`` as the flags of the same names.
     ``stop``: the signals this rank received (installed by the worker); None never stops early.
+    ``announce``: rank 0 prints the resolved config and the memory estimate first (False when the
+    ``te-dist`` parent already did).
     """
     cfg.validate()
     t, m, d = cfg.train, cfg.model, cfg.data
+    if announce and int(os.environ.get("RANK", "0")) == 0:
+        print(_announce(cfg, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
     job = _build(cfg)
     rt = job.runtime
     run = open_run(cfg, rt, resume=resume, overwrite=overwrite, skip_invalid=skip_invalid)
+    tensorboard = None
+    if rt.is_main:
+        write_config_yaml(run.out_dir, resolved_config(cfg, world_size=rt.world_size))
+        if t.log == "tensorboard":
+            from .tensorboard import TensorBoardWriter
+
+            tensorboard = TensorBoardWriter(run.out_dir)
     start_step, history = _resume(job, run.plan, cfg) if run.plan.checkpoint is not None else (0, {})
     tokens_per_step = d.global_batch_size * d.seq_len
     num_params = sum(p.numel() for p in job.model.parameters())
@@ -203,25 +227,34 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
     _say(rt, f"[te-dist] agreed recipe key: {job.agreed_key}")
     _say(rt, f"[te-dist] data: Markov chain, uniform loss {job.data.uniform_loss():.4f}, best possible loss "
              f"(entropy rate) {job.data.entropy_rate():.4f}")
+    note = peak_flops_note(rt.device)
+    if note:
+        _say(rt, f"[te-dist] {note}; model FLOPs per token: {flops_per_token(m, d.seq_len):,}")
 
     speeds, losses, last_ckpt = [], {}, None
+    progress = Progress(cfg, start_step=start_step, world_size=rt.world_size, device=rt.device)
     t_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         t0 = time.perf_counter()
         if fault is not None and fault.step == step and fault.rank == rt.rank:
             raise RuntimeError(f"injected failure on rank {rt.rank} at step {step} (--fail-rank/--fail-step)")
         lr = lr_at(step, cfg)
-        losses[step], stop_signal = _step(job, step, lr, stop.votes() if stop is not None else [0.0, 0.0])
-        loss = losses[step]
+        loss, grad_norm, stop_signal = _step(job, step, lr, stop.votes() if stop is not None else [0.0, 0.0])
+        losses[step] = loss
         dt = time.perf_counter() - t0
         if step > start_step + 1 or t.steps == start_step + 1:  # the first step pays for warm-up
             speeds.append(tokens_per_step / dt)
-        run.append_metrics({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt})
+        row = progress.record(step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=dt) if rt.is_main else None
+        if rt.is_main:
+            run.append_metrics(row)
+            if tensorboard is not None:
+                tensorboard.write(row)
         if step == start_step + 1:
             _say(rt, _fuser_report(job.model))
-        if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
-            _say(rt, f"step {step:>5}/{t.steps} [{_bar(step, t.steps)}] loss {loss:.4f} | lr {lr:.2e} | "
-                     f"{tokens_per_step / dt:>9,.0f} tok/s | {time.perf_counter() - t_start:6.1f}s")
+        if rt.is_main and (step % t.log_every == 0 or step == t.steps or step == start_step + 1):
+            _say(rt, progress.line(row))
+            if tensorboard is not None:
+                tensorboard.flush()
         stopping = stop_signal is not None and step < t.steps  # on the last step the run simply ends
         preempted = stopping and stop_signal == signal.SIGTERM
         saved_now = t.checkpoint and ((t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps or preempted)
@@ -233,10 +266,14 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
         if stopping:
             saved = f"checkpoint {last_ckpt}" if saved_now else "no checkpoint written"
             _say(rt, f"te-dist train: stopped by {stop_signal.name} after step {step}/{t.steps}; {saved}")
+            if tensorboard is not None:
+                tensorboard.close()
             run.close()
             return TrainResult(start_step + 1, step, losses, float("nan"), time.perf_counter() - t_start,
                                str(last_ckpt) if last_ckpt else None, stopped_by=stop_signal.name)
 
+    if tensorboard is not None:
+        tensorboard.close()
     result = TrainResult(start_step + 1, t.steps, losses, sum(speeds) / len(speeds) if speeds else float("nan"),
                          time.perf_counter() - t_start, str(last_ckpt) if last_ckpt else None)
     if rt.is_main:

@@ -156,6 +156,21 @@ class GradientReducer:
         self._reduce(self.dense, None, rt.world_size, "dense")
         self._reduce(self.expert, rt.groups.edp_group, rt.groups.edp_size, "expert")
 
+    def squared_norms(self) -> torch.Tensor:
+        """fp32 [2]: (dense, expert) sums of squared gradient entries on this rank, after :meth:`reduce`.
+
+        The global gradient norm is ``sqrt(dense + sum_over_WORLD(expert) / edp_size)``: dense
+        gradients are the same on every rank, each expert's lives on its EP rank and its EDP replicas.
+        """
+        out = []
+        for params in (self.dense, self.expert):
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                out.append(torch.zeros((), dtype=torch.float32, device=self.runtime.device))
+                continue
+            out.append(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum())
+        return torch.stack(out)
+
 
 def dense_group() -> Optional[object]:
     """The group every rank agrees on the recipe over (the whole job)."""

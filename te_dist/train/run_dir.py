@@ -31,8 +31,9 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from .checkpoint import check_compatible, remove_stale
-from .config import ConfigError, JobConfig
+from .config import PROVENANCE, ConfigError, JobConfig
 from .manifest import CheckpointError, list_checkpoints, select_checkpoint, step_of
+from .resolved import resolved_config
 from .run_lock import RunLock, lock_holder
 
 __all__ = ["RunPlan", "Run", "plan_run", "open_run", "RESUME_LATEST"]
@@ -123,7 +124,10 @@ def plan_run(cfg: JobConfig, *, resume: Union[None, bool, str] = None, overwrite
     check_compatible(ckpt, cfg.to_dict()["model"], meta=meta)
     step = meta["step"]
     notes = [f"[te-dist] {line}" for line in notes]
-    changes = _config_changes(meta["config"], cfg.to_dict())
+    # Both sides as resolved_config() writes them (recipe names expanded); provenance (versions,
+    # ranks) is not a setting.
+    now = {k: v for k, v in resolved_config(cfg).items() if k != PROVENANCE}
+    changes = _config_changes({k: v for k, v in meta["config"].items() if k != PROVENANCE}, now)
     if changes:
         notes.append(f"[te-dist] settings changed since the checkpoint: {', '.join(changes)}")
     if in_place:

@@ -154,3 +154,47 @@ def test_a_live_run_holds_its_out(run_cli, tmp_path):
         lock.release()
     assert result.returncode == 2
     assert "te-dist train: error: --out busy is in use by the live run first (pid" in result.output
+
+
+def test_config_saved_progress_fields_and_resume_check(run_cli, tmp_path):
+    """The first line says what is launched; config.yaml and the checkpoint hold the resolved config;
+    metrics rows carry grad norm, throughput, memory and ETA; a resume names what changed."""
+    import yaml
+
+    from te_dist.train.config import load_config
+    from te_dist.train.resolved import resolved_config
+
+    try:
+        import tensorboard  # noqa: F401
+
+        log = ("--log", "tensorboard")
+    except ImportError:  # the writer itself is tested (or skipped, with the reason) in test_tensorboard.py
+        log = ()
+    common = ("train", "--ckpt-every", 2, "--model.num_experts", 8, "--data.seq_len", 16, "--log-every", 1,
+              "--out", "run", *log)
+    first = run_cli(*common, "--steps", 2).check()
+    lines = first.output.splitlines()
+    assert lines[0].startswith("[te-dist] train: 2 ranks (gloo, cpu) | config (defaults) | out run")
+    assert "[te-dist] config model: vocab_size=64 hidden_size=128 ffn_hidden_size=128 num_layers=2 num_heads=4 " \
+           "num_experts=8" in first.output
+    assert "[te-dist] memory per rank (estimate): params" in first.output
+    assert first.output.count("[te-dist] config model:") == 1  # the workers do not repeat it
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved == resolved_config(load_config(tmp_path / "run" / "config.yaml"), world_size=2)
+    assert (saved["model"]["num_experts"], saved["data"]["seq_len"], saved["provenance"]["world_size"]) == (8, 16, 2)
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert meta["config"] == saved
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["grad_norm"] > 0 and row["tokens_per_s"] > 0 and row["max_rss_gib"] > 0.05
+        assert row["mfu"] is None  # no peak FLOP/s for a CPU
+    assert rows[1]["eta_s"] == 0 and rows[0]["eta_s"] > 0
+    assert "gnorm" in first.output and "ETA" in first.output and "rss" in first.output
+    if log:
+        assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+    resumed = run_cli(*common, "--steps", 3, "--train.lr", 0.02, "--resume", "run").check()
+    assert "[te-dist] settings changed since the checkpoint: train.lr 0.01 -> 0.02, train.steps 2 -> 3" \
+        in resumed.output
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["lr"] == 0.02
