@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # te_dist.distributed.peer_rows reads it on every dispatch
+TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # te_dist.moe.transports.peer.rows reads it on every dispatch
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2),

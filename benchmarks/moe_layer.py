@@ -16,7 +16,7 @@ of ``--iters`` steps after ``--warmup``):
   * overhead     layer / (gemm + a2a); the goal is <= 1.3.
   * dispatch     the layer's dispatch move against a raw ``all_to_all_single`` of the same bytes, as
                  algorithm bandwidth (bytes sent per rank / time). With the peer-rows transport
-                 (te_dist.distributed.peer_rows, the default on the GPUs of one host): count
+                 (te_dist.moe.transports.peer.rows, the default on the GPUs of one host): count
                  exchange, row map, host read of the counts, pull of the received rows from the
                  senders' regions; with the all-to-all transport: count exchange + host read + variable-split
                  token all-to-all (column "a2a dispatch/raw", measured in both cases).
@@ -53,7 +53,7 @@ from te_dist import kernels
 from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
-from te_dist.distributed.peer_rows import TRANSPORT_ENV, begin_exchange, finish_exchange, peer_workspace, pull
+from te_dist.moe.transports.peer.rows import TRANSPORT_ENV, begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe import AllToAllDispatcher, TopKRouter
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert

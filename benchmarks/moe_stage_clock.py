@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 import te_dist as td
 from te_dist import kernels as K
-from te_dist.moe import dispatcher as D, permutation as P, router as RT
+from te_dist.moe import permutation as P, router as RT
+from te_dist.moe.transports import all_to_all as D
 from te_dist.ops import fuser as FU
 from te_dist.ops.fused import grouped_mlp as GM
 from te_dist.ops.basic import grouped_linear as GL

@@ -1,6 +1,6 @@
 """ctypes view of ``peer_rows.cu`` (the expert-parallel row moves), built on first use like the GEMMs.
 
-Only pointers and integers cross this boundary; te_dist.distributed.peer_rows owns the tensors,
+Only pointers and integers cross this boundary; te_dist.moe.transports.peer.rows owns the tensors,
 the symmetric memory and the barriers.
 """
 

@@ -3,7 +3,7 @@
 See ``docs/moe.md`` for the data flow, the layouts at each step and how EP groups are formed.
 """
 
-from .dispatcher import AllToAllDispatcher, DispatchState, RoutingError
+from .transports.all_to_all import AllToAllDispatcher, DispatchState, RoutingError
 from .layer import MoELayer
 from .permutation import PermutationState, permute_tokens, unpermute_tokens
 from .router import RoutingResult, TopKRouter, load_balancing_loss, z_loss

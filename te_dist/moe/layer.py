@@ -39,7 +39,7 @@ from ..distributed.layer_agreement import LayerAgreement
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
-from .dispatcher import AllToAllDispatcher
+from .transports.all_to_all import AllToAllDispatcher
 from .init import draw_base_seed, expert_seed, init_expert_slice_
 from .padding import pad_expert_rows
 from .router import TopKRouter

@@ -9,8 +9,8 @@ the kernels themselves against the all-to-all path and the closed-form reference
 import pytest
 import torch
 
-from te_dist.distributed import peer_rows
-from te_dist.distributed.peer_rows import expected_sources
+from te_dist.moe.transports.peer import rows as peer_rows
+from te_dist.moe.transports.peer.rows import expected_sources
 
 
 def _tags(matrix, r):

@@ -2,7 +2,7 @@
 ABI is emulated on host memory (ctypes moves through the same raw addresses the kernels get).
 
 Why: CI has no GPU, and peer rows are the default transport on the GPUs of one host. This runs the
-real te_dist.moe.peer_dispatch / te_dist.distributed.peer_rows code (region sizing, growth that keeps
+real te_dist.moe.transports.peer.autograd / te_dist.moe.transports.peer.rows code (region sizing, growth that keeps
 rows packed into a region, rows staged outside it, the in-band error flag, every move forward and
 backward) against the closed-form reference of the stand-in experts. The kernels themselves are
 tested on a GPU (test_peer_rows.py, and the NCCL tests in tests/moe).
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import torch.distributed._symmetric_memory as symm_mem
-from te_dist.distributed import peer_rows
-from te_dist.moe.peer_dispatch import peer_combine, peer_dispatch
+from te_dist.moe.transports.peer import rows as peer_rows
+from te_dist.moe.transports.peer.autograd import peer_combine, peer_dispatch
 from te_dist.moe.permutation import permute_probs, sort_by_expert, unpermute_tokens
 
 

@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .groups import group_rank, group_size
+from ....distributed.groups import group_rank, group_size
 
 __all__ = [
     "TRANSPORT_ENV",

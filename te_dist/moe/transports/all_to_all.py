@@ -37,8 +37,8 @@ count exchange and raises the same error before the token all-to-all, so no rank
 one more int64 per destination rank; every rank gets every rank's tag in ``state.peer_tags``.
 
 Transport. On the GPUs of one host (NCCL backend, symmetric memory available on every rank, the
-choice agreed once per group: te_dist.distributed.peer_rows.use_peer_rows) the rows move through
-peer-mapped memory instead (te_dist.moe.peer_dispatch): each sender's expand gather writes its
+choice agreed once per group: te_dist.moe.transports.peer.rows.use_peer_rows) the rows move through
+peer-mapped memory instead (te_dist.moe.transports.peer.autograd): each sender's expand gather writes its
 rows into its own region, the counts travel on the device, and each receiver pulls its rows
 grouped by (local expert, source rank), so no sort follows; the combine pushes the outputs home,
 where the K-sum reads them. The probabilities always ride in the rows when applied in the expert.
@@ -57,13 +57,13 @@ from typing import Optional
 
 import torch
 
-from ..distributed.all_to_all import all_to_all_tokens, exchange_counts
-from ..distributed.bounded import check_timeout_s
-from ..distributed.groups import group_rank, group_size
-from ..distributed.peer_rows import RowPlan, peer_workspace, use_peer_rows
-from .payload import pack_expand, unpack_rows
-from .peer_dispatch import peer_combine, peer_dispatch
-from .permutation import (
+from ...distributed.all_to_all import all_to_all_tokens, exchange_counts
+from ...distributed.bounded import check_timeout_s
+from ...distributed.groups import group_rank, group_size
+from .peer.rows import RowPlan, peer_workspace, use_peer_rows
+from ..payload import pack_expand, unpack_rows
+from .peer.autograd import peer_combine, peer_dispatch
+from ..permutation import (
     PermutationState,
     chunk_sort_index,
     chunk_unsort_index,

@@ -1,0 +1,1 @@
+"""How routed tokens move between expert-parallel ranks: one dispatcher class per transport."""
