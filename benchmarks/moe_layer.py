@@ -16,11 +16,11 @@ of ``--iters`` steps after ``--warmup``):
   * overhead     layer / (gemm + a2a); the goal is <= 1.3.
   * dispatch     the layer's dispatch move against a raw ``all_to_all_single`` of the same bytes, as
                  algorithm bandwidth (bytes sent per rank / time). With the peer-rows transport
-                 (te_dist.moe.transports.peer.rows, the default on the GPUs of one host): count
+                 (te_dist.moe.transports.peer, the default on the GPUs of one host): count
                  exchange, row map, host read of the counts, pull of the received rows from the
                  senders' regions; with the all-to-all transport: count exchange + host read + variable-split
                  token all-to-all (column "a2a dispatch/raw", measured in both cases).
-  * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=nccl (the NCCL all-to-all transport),
+  * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=all_to_all (the NCCL all-to-all transport),
                  in the same process right after the default one; EP>1 only.
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
                  (and probability) all-to-alls, sort by local expert; with peer rows: permutation,
@@ -53,8 +53,9 @@ from te_dist import kernels
 from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
-from te_dist.moe.transports.peer.rows import TRANSPORT_ENV, begin_exchange, finish_exchange, peer_workspace, pull
-from te_dist.moe import AllToAllDispatcher, TopKRouter
+from te_dist.moe import TopKRouter, TransportSelector
+from te_dist.moe.transports import TRANSPORT_ENV
+from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
 
@@ -74,7 +75,7 @@ class LoopMoE(nn.Module):
     def __init__(self, hidden, ffn, num_experts, top_k, ep_group, dtype, device):
         super().__init__()
         self.router = TopKRouter(hidden, num_experts, top_k, dtype=dtype, device=device)
-        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
+        self.dispatcher = TransportSelector(num_experts, ep_group)  # the layer's transport (auto)
         El = self.dispatcher.num_local_experts
         self.fc1 = nn.ModuleList(nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype, device=device) for _ in range(El))
         self.fc2 = nn.ModuleList(nn.Linear(ffn, hidden, bias=False, dtype=dtype, device=device) for _ in range(El))
@@ -224,7 +225,7 @@ def bench_layer_parts(layer, T, args, device, dtype):
     sent_bytes = 0
     transport = layer.dispatcher.transport
     if layer.ep_size > 1:
-        t_layer_a2a = timed(with_transport("nccl", functools.partial(train_step, layer, x, g)), args, device)
+        t_layer_a2a = timed(with_transport("all_to_all", functools.partial(train_step, layer, x, g)), args, device)
         in_splits, out_splits = a2a_splits(layer)
         xs = torch.randn(sum(in_splits), H, dtype=dtype, device=device)
         xr = torch.randn(sum(out_splits), H, dtype=dtype, device=device)

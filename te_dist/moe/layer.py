@@ -7,6 +7,8 @@ El = E / R local experts, N rows this rank's experts receive.
               ─dispatcher.dispatch─▶ x_NH (rows by local expert), split_sizes_El, probs_N
               (─pad_expert_rows─▶ each expert's rows on a block boundary, when the active FP8
                recipe's native grouped path needs it; the outputs are unpadded after the MLP)
+              (transport: "all_to_all" over ep_group, or "peer" memory on the GPUs of one host;
+               "auto" picks peer where every rank can run it)
               ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
               ─dispatcher.combine─▶ out_TH
 
@@ -36,10 +38,10 @@ from torch import nn
 from ..autocast import get_active_recipe
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
-from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
-from .transports.all_to_all import AllToAllDispatcher
+from .transports import TransportSelector
+from .transports.selector import check_transport
 from .init import draw_base_seed, expert_seed, init_expert_slice_
 from .padding import pad_expert_rows
 from .router import TopKRouter
@@ -64,7 +66,10 @@ class MoELayer(nn.Module):
 
     ``layer(hidden_states)`` takes ``[..., hidden_size]`` and returns the same shape. Router
     options (``score_function``, ``pre_softmax``, ``normalize``, ``expert_bias``,
-    ``aux_loss_coeff``, ``z_loss_coeff``) are passed to :class:`TopKRouter`.
+    ``aux_loss_coeff``, ``z_loss_coeff``) are passed to :class:`TopKRouter`. ``transport``:
+    how tokens move between EP ranks, ``"auto"`` | ``"all_to_all"`` | ``"peer"`` (docs/moe.md
+    "Transports"); ``TE_DIST_EP_TRANSPORT`` overrides it where set. A forced transport that
+    cannot run raises at the first forward, on every rank, with the reasons.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class MoELayer(nn.Module):
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        transport: str = "auto",
         probs_position: Optional[str] = None,
         swiglu_limit: Optional[float] = None,
         edp_group=None,
@@ -94,6 +100,7 @@ class MoELayer(nn.Module):
         ep_size = group_size(ep_group)
         if num_experts % ep_size != 0:
             raise ValueError(f"{num_experts=} is not divisible by {ep_size=}")
+        check_transport(transport)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         gated = activation == "swiglu"
@@ -126,7 +133,8 @@ class MoELayer(nn.Module):
         # Global RNG use is identical at every EP size: one seed draw, then the router weight.
         base_seed = draw_base_seed()
         self.router = TopKRouter(hidden_size, num_experts, top_k, dtype=dtype, device=device, **router_options)
-        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
+        self.transport = transport
+        self.dispatcher = TransportSelector(num_experts, ep_group, transport)
         self.mlp = self._build_mlp(gated, bias, swiglu_limit, dtype, device)
         self._init_experts(base_seed)
         for op in (self.fc1, self.fc2):
@@ -197,7 +205,7 @@ class MoELayer(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, num_experts={self.num_experts}, "
             f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, activation={self.activation!r}, "
-            f"probs_position={self.probs_position!r}, dtype={self.dtype}"
+            f"probs_position={self.probs_position!r}, transport={self.transport!r}, dtype={self.dtype}"
         )
 
     # ------------------------------------------------------------------ forward
@@ -247,7 +255,7 @@ class MoELayer(nn.Module):
         # its host read, and the sizes that read brought. The GEMM backend sees the actual group sizes
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
         # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
-        splits = GroupSplits(state.local_expert_offsets, tuple(state.local_expert_sizes))
+        splits = state.group_splits()
         alignment = self._native_row_alignment(x_NH, splits.sizes)
         padded = None
         if alignment is not None:  # the native FP8 path needs every expert's rows on a block boundary
