@@ -13,7 +13,7 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
                ckpt_every, checkpoint, out_dir, device, threads,
                collective_timeout_s, stop_grace_s}
-    parallel: {ep}
+    parallel: {ep, transport}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
 """
 
@@ -43,6 +43,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 DEVICES = ("auto", "cpu", "cuda")
+TRANSPORTS = ("auto", "all_to_all", "peer")  # te_dist.moe.TRANSPORTS, spelled here so the check imports no torch
 DEFAULT_RECIPE = "current"  # Float8CurrentScaling: stateless FP8 (emulated on CPU), a real recipe key to agree on
 
 
@@ -98,6 +99,7 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     ep: Optional[int] = None  # expert-parallel size; None: every rank of the job
+    transport: str = "auto"  # how tokens move between EP ranks: MoELayer(transport=...), docs/moe.md "Transports"
 
 
 @dataclass(kw_only=True)
@@ -160,6 +162,7 @@ class JobConfig:
         _choice("train.device", t.device, DEVICES)
         if self.parallel.ep is not None:
             _positive("parallel.ep", self.parallel.ep)
+        _choice("parallel.transport", self.parallel.transport, TRANSPORTS)
         recipe = resolve_recipe(self.recipe)  # raises ConfigError for an unknown name or setting
         block = _RECIPE_BLOCK.get(type(recipe).__name__)
         if block is not None:
