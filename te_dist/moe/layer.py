@@ -42,14 +42,14 @@ from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 from .transports import TransportSelector
 from .transports.selector import check_transport
-from .init import draw_base_seed, expert_seed, init_expert_slice_
+from .expert_mlp import ACTIVATIONS, build_expert_mlp
+from .init import draw_base_seed, init_experts_, uniform_fan_in
 from .padding import pad_expert_rows
 from .router import TopKRouter
 from .state_dict import install_expert_state_dict_hooks
 
 __all__ = ["MoELayer"]
 
-_ACTIVATIONS = ("swiglu", "gelu", "relu")
 _PROBS_POSITIONS = ("expert", "combine")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -101,8 +101,8 @@ class MoELayer(nn.Module):
         if num_experts % ep_size != 0:
             raise ValueError(f"{num_experts=} is not divisible by {ep_size=}")
         check_transport(transport)
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         gated = activation == "swiglu"
         if probs_position is None:
             probs_position = "expert" if gated else "combine"
@@ -135,7 +135,9 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, top_k, dtype=dtype, device=device, **router_options)
         self.transport = transport
         self.dispatcher = TransportSelector(num_experts, ep_group, transport)
-        self.mlp = self._build_mlp(gated, bias, swiglu_limit, dtype, device)
+        self.mlp = build_expert_mlp(self.num_local_experts, hidden_size, ffn_hidden_size, activation=activation,
+                                    probs_in_expert=probs_position == "expert", fc1_bias=bias, fc2_bias=bias,
+                                    swiglu_limit=swiglu_limit, dtype=dtype, device=device)
         self._init_experts(base_seed)
         for op in (self.fc1, self.fc2):
             for p in op.parameters():
@@ -161,25 +163,6 @@ class MoELayer(nn.Module):
         self.aux_loss = self.z_loss = None  # coefficient-weighted, detached (None when off)
 
     # ------------------------------------------------------------------ construction
-    def _build_mlp(self, gated, bias, swiglu_limit, dtype, device):
-        from ..ops import GELU, GroupedLinear, OperationFuser, ReLU, ScaledSwiGLU, SwiGLU
-
-        El, H, F = self.num_local_experts, self.hidden_size, self.ffn_hidden_size
-        fc1_out = 2 * F if gated else F
-        # The ops draw their own default init from the global RNG (an amount that depends on El);
-        # fork it so later draws are EP-invariant. Values are overwritten by _init_experts.
-        fork_devices = [torch.device(device)] if device is not None and torch.device(device).type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices):
-            fc1 = GroupedLinear(El, H, fc1_out, bias=bias, dtype=dtype, device=device)
-            fc2 = GroupedLinear(El, F, H, bias=bias, dtype=dtype, device=device)
-        if self.probs_position == "expert":
-            act = ScaledSwiGLU(limit=swiglu_limit)
-        elif gated:
-            act = SwiGLU(limit=swiglu_limit)
-        else:
-            act = GELU() if self.activation == "gelu" else ReLU()
-        return OperationFuser([fc1, act, fc2])
-
     @property
     def fc1(self):
         return self.mlp.basic_ops[0]
@@ -188,14 +171,11 @@ class MoELayer(nn.Module):
     def fc2(self):
         return self.mlp.basic_ops[2]
 
-    @torch.no_grad()
     def _init_experts(self, base_seed: int) -> None:
-        for slot, (op, fan_in) in enumerate(((self.fc1, self.hidden_size), (self.fc2, self.ffn_hidden_size))):
-            for i in range(self.num_local_experts):
-                g = self.first_expert + i
-                init_expert_slice_(op.weight[i], fan_in, expert_seed(base_seed, g, 2 * slot))
-                if getattr(op, "bias", None) is not None:
-                    init_expert_slice_(op.bias[i], fan_in, expert_seed(base_seed, g, 2 * slot + 1))
+        fc1_init, fc2_init = uniform_fan_in(self.hidden_size), uniform_fan_in(self.ffn_hidden_size)
+        init_experts_([(self.fc1.weight, fc1_init), (getattr(self.fc1, "bias", None), fc1_init),
+                       (self.fc2.weight, fc2_init), (getattr(self.fc2, "bias", None), fc2_init)],
+                      self.first_expert, base_seed)
 
     def expert_parameters(self):
         """Parameters sharded over EP (reduce their gradients over the expert-data-parallel group)."""
