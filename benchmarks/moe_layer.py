@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import os
 import time
 
@@ -357,6 +358,8 @@ def main():
     parser.add_argument("--ep-sizes", default=None, help="comma-separated EP sizes (default: 1 and the world size)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the rows as JSON (rank 0; benchmarks/plots.py reads it)")
     args = parser.parse_args()
     if args.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -379,6 +382,10 @@ def main():
             hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
             print_table(rows, f"\nMoE layer fwd+bwd, {world} rank(s) x {hw}, {dtype}, {args.backend}, "
                               f"torch {torch.__version__}, iters {args.iters} warmup {args.warmup}")
+            if args.json:
+                meta = dict(hardware=f"{world} x {hw}", dtype=str(dtype), backend=args.backend, torch=torch.__version__)
+                with open(args.json, "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
     finally:
         dist.destroy_process_group()
 
