@@ -35,71 +35,55 @@ def _subtitle(meta: dict) -> str:
     return ", ".join(str(meta[k]) for k in ("hardware", "dtype", "torch", "date") if meta.get(k))
 
 
-def grouped_gemm(data: dict, out: Path) -> Path:
-    """Grouped-GEMM forward TFLOP/s, one group of bars per shape, one bar per backend."""
+def _bars(labels, series, ylabel: str, title: str, path: Path, rotate: bool = True) -> Path:
+    """Grouped bars: one group per label, one bar per (legend name, values) of ``series``."""
     plt = _pyplot()
-    rows = data["forward"]
-    shapes = [r["shape"] for r in rows]
-    width = 0.8 / len(BACKENDS)
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(shapes)), 4.5))
-    for i, (key, label) in enumerate(BACKENDS):
-        xs = [j + (i - (len(BACKENDS) - 1) / 2) * width for j in range(len(shapes))]
-        ax.bar(xs, [r["tflops"].get(key, 0.0) for r in rows], width, label=label)
-    ax.set_xticks(range(len(shapes)), shapes, rotation=30, ha="right")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Grouped GEMM forward ({_subtitle(data.get('meta', {}))})", fontsize=10)
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(labels)), 4.5))
+    for i, (name, values) in enumerate(series):
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))], values, width, label=name)
+    if rotate:
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    else:
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "grouped_gemm.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def grouped_gemm(data: dict, out: Path) -> Path:
+    """Grouped-GEMM forward TFLOP/s, one group of bars per shape, one bar per backend."""
+    rows = data["forward"]
+    series = [(label, [r["tflops"].get(key, 0.0) for r in rows]) for key, label in BACKENDS]
+    return _bars([r["shape"] for r in rows], series, "TFLOP/s",
+                 f"Grouped GEMM forward ({_subtitle(data.get('meta', {}))})", out / "grouped_gemm.png")
 
 
 def moe_layer(data: dict, out: Path) -> Path:
-    """MoE layer step (ms, lower is better) against the per-expert loop, the all-to-all transport and
-    the bound of its parts (grouped GEMMs + raw all-to-alls), per (config, EP, tokens)."""
-    plt = _pyplot()
+    """MoE layer step (ms, lower is better) against the all-to-all transport, the per-expert loop and
+    the sum of its parts (grouped GEMMs + raw all-to-alls), per (config, EP, tokens)."""
     rows = data["rows"]
+    series = [(f"layer ({rows[0].get('transport', 'auto')} transport)", [r["layer_ms"] for r in rows]),
+              ("all_to_all transport", [r.get("layer_a2a_ms", 0.0) for r in rows]),
+              ("per-expert loop", [r["loop_ms"] for r in rows]),
+              ("grouped GEMMs + raw all-to-all", [r["gemm_ms"] + r["a2a_ms"] for r in rows])]
     labels = [f"{r['config']}\nEP={r['ep']} T={r['tokens']}" for r in rows]
-    series = [("layer_ms", lambda r: r.get("transport", "layer")), ("layer_a2a_ms", lambda r: "all_to_all transport"),
-              ("loop_ms", lambda r: "per-expert loop"), (None, lambda r: "grouped GEMMs + raw all-to-all")]
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(rows)), 4.5))
-    for i, (key, name) in enumerate(series):
-        values = [(r["gemm_ms"] + r["a2a_ms"]) if key is None else r.get(key, 0.0) for r in rows]
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
-        label = f"layer ({name(rows[0])} transport)" if key == "layer_ms" else name(rows[0])
-        ax.bar(xs, values, width, label=label)
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set_ylabel("ms per forward+backward (lower is better)")
-    ax.set_title(f"MoE layer step ({_subtitle(data.get('meta', {}))})", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "moe_layer.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _bars(labels, series, "ms per forward+backward (lower is better)",
+                 f"MoE layer step ({_subtitle(data.get('meta', {}))})", out / "moe_layer.png", rotate=False)
 
 
 def fp8_vs_bf16(bf16: dict, fp8: dict, out: Path) -> Path:
-    """Our grouped GEMM's forward TFLOP/s per shape: the FP8 run against the bf16 run."""
-    plt = _pyplot()
+    """The selected grouped GEMM's forward TFLOP/s per shape: the FP8 run against the bf16 run."""
     ours = {r["shape"]: r["tflops"]["auto"] for r in fp8["forward"]}
-    shapes = [r["shape"] for r in bf16["forward"] if r["shape"] in ours]
     base = {r["shape"]: r["tflops"]["auto"] for r in bf16["forward"]}
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(shapes)), 4.5))
-    ax.bar([j - 0.2 for j in range(len(shapes))], [base[s] for s in shapes], 0.4, label="bf16")
-    ax.bar([j + 0.2 for j in range(len(shapes))], [ours[s] for s in shapes], 0.4, label="FP8")
-    ax.set_xticks(range(len(shapes)), shapes, rotation=30, ha="right")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Grouped GEMM forward, FP8 vs bf16 ({_subtitle(fp8.get('meta', {}))})", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "grouped_gemm_fp8.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    shapes = [s for s in base if s in ours]
+    series = [("bf16", [base[s] for s in shapes]), ("FP8", [ours[s] for s in shapes])]
+    return _bars(shapes, series, "TFLOP/s", f"Grouped GEMM forward, FP8 vs bf16 ({_subtitle(fp8.get('meta', {}))})",
+                 out / "grouped_gemm_fp8.png")
 
 
 def main(argv=None) -> int:

@@ -85,16 +85,7 @@ class AllToAllDispatcher(TokenDispatcher):
         self.timeout_s = check_timeout_s(timeout_s)
         super().__init__(num_experts, ep_group)
 
-    def dispatch(
-        self,
-        x_TH: torch.Tensor,
-        probs_TK: torch.Tensor,
-        indices_TK: torch.Tensor,
-        *,
-        probs_in_expert: bool,
-        invalid: Optional[torch.Tensor] = None,
-        tag: Optional[torch.Tensor] = None,
-    ):
+    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None):  # TokenDispatcher's
         R, El = self.ep_size, self.num_local_experts
         sort_rows = R > 1 and El > 1
         # With an all-to-all and a local sort, the probabilities ride in the token rows: one

@@ -15,8 +15,6 @@ rank on one host with symmetric memory and nvcc (availability.py; docs/moe.md "T
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ...permutation import permute_probs, sort_by_expert, unpermute_tokens
@@ -50,16 +48,7 @@ class PeerDispatcher(TokenDispatcher):
             use_peer_rows(self.ep_group, device, row_bytes, required=True, source=source)
             self._checked.add((device, row_bytes))
 
-    def dispatch(
-        self,
-        x_TH: torch.Tensor,
-        probs_TK: torch.Tensor,
-        indices_TK: torch.Tensor,
-        *,
-        probs_in_expert: bool,
-        invalid: Optional[torch.Tensor] = None,
-        tag: Optional[torch.Tensor] = None,
-    ):
+    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None):  # TokenDispatcher's
         self.check(x_TH.device, x_TH.shape[1] * x_TH.element_size())
         E, R, El = self.num_experts, self.ep_size, self.num_local_experts
         perm = sort_by_expert(x_TH, indices_TK, E)
