@@ -40,13 +40,13 @@ from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
 from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
-from .transports import TransportSelector
-from .transports.selector import check_transport
 from .expert_mlp import ACTIVATIONS, build_expert_mlp
 from .init import draw_base_seed, init_experts_, uniform_fan_in
 from .padding import pad_expert_rows
 from .router import TopKRouter
 from .state_dict import install_expert_state_dict_hooks
+from .transports import TransportSelector
+from .transports.selector import check_transport
 
 __all__ = ["MoELayer"]
 
