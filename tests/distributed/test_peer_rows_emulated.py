@@ -256,4 +256,4 @@ def test_peer_dispatcher_on_emulated_ranks(emulated, monkeypatch):
         got = _on_every_rank(world, lambda r: step(r, probs_in_expert))
         assert sum(got) == sum((5 + r) * K for r in range(R))
     got = _on_every_rank(world, lambda r: step(r, True, invalid=r == 1))
-    assert all("NaN on EP rank(s) [1]" in g for g in got), got
+    assert all("NaN or inf on EP rank(s) [1]" in g for g in got), got
