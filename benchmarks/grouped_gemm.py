@@ -231,7 +231,9 @@ def main():
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     dense = bench(lambda: a @ a, 5, 10)  # also brings the clocks up before the first measured shape
     print(f"# dense bf16 8192^3 a @ a: {2 * 8192 ** 3 / dense / 1e9:.0f} TFLOP/s")
-    results = {"forward": [], "backward": [], "epilogue": []}
+    results = {"meta": {"hardware": f"1 x {torch.cuda.get_device_name()}", "torch": torch.__version__,
+                        "dtype": "bfloat16"},
+               "forward": [], "backward": [], "epilogue": []}  # --json: benchmarks/plots.py reads it
 
     cases = [(n, E, [m] * E, K, N) for n, E, m, K, N in SHAPES]
     for n, E, T, K, N in DECODE:

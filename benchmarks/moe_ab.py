@@ -10,8 +10,8 @@ isolates the code change.
     python benchmarks/moe_ab.py --base .ab_base --configs deepseek,mixtral --tokens 1024       # EP=1
     torchrun --nproc-per-node 2 benchmarks/moe_ab.py --base .ab_base --tokens 1024           # EP=2, NCCL
 
-    torchrun --nproc-per-node 2 benchmarks/moe_ab.py --against-transport nccl --tokens 1024
-        # this tree against itself on TE_DIST_EP_TRANSPORT=nccl (the default is peer rows on one host)
+    torchrun --nproc-per-node 2 benchmarks/moe_ab.py --against-transport all_to_all --tokens 1024
+        # this tree against itself on TE_DIST_EP_TRANSPORT=all_to_all (auto picks peer rows on one host)
 
 (Carry ``.ab_base`` to the device machine; the base's kernels build into the same cache under their
 own source hash.) The table gives, per config, the median ms per step over ``--blocks`` blocks of
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # te_dist.distributed.peer_rows reads it on every dispatch
+TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # overrides MoELayer(transport=...); read on every dispatch
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2),

@@ -16,11 +16,11 @@ of ``--iters`` steps after ``--warmup``):
   * overhead     layer / (gemm + a2a); the goal is <= 1.3.
   * dispatch     the layer's dispatch move against a raw ``all_to_all_single`` of the same bytes, as
                  algorithm bandwidth (bytes sent per rank / time). With the peer-rows transport
-                 (te_dist.distributed.peer_rows, the default on the GPUs of one host): count
+                 (te_dist.moe.transports.peer, the default on the GPUs of one host): count
                  exchange, row map, host read of the counts, pull of the received rows from the
                  senders' regions; with the all-to-all transport: count exchange + host read + variable-split
                  token all-to-all (column "a2a dispatch/raw", measured in both cases).
-  * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=nccl (the NCCL all-to-all transport),
+  * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=all_to_all (the NCCL all-to-all transport),
                  in the same process right after the default one; EP>1 only.
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
                  (and probability) all-to-alls, sort by local expert; with peer rows: permutation,
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import os
 import time
 
@@ -53,8 +54,9 @@ from te_dist import kernels
 from te_dist.backends import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
-from te_dist.distributed.peer_rows import TRANSPORT_ENV, begin_exchange, finish_exchange, peer_workspace, pull
-from te_dist.moe import AllToAllDispatcher, TopKRouter
+from te_dist.moe import TopKRouter, TransportSelector
+from te_dist.moe.transports import TRANSPORT_ENV
+from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
 
@@ -74,7 +76,7 @@ class LoopMoE(nn.Module):
     def __init__(self, hidden, ffn, num_experts, top_k, ep_group, dtype, device):
         super().__init__()
         self.router = TopKRouter(hidden, num_experts, top_k, dtype=dtype, device=device)
-        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
+        self.dispatcher = TransportSelector(num_experts, ep_group)  # the layer's transport (auto)
         El = self.dispatcher.num_local_experts
         self.fc1 = nn.ModuleList(nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype, device=device) for _ in range(El))
         self.fc2 = nn.ModuleList(nn.Linear(ffn, hidden, bias=False, dtype=dtype, device=device) for _ in range(El))
@@ -224,7 +226,7 @@ def bench_layer_parts(layer, T, args, device, dtype):
     sent_bytes = 0
     transport = layer.dispatcher.transport
     if layer.ep_size > 1:
-        t_layer_a2a = timed(with_transport("nccl", functools.partial(train_step, layer, x, g)), args, device)
+        t_layer_a2a = timed(with_transport("all_to_all", functools.partial(train_step, layer, x, g)), args, device)
         in_splits, out_splits = a2a_splits(layer)
         xs = torch.randn(sum(in_splits), H, dtype=dtype, device=device)
         xr = torch.randn(sum(out_splits), H, dtype=dtype, device=device)
@@ -356,6 +358,8 @@ def main():
     parser.add_argument("--ep-sizes", default=None, help="comma-separated EP sizes (default: 1 and the world size)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the rows as JSON (rank 0; benchmarks/plots.py reads it)")
     args = parser.parse_args()
     if args.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -378,6 +382,10 @@ def main():
             hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
             print_table(rows, f"\nMoE layer fwd+bwd, {world} rank(s) x {hw}, {dtype}, {args.backend}, "
                               f"torch {torch.__version__}, iters {args.iters} warmup {args.warmup}")
+            if args.json:
+                meta = dict(hardware=f"{world} x {hw}", dtype=str(dtype), backend=args.backend, torch=torch.__version__)
+                with open(args.json, "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
     finally:
         dist.destroy_process_group()
 

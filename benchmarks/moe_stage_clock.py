@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 import te_dist as td
 from te_dist import kernels as K
-from te_dist.moe import dispatcher as D, permutation as P, router as RT
+from te_dist.moe import permutation as P, router as RT
+from te_dist.moe.transports import all_to_all as D
+from te_dist.moe.transports.peer import dispatcher as PD
 from te_dist.ops import fuser as FU
 from te_dist.ops.fused import grouped_mlp as GM
 from te_dist.ops.basic import grouped_linear as GL
@@ -72,8 +74,9 @@ def install():
                  "unpermute_tokens", "_chunk_indices", "permute_probs", "pack_expand", "unpack_rows",
                  "sort_by_expert"):
         wrap(D, name)
-    wrap(D.AllToAllDispatcher, "dispatch")
-    wrap(D.AllToAllDispatcher, "combine")
+    for cls in (D.AllToAllDispatcher, PD.PeerDispatcher):
+        wrap(cls, "dispatch")
+        wrap(cls, "combine")
     wrap(FU.OperationFuser, "forward", "fuser")
     wrap(K._Dispatch, "forward", "gemm_fwd")
     wrap(K._Dispatch, "dgrad", "gemm_dgrad")

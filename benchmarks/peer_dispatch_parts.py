@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from te_dist.distributed.peer_rows import begin_exchange, finish_exchange, peer_workspace, pull
+from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 
 CONFIGS = {  # hidden, experts, top_k, token counts
     "mixtral": (4096, 8, 2, (2048, 8192)),

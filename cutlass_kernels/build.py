@@ -2,9 +2,8 @@
 
 Cache key (sha256): the source, every CUTLASS header (the whole include tree, hashed once per
 process), the instance macros, arch and flags, the CUTLASS version and the nvcc version. The
-library is compiled into a temp dir inside the cache dir and renamed into place atomically, so
-many ranks may race to build the same instance safely. Cache dir: ``$TE_DIST_CACHE`` or
-``~/.cache/te_dist/kernels``.
+disk cache itself (whole-or-absent entries, one build per key across processes, a broken entry
+rebuilt once) is ``cache.py``. Cache dir: ``$TE_DIST_CACHE`` or ``~/.cache/te_dist/kernels``.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from .cache import BuildError, build_cached, open_cached
 from .heuristics import CONFIGS, TILES
 
 __all__ = [
@@ -37,7 +36,9 @@ __all__ = [
     "cache_key",
     "build_instance",
     "build_cutlass_source",
+    "open_cutlass_source",
     "build_plain_source",
+    "open_plain_source",
     "load",
     "load_instance",
     "all_instances",
@@ -50,10 +51,6 @@ BASE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-O3", "-Xco
 
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
 SCHEDULES = {"cooperative": 0, "pingpong": 1}
-
-
-class BuildError(RuntimeError):
-    """nvcc or the CUTLASS headers are missing, or compilation failed (message has the log tail)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +176,8 @@ def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
     return build_cutlass_source(SOURCE, inst.name, inst.macros, verbose=verbose)
 
 
-def build_cutlass_source(source: Path, name: str, macros, *, verbose: bool = False) -> Path:
-    """Path of the cached .so of one instance (``macros``: its -D flags) of a CUTLASS source of
-    this package, compiling it first if needed. The cache key covers the source, the CUTLASS
-    headers, the macros, arch, flags and the nvcc version."""
+def _cutlass_entry(source: Path, name: str, macros):
+    """(cache target, compile command) of one instance (``macros``: its -D flags) of a CUTLASS source."""
     nvcc = find_nvcc()
     cut = find_cutlass()
     if nvcc is None:
@@ -193,12 +188,26 @@ def build_cutlass_source(source: Path, name: str, macros, *, verbose: bool = Fal
     macros = tuple(macros)
     key = _digest(source.read_bytes(), _tree_digest(include).encode(), _tree_digest(util).encode(),
                   " ".join(macros + ARCH_FLAGS + BASE_FLAGS).encode(), version.encode(), nvcc_version(nvcc).encode())
-    target = cache_dir() / f"{name}-{key}.so"
 
     def command(out: Path) -> List[str]:
         return [nvcc, *ARCH_FLAGS, *BASE_FLAGS, *macros, f"-I{include}", f"-I{util}", "-o", str(out), str(source)]
 
+    return cache_dir() / f"{name}-{key}.so", command
+
+
+def build_cutlass_source(source: Path, name: str, macros, *, verbose: bool = False) -> Path:
+    """Path of the cached .so of one instance (``macros``: its -D flags) of a CUTLASS source of
+    this package, compiling it first if needed. The cache key covers the source, the CUTLASS
+    headers, the macros, arch, flags and the nvcc version."""
+    target, command = _cutlass_entry(source, name, macros)
     return _compile_cached(target, command, name, verbose)
+
+
+def open_cutlass_source(source: Path, name: str, macros, open_fn, *, verbose: bool = False):
+    """``open_fn(path)`` of one instance's cached library; a library that fails to open is rebuilt
+    once, then ``BuildError`` (cache.open_cached), which the backends turn into their fallback."""
+    target, command = _cutlass_entry(source, name, macros)
+    return open_cached(target, command, name, open_fn, verbose)
 
 
 def plain_source_key(source: Path) -> str:
@@ -209,31 +218,31 @@ def plain_source_key(source: Path) -> str:
     return _digest(source.read_bytes(), " ".join(ARCH_FLAGS + BASE_FLAGS).encode(), nvcc_version(nvcc).encode())
 
 
-def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
-    """Path of the cached .so of a plain CUDA source of this package, compiling it first if needed."""
-    target = cache_dir() / f"{source.stem}-{plain_source_key(source)}.so"
+def _plain_target(source: Path) -> Path:
+    return cache_dir() / f"{source.stem}-{plain_source_key(source)}.so"
 
+
+def _plain_command(source: Path):
     def command(out: Path) -> List[str]:
         return [find_nvcc(), *ARCH_FLAGS, *BASE_FLAGS, "-o", str(out), str(source)]
 
-    return _compile_cached(target, command, source.stem, verbose)
+    return command
+
+
+def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
+    """Path of the cached .so of a plain CUDA source of this package, compiling it first if needed."""
+    return _compile_cached(_plain_target(source), _plain_command(source), source.stem, verbose)
+
+
+def open_plain_source(source: Path, open_fn, *, verbose: bool = False):
+    """``open_fn(path)`` of a plain source's cached library; a library that fails to open is
+    rebuilt once, then ``BuildError`` (cache.open_cached)."""
+    return open_cached(_plain_target(source), _plain_command(source), source.stem, open_fn, verbose)
 
 
 def _compile_cached(target: Path, command, name: str, verbose: bool) -> Path:
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
-        out = Path(tmp) / target.name
-        cmd = command(out)
-        if verbose:
-            print(" ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr)[-4000:]
-            raise BuildError(f"nvcc failed for {name} (rc={proc.returncode}):\n{tail}")
-        os.replace(out, target)  # atomic: a racing rank sees either nothing or the whole file
-    return target
+    """Every source's build goes through here: the whole-or-absent, built-once cache (cache.py)."""
+    return build_cached(target, command, name, verbose)
 
 
 class _Library:
@@ -249,7 +258,8 @@ class _Library:
         lib.te_gg_workspace_bytes.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
         lib.te_gg_last_error.restype = c.c_char_p
         got = (lib.te_gg_kind(), lib.te_gg_config(), bool(lib.te_gg_out_f32()))
-        assert got == (KINDS[inst.direction], inst.config, inst.out_f32), f"{path} is not {inst}: {got}"
+        if got != (KINDS[inst.direction], inst.config, inst.out_f32):
+            raise BuildError(f"{path} is not {inst}: it reports (kind, config, out_f32) = {got}")
         self._lib = lib
         self._ws_cache = {}
         self.run = lib.te_gg_run
@@ -281,7 +291,8 @@ def load(direction: str, config: int, out_f32: bool = False) -> _Library:
             lib = _loaded.get(key)
             if lib is None:
                 inst = Instance(direction, config, out_f32)
-                lib = _loaded[key] = _Library(build_instance(inst), inst)
+                lib = _loaded[key] = open_cutlass_source(SOURCE, inst.name, inst.macros,
+                                                         lambda path: _Library(path, inst))
     return lib
 
 

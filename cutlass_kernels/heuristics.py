@@ -10,8 +10,9 @@ Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
 | 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
 | 10 | ping-pong   | 64 x 256 x 64    | 1x1x1   | ragged groups: 64-row padding, no cluster rounding, the widest wgmma (m64n256) per warpgroup |
 
-``CANDIDATES`` (ids 4-9, 11-15) are further tiles for sweeps; they are not built by default. Config 10 was
-candidate 10 and kept its id, so the sweep tables of docs/benchmarks.md still name it right.
+``CANDIDATES`` (ids 4-9, 11-15) are further tiles for sweeps; they are not built by default. Ids
+never change meaning (a candidate that wins moves into CONFIGS under its id), so sweep tables stay
+comparable.
 
 Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
 GEMM's M for fwd/dgrad and its K for wgrad, on the contraction length, and on whether the caller's
@@ -43,13 +44,13 @@ CANDIDATES = {
     7: ("cooperative", 128, 128, 64, (1, 2)),
     8: ("cooperative", 128, 256, 64, (1, 1)),  # config 0 without its cluster; ragged groups' second best
     9: ("cooperative", 128, 256, 64, (1, 2)),
-    # Ninth session (docs/benchmarks.md grouped GEMM run 10): each lost to the table's pick everywhere it
-    # was aimed; kept so that sweep can be rerun.
-    11: ("pingpong", 128, 128, 64, (1, 4)),    # small-M: A multicast to 4 N tiles (441 vs c2 452 TFLOP/s)
-    12: ("pingpong", 128, 128, 64, (2, 2)),    # short-K wgrad, both operands multicast (328-378 vs c2 367-411)
-    13: ("cooperative", 256, 128, 64, (2, 2)),  # short-K wgrad, bigger tile (302-359)
-    14: ("pingpong", 64, 256, 64, (1, 2)),     # ragged groups: config 10 with A multicast (335-396 vs 518-582)
-    15: ("pingpong", 64, 256, 64, (2, 1)),     # small-M, B multicast to its two 64-row tiles (438-444 vs c2 443-445)
+    # Multicast variants: each was slower than the table's pick for the shape it targets (the sweep's
+    # figures are in docs/kernels.md); kept so that the sweep can be rerun on other GPUs.
+    11: ("pingpong", 128, 128, 64, (1, 4)),    # small-M: A multicast to 4 N tiles
+    12: ("pingpong", 128, 128, 64, (2, 2)),    # short-K wgrad, both operands multicast
+    13: ("cooperative", 256, 128, 64, (2, 2)),  # short-K wgrad, bigger tile
+    14: ("pingpong", 64, 256, 64, (1, 2)),     # ragged groups: config 10 with A multicast
+    15: ("pingpong", 64, 256, 64, (2, 1)),     # small-M, B multicast to its two 64-row tiles
 }
 TILES = {**CONFIGS, **CANDIDATES}
 
@@ -70,11 +71,11 @@ class Rule(NamedTuple):
     ragged: bool = False
 
 
-# From the H200 sweeps of 2026-11-29/30 (docs/kernels.md; run-to-run spread ~3%):
+# Fitted to H200 sweeps of benchmarks/grouped_gemm.py (docs/kernels.md; run-to-run spread ~3%):
 RULES = (
     # Short-K wgrad with large per-expert outputs (DeepSeek-like layer, 256 rows, 7168x4096 and
     # 2048x7168 per expert): ping-pong overlaps each tile's big epilogue with the other warpgroup's
-    # 4-step K loop, +4-10% over coop 256x128 in both sweeps of the fifth session.
+    # 4-step K loop, +4-10% over coop 256x128.
     Rule("wgrad", 512, 2, min_rows=128, min_out=1 << 23),
     Rule("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
     Rule("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
@@ -82,17 +83,16 @@ RULES = (
     # Forward and dgrad from here on. Ragged groups (unequal host sizes, as a router gives them) of
     # 65-768 rows on average: a grouped kernel pads every group to whole M tiles, 128 rows for the
     # tiles below and, with config 0's 2x1 cluster, an even count of them. Config 10 pads to 64 rows.
-    # In two sweeps it beat this table's equal-split pick in 26 of 28 such GEMMs (+5% to +40%; 1%
-    # slower twice) and the cluster-free 128x256 tile (candidate 8) in 27 of 28; at 1024 rows per
-    # expert it lost (docs/kernels.md "Ragged group sizes").
+    # It beats the equal-split pick in 26 of 28 such GEMMs (+5% to +40%; 1% slower twice) and the
+    # cluster-free 128x256 tile (candidate 8) in 27 of 28; at 1024 rows per expert it loses
+    # (docs/kernels.md "Ragged group sizes").
     Rule("*", 768, 10, min_rows=64, ragged=True),
     Rule("*", 32, 1),         # decode: 64-row tiles waste least
     Rule("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
     # Contraction up to 4096 with up to 2048 rows: ping-pong 128x128 overlaps each tile's epilogue
-    # with the other warpgroup's math. Forward: DeepSeek-V3 fc2 EP8 (1024 rows, K 2048) won in all
-    # ten sweeps (+1% to +11%), the Mixtral-like layer's fc1 at EP=2 (1024 rows, K 4096) +5-7% in
-    # two; not at 256 rows or fewer (Qwen3 fc1: 2-7% slower) nor for K 7168 (DSv3 fc1 EP8: c0
-    # ahead by 0.4-4% in four of five sweeps). Dgrad (contraction = N): DSv3 fc1 EP8 (N 4096) +5%,
+    # with the other warpgroup's math. Forward: DeepSeek-V3 fc2 EP8 (1024 rows, K 2048) +1% to +11%,
+    # the Mixtral-like layer's fc1 at EP=2 (1024 rows, K 4096) +5-7%; not at 256 rows or fewer
+    # (Qwen3 fc1: 2-7% slower) nor for K 7168 (DSv3 fc1 EP8: c0 ahead by 0.4-4%). Dgrad (contraction = N): DSv3 fc1 EP8 (N 4096) +5%,
     # the Mixtral-like fc2 at EP=2 (N 4096) +4-5%, Qwen3 (N 1536) +2%; c0 stays ahead for N 7168+.
     Rule("fwd", 2048, 2, min_rows=256, max_k=4096),
     Rule("dgrad", 2048, 2, max_k=4096),

@@ -1,6 +1,6 @@
 """ctypes view of ``peer_rows.cu`` (the expert-parallel row moves), built on first use like the GEMMs.
 
-Only pointers and integers cross this boundary; te_dist.distributed.peer_rows owns the tensors,
+Only pointers and integers cross this boundary; te_dist.moe.transports.peer.rows owns the tensors,
 the symmetric memory and the barriers.
 """
 
@@ -10,7 +10,7 @@ import ctypes
 import threading
 from pathlib import Path
 
-from .build import BuildError, build_plain_source
+from .build import BuildError, open_plain_source
 
 __all__ = ["SOURCE", "BuildError", "PeerRowsLibrary", "load_peer_rows"]
 
@@ -97,10 +97,11 @@ _loaded: list = []
 
 
 def load_peer_rows() -> PeerRowsLibrary:
-    """The library, compiled into the kernel cache on first use (raises BuildError without nvcc)."""
+    """The library, compiled into the kernel cache on first use (raises BuildError without nvcc, or
+    when the library fails to load even after a rebuild)."""
     if not _loaded:
         with _lock:
             if not _loaded:
-                _loaded.append(PeerRowsLibrary(build_plain_source(SOURCE)))
+                _loaded.append(open_plain_source(SOURCE, PeerRowsLibrary))
     return _loaded[0]
 

@@ -8,10 +8,9 @@ ops (``te_dist.ops``) turn op sequences into fusion plans keyed by that string; 
 Importing this package never touches CUDA: subpackages load on first attribute access.
 """
 
-import importlib
-
 from . import recipe
 from .autocast import autocast, get_active_recipe
+from .lazy_import import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -29,10 +28,5 @@ _LAZY_SUBMODULES = (
 __all__ = ["recipe", "autocast", "get_active_recipe", *_LAZY_SUBMODULES]
 
 
-def __getattr__(name):
-    # Lazy so that `import te_dist` stays cheap and CPU-safe; megatron is only imported when asked.
-    if name in _LAZY_SUBMODULES:
-        module = importlib.import_module(f".{name}", __name__)
-        globals()[name] = module
-        return module
-    raise AttributeError(f"module 'te_dist' has no attribute {name!r}")
+# Lazy so that `import te_dist` stays cheap and CPU-safe; megatron is only imported when asked.
+__getattr__ = lazy_getattr(__name__, globals(), dict.fromkeys(_LAZY_SUBMODULES))

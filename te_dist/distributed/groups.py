@@ -27,6 +27,7 @@ __all__ = [
     "init_expert_parallel_groups",
     "group_rank",
     "group_size",
+    "world_if_none",
 ]
 
 
@@ -42,6 +43,18 @@ def group_rank(group) -> int:
     if group is None:
         return 0
     return dist.get_rank(group)
+
+
+def world_if_none(group):
+    """``group``, or the world group for ``None`` once torch.distributed is initialised.
+
+    Why: the comm ops (``td.ops.AllGather(group=None)``, tensor-parallel linears) keep torch's
+    convention, where ``None`` is the default group; te_dist's own ``None`` means no parallelism.
+    Callers with torch's convention resolve the group here, then use the helpers above.
+    """
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,7 @@ other names import it on first use (``pip install 'te_dist[megatron]'``, 0.16.x 
 See docs/megatron.md.
 """
 
-import importlib
-
+from ..lazy_import import lazy_getattr
 from .recipe_config import RECIPE_FROM_CONFIG, recipe_from_megatron_config, resolve_recipe
 
 __all__ = [
@@ -34,10 +33,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    # Lazy: `import te_dist.megatron` must not import megatron-core (heavy, optional).
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'te_dist.megatron' has no attribute {name!r}")
+# Lazy: `import te_dist.megatron` must not import megatron-core (heavy, optional).
+__getattr__ = lazy_getattr(__name__, globals(), _LAZY)

@@ -26,6 +26,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..distributed.groups import group_rank, group_size
+from ..moe.expert_mlp import build_expert_mlp
+from ..moe.init import init_experts_, on_seeded_global_rng
+from ..ops import OperationFuser
 from ._compat import require_megatron
 from .checkpoint import expert_tensor_factory
 from .recipe_config import resolve_recipe
@@ -35,8 +39,6 @@ require_megatron()
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the version check)
 
 __all__ = ["GroupedExperts"]
-
-_INIT_SEED_STRIDE = 1_000_003  # per-expert seed spacing: global expert g always draws the same weights
 
 
 def _check_config(config, num_local_experts: int, ep_size: int, expt_tp_size: int) -> None:
@@ -84,14 +86,6 @@ def _megatron_activation(config):
 _PROBS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _pg_size(group) -> int:
-    return torch.distributed.get_world_size(group) if group is not None else 1
-
-
-def _pg_rank(group) -> int:
-    return torch.distributed.get_rank(group) if group is not None else 0
-
-
 class GroupedExperts(MegatronModule):
     """Megatron experts module: ``(permuted_tokens, tokens_per_expert, permuted_probs) -> (output, None)``.
 
@@ -122,12 +116,10 @@ class GroupedExperts(MegatronModule):
 
             pg_collection = get_default_pg_collection()
         ep_group = pg_collection.ep
-        ep_size, ep_rank = _pg_size(ep_group), _pg_rank(ep_group)
-        _check_config(config, num_local_experts, ep_size, _pg_size(pg_collection.expt_tp))
+        ep_size, ep_rank = group_size(ep_group), group_rank(ep_group)
+        _check_config(config, num_local_experts, ep_size, group_size(pg_collection.expt_tp))
         resolved = resolve_recipe(recipe, config)  # raises before any allocation
         super().__init__(config=config)
-
-        from ..ops import GroupedLinear, OperationFuser, ScaledSwiGLU
 
         self.name = name
         self.num_local_experts = num_local_experts
@@ -144,15 +136,19 @@ class GroupedExperts(MegatronModule):
         device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
         bias = bool(config.add_bias_linear)
         self.gated = config.gated_linear_unit
-        fc1_out = 2 * ffn if self.gated else ffn
-        self.linear_fc1 = GroupedLinear(num_local_experts, hidden, fc1_out, bias=bias, dtype=dtype, device=device)
-        if _fused_swiglu(config):
-            # activation_func_clamp_value clamps gate <= v and -v <= up <= v, as ScaledSwiGLU's limit does.
-            self.activation = ScaledSwiGLU(limit=getattr(config, "activation_func_clamp_value", None))
+        fused = _fused_swiglu(config)
+        # The expert MLP's one builder; for any activation but SwiGLU only its two grouped GEMMs are used.
+        # activation_func_clamp_value clamps gate <= v and -v <= up <= v, as ScaledSwiGLU's limit does.
+        fuser = build_expert_mlp(num_local_experts, hidden, ffn, activation="swiglu" if self.gated else "gelu",
+                                 probs_in_expert=fused, fc1_bias=bias, fc2_bias=False,
+                                 swiglu_limit=getattr(config, "activation_func_clamp_value", None) if fused else None,
+                                 dtype=dtype, device=device)
+        self.linear_fc1, activation, self.linear_fc2 = fuser.basic_ops
+        if fused:
+            self.activation = activation
         else:
             self.activation = None
             self._activation_func = _megatron_activation(config)
-        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, hidden, bias=False, dtype=dtype, device=device)
         # Megatron scales the fc2 bias by the routing probability (MLP.forward with per_token_scale),
         # which a bias inside the fused sequence (added after the scaled SwiGLU) would not: kept here.
         self.linear_fc2_bias = (
@@ -160,7 +156,7 @@ class GroupedExperts(MegatronModule):
         )
         # Not a registered child: the ops above already own the parameters under Megatron-like names.
         if self.activation is not None:
-            self.__dict__["_fuser"] = OperationFuser([self.linear_fc1, self.activation, self.linear_fc2])
+            self.__dict__["_fuser"] = fuser
         else:  # two grouped GEMMs around Megatron's activation
             self.__dict__["_fuser"] = None
             self.__dict__["_fc1_fuser"] = OperationFuser([self.linear_fc1])
@@ -174,16 +170,12 @@ class GroupedExperts(MegatronModule):
 
     @torch.no_grad()
     def _initialize(self, config) -> None:
-        """Megatron's init methods, seeded per *global* expert so any EP size gives the same experts."""
-        base_seed = torch.initial_seed()
-        device = self.linear_fc1.weight.device
-        devices = [device] if device.type == "cuda" else []
-        for local_idx in range(self.num_local_experts):
-            global_idx = self.ep_rank * self.num_local_experts + local_idx
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed((base_seed + _INIT_SEED_STRIDE * (global_idx + 1)) % (2**63))
-                config.init_method(self.linear_fc1.weight[local_idx])
-                config.output_layer_init_method(self.linear_fc2.weight[local_idx])
+        """Megatron's init methods, seeded per *global* expert (te_dist.moe.init, the MoELayer's
+        scheme) so any EP size gives the same experts. The base seed is the generator's initial
+        seed, not a draw: Megatron's ranks may have drawn different amounts before (pipeline stages)."""
+        init_experts_([(self.linear_fc1.weight, on_seeded_global_rng(config.init_method)), (None, None),
+                       (self.linear_fc2.weight, on_seeded_global_rng(config.output_layer_init_method))],
+                      self.ep_rank * self.num_local_experts, torch.initial_seed())
         if getattr(self.linear_fc1, "bias", None) is not None:
             self.linear_fc1.bias.zero_()
         if self.linear_fc2_bias is not None:
@@ -251,7 +243,7 @@ class GroupedExperts(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """SequentialMLP's checkpoint layout (see ``te_dist.megatron.checkpoint``)."""
-        replica_id = (0, 0, _pg_rank(self.expt_dp_group))
+        replica_id = (0, 0, group_rank(self.expt_dp_group))
         common = dict(sharded_offsets=sharded_offsets, ep_rank=self.ep_rank, ep_size=self.ep_size,
                       replica_id=replica_id, singleton=bool((metadata or {}).get("singleton_local_shards", False)))
         tensors = (  # (our state-dict name, checkpoint name, tensor, gated halves, linear owning _extra_state)

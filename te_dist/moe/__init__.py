@@ -3,7 +3,15 @@
 See ``docs/moe.md`` for the data flow, the layouts at each step and how EP groups are formed.
 """
 
-from .dispatcher import AllToAllDispatcher, DispatchState, RoutingError
+from .transports import (
+    TRANSPORTS,
+    AllToAllDispatcher,
+    DispatchState,
+    PeerDispatcher,
+    RoutingError,
+    TokenDispatcher,
+    TransportSelector,
+)
 from .layer import MoELayer
 from .permutation import PermutationState, permute_tokens, unpermute_tokens
 from .router import RoutingResult, TopKRouter, load_balancing_loss, z_loss
@@ -15,7 +23,11 @@ __all__ = [
     "RoutingResult",
     "load_balancing_loss",
     "z_loss",
+    "TRANSPORTS",
+    "TokenDispatcher",
     "AllToAllDispatcher",
+    "PeerDispatcher",
+    "TransportSelector",
     "DispatchState",
     "RoutingError",
     "PermutationState",

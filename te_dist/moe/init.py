@@ -1,19 +1,28 @@
-"""Expert-parallel-invariant initialisation of stacked expert weights.
+"""Expert-parallel-invariant initialisation of stacked expert weights (MoELayer and the Megatron experts).
 
 Why: a layer built at EP=1 and one built at EP=N after the same ``torch.manual_seed(s)`` must
 compute the same function. Drawing the experts from the global generator would make expert e's
-values depend on how many experts this rank builds before it. Instead each global expert gets
-its own generator, seeded from one base seed (drawn once from the global generator, the same
-draw at every EP size) and from (e, tensor slot).
+values depend on how many experts this rank builds before it. Instead each global expert's
+tensors are drawn from a seed of (base seed, e, tensor slot), the base seed being the same at
+every EP size. :func:`init_experts_` is the one loop; what fills a slice is the caller's:
+``MoELayer`` draws nn.Linear's default from a private generator (:func:`uniform_fan_in`), the
+Megatron experts run Megatron's ``init_method`` on the seeded global generator
+(:func:`on_seeded_global_rng`).
+
+Slots: 0 fc1.weight, 1 fc1.bias, 2 fc2.weight, 3 fc2.bias.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["draw_base_seed", "expert_seed", "init_expert_slice_"]
+__all__ = ["draw_base_seed", "expert_seed", "init_expert_slice_", "init_experts_", "uniform_fan_in",
+           "on_seeded_global_rng"]
+
+SliceInit = Callable[[torch.Tensor, int], None]  # (one expert's slice, its seed) -> fills the slice
 
 _MASK = (1 << 63) - 1
 
@@ -43,3 +52,33 @@ def init_expert_slice_(param_slice: torch.Tensor, fan_in: int, seed: int) -> Non
     values = torch.empty(param_slice.shape, dtype=torch.float32, device=param_slice.device)
     values.uniform_(-bound, bound, generator=gen)
     param_slice.copy_(values)
+
+
+def uniform_fan_in(fan_in: int) -> SliceInit:
+    """nn.Linear's default init of a slice (:func:`init_expert_slice_`)."""
+    return lambda param_slice, seed: init_expert_slice_(param_slice, fan_in, seed)
+
+
+def on_seeded_global_rng(init_method: Callable[[torch.Tensor], object]) -> SliceInit:
+    """``init_method(slice)`` (e.g. Megatron's, which draws from the global generators) with the
+    global CPU and CUDA generators seeded for the slice, restored afterwards."""
+
+    def init(param_slice: torch.Tensor, seed: int) -> None:
+        devices = [param_slice.device] if param_slice.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            init_method(param_slice)
+
+    return init
+
+
+@torch.no_grad()
+def init_experts_(slots: Sequence[Tuple[Optional[torch.Tensor], SliceInit]], first_expert: int,
+                  base_seed: int) -> None:
+    """Fill stacked expert tensors ``[El, ...]`` slice by slice: slice i of slot s gets
+    ``init(slice, expert_seed(base_seed, first_expert + i, s))``; a None tensor is skipped."""
+    for slot, (tensor, init) in enumerate(slots):
+        if tensor is None:
+            continue
+        for i in range(tensor.shape[0]):
+            init(tensor[i], expert_seed(base_seed, first_expert + i, slot))

@@ -7,6 +7,8 @@ El = E / R local experts, N rows this rank's experts receive.
               ─dispatcher.dispatch─▶ x_NH (rows by local expert), split_sizes_El, probs_N
               (─pad_expert_rows─▶ each expert's rows on a block boundary, when the active FP8
                recipe's native grouped path needs it; the outputs are unpadded after the MLP)
+              (transport: "all_to_all" over ep_group, or "peer" memory on the GPUs of one host;
+               "auto" picks peer where every rank can run it)
               ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
               ─dispatcher.combine─▶ out_TH
 
@@ -36,18 +38,18 @@ from torch import nn
 from ..autocast import get_active_recipe
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
-from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
-from .dispatcher import AllToAllDispatcher
-from .init import draw_base_seed, expert_seed, init_expert_slice_
+from .expert_mlp import ACTIVATIONS, build_expert_mlp
+from .init import draw_base_seed, init_experts_, uniform_fan_in
 from .padding import pad_expert_rows
 from .router import TopKRouter
 from .state_dict import install_expert_state_dict_hooks
+from .transports import TransportSelector
+from .transports.selector import check_transport
 
 __all__ = ["MoELayer"]
 
-_ACTIVATIONS = ("swiglu", "gelu", "relu")
 _PROBS_POSITIONS = ("expert", "combine")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -64,7 +66,10 @@ class MoELayer(nn.Module):
 
     ``layer(hidden_states)`` takes ``[..., hidden_size]`` and returns the same shape. Router
     options (``score_function``, ``pre_softmax``, ``normalize``, ``expert_bias``,
-    ``aux_loss_coeff``, ``z_loss_coeff``) are passed to :class:`TopKRouter`.
+    ``aux_loss_coeff``, ``z_loss_coeff``) are passed to :class:`TopKRouter`. ``transport``:
+    how tokens move between EP ranks, ``"auto"`` | ``"all_to_all"`` | ``"peer"`` (docs/moe.md
+    "Transports"); ``TE_DIST_EP_TRANSPORT`` overrides it where set. A forced transport that
+    cannot run raises at the first forward, on every rank, with the reasons.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class MoELayer(nn.Module):
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        transport: str = "auto",
         probs_position: Optional[str] = None,
         swiglu_limit: Optional[float] = None,
         edp_group=None,
@@ -94,8 +100,9 @@ class MoELayer(nn.Module):
         ep_size = group_size(ep_group)
         if num_experts % ep_size != 0:
             raise ValueError(f"{num_experts=} is not divisible by {ep_size=}")
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+        check_transport(transport)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         gated = activation == "swiglu"
         if probs_position is None:
             probs_position = "expert" if gated else "combine"
@@ -126,8 +133,11 @@ class MoELayer(nn.Module):
         # Global RNG use is identical at every EP size: one seed draw, then the router weight.
         base_seed = draw_base_seed()
         self.router = TopKRouter(hidden_size, num_experts, top_k, dtype=dtype, device=device, **router_options)
-        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
-        self.mlp = self._build_mlp(gated, bias, swiglu_limit, dtype, device)
+        self.transport = transport
+        self.dispatcher = TransportSelector(num_experts, ep_group, transport)
+        self.mlp = build_expert_mlp(self.num_local_experts, hidden_size, ffn_hidden_size, activation=activation,
+                                    probs_in_expert=probs_position == "expert", fc1_bias=bias, fc2_bias=bias,
+                                    swiglu_limit=swiglu_limit, dtype=dtype, device=device)
         self._init_experts(base_seed)
         for op in (self.fc1, self.fc2):
             for p in op.parameters():
@@ -153,25 +163,6 @@ class MoELayer(nn.Module):
         self.aux_loss = self.z_loss = None  # coefficient-weighted, detached (None when off)
 
     # ------------------------------------------------------------------ construction
-    def _build_mlp(self, gated, bias, swiglu_limit, dtype, device):
-        from ..ops import GELU, GroupedLinear, OperationFuser, ReLU, ScaledSwiGLU, SwiGLU
-
-        El, H, F = self.num_local_experts, self.hidden_size, self.ffn_hidden_size
-        fc1_out = 2 * F if gated else F
-        # The ops draw their own default init from the global RNG (an amount that depends on El);
-        # fork it so later draws are EP-invariant. Values are overwritten by _init_experts.
-        fork_devices = [torch.device(device)] if device is not None and torch.device(device).type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices):
-            fc1 = GroupedLinear(El, H, fc1_out, bias=bias, dtype=dtype, device=device)
-            fc2 = GroupedLinear(El, F, H, bias=bias, dtype=dtype, device=device)
-        if self.probs_position == "expert":
-            act = ScaledSwiGLU(limit=swiglu_limit)
-        elif gated:
-            act = SwiGLU(limit=swiglu_limit)
-        else:
-            act = GELU() if self.activation == "gelu" else ReLU()
-        return OperationFuser([fc1, act, fc2])
-
     @property
     def fc1(self):
         return self.mlp.basic_ops[0]
@@ -180,14 +171,11 @@ class MoELayer(nn.Module):
     def fc2(self):
         return self.mlp.basic_ops[2]
 
-    @torch.no_grad()
     def _init_experts(self, base_seed: int) -> None:
-        for slot, (op, fan_in) in enumerate(((self.fc1, self.hidden_size), (self.fc2, self.ffn_hidden_size))):
-            for i in range(self.num_local_experts):
-                g = self.first_expert + i
-                init_expert_slice_(op.weight[i], fan_in, expert_seed(base_seed, g, 2 * slot))
-                if getattr(op, "bias", None) is not None:
-                    init_expert_slice_(op.bias[i], fan_in, expert_seed(base_seed, g, 2 * slot + 1))
+        fc1_init, fc2_init = uniform_fan_in(self.hidden_size), uniform_fan_in(self.ffn_hidden_size)
+        init_experts_([(self.fc1.weight, fc1_init), (getattr(self.fc1, "bias", None), fc1_init),
+                       (self.fc2.weight, fc2_init), (getattr(self.fc2, "bias", None), fc2_init)],
+                      self.first_expert, base_seed)
 
     def expert_parameters(self):
         """Parameters sharded over EP (reduce their gradients over the expert-data-parallel group)."""
@@ -197,7 +185,7 @@ class MoELayer(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, num_experts={self.num_experts}, "
             f"top_k={self.top_k}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, activation={self.activation!r}, "
-            f"probs_position={self.probs_position!r}, dtype={self.dtype}"
+            f"probs_position={self.probs_position!r}, transport={self.transport!r}, dtype={self.dtype}"
         )
 
     # ------------------------------------------------------------------ forward
@@ -247,7 +235,7 @@ class MoELayer(nn.Module):
         # its host read, and the sizes that read brought. The GEMM backend sees the actual group sizes
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
         # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
-        splits = GroupSplits(state.local_expert_offsets, tuple(state.local_expert_sizes))
+        splits = state.group_splits()
         alignment = self._native_row_alignment(x_NH, splits.sizes)
         padded = None
         if alignment is not None:  # the native FP8 path needs every expert's rows on a block boundary

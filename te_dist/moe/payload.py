@@ -15,7 +15,7 @@ all-to-all reads straight from it.
     (all-to-all of payload rows)
     unpack_rows(payload_NP, idx, inverse, H, dtype)   -> x_NH, probs_N  rows gathered by idx
 
-The peer-rows transport (te_dist.moe.peer_dispatch) uses the same row layout: the expand gather
+The peer-rows transport (te_dist.moe.transports.peer.autograd) uses the same row layout: the expand gather
 writes the payload into the sender's region and each receiver pulls the row into two column
 blocks, x_NH and the tail, whose ``prob_view`` holds the probabilities.
 """

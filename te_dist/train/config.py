@@ -13,7 +13,7 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
                ckpt_every, keep_last, checkpoint, out_dir, device, threads, log,
                collective_timeout_s, stop_grace_s}
-    parallel: {ep}
+    parallel: {ep, transport}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
     provenance: {...}   # written by te-dist into config.yaml (versions, ranks); ignored when read
 
@@ -52,6 +52,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 DEVICES = ("auto", "cpu", "cuda")
 LOGS = ("jsonl", "tensorboard")
+TRANSPORTS = ("auto", "all_to_all", "peer")  # te_dist.moe.TRANSPORTS, spelled here so the check imports no torch
 DEFAULT_RECIPE = "current"  # Float8CurrentScaling: stateless FP8 (emulated on CPU), a real recipe key to agree on
 
 
@@ -114,6 +115,7 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     ep: Optional[int] = _f(None, "expert-parallel size; null: every rank of the job")
+    transport: str = _f("auto", f"how tokens move between EP ranks, one of {list(TRANSPORTS)} (docs/moe.md \"Transports\")")
 
 
 @dataclass(kw_only=True)
@@ -178,6 +180,7 @@ class JobConfig:
         _choice("train.log", t.log, LOGS)
         if self.parallel.ep is not None:
             _positive("parallel.ep", self.parallel.ep)
+        _choice("parallel.transport", self.parallel.transport, TRANSPORTS)
         recipe = resolve_recipe(self.recipe)  # raises ConfigError for an unknown name or setting
         block = _RECIPE_BLOCK.get(type(recipe).__name__)
         if block is not None:

@@ -121,7 +121,8 @@ def _build(cfg: JobConfig) -> _Job:
 
         agreed_key = sync_recipe(recipe, group=dense_group())  # raises on every rank if ranks disagree
     data = MarkovData(m.vocab_size, d.seq_len, d.global_batch_size, branching=d.branching, seed=d.seed)
-    model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device)
+    model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device,
+                        transport=cfg.parallel.transport)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=t.weight_decay,
                                   foreach=rt.device.type == "cuda")  # CPU: the plain loop, as in every CPU run

@@ -52,7 +52,7 @@ class CausalSelfAttention(nn.Module):
 class MoEBlock(nn.Module):
     """Pre-norm block: causal attention, then the expert-parallel MoE feed-forward layer."""
 
-    def __init__(self, cfg: ModelConfig, *, seed: int, ep_group=None, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, *, seed: int, ep_group=None, dtype=None, device=None, transport="auto"):
         super().__init__()
         from ..moe import MoELayer  # lazy: te_dist.train imports stay light for `te-dist --help`
 
@@ -72,6 +72,7 @@ class MoEBlock(nn.Module):
                 aux_loss_coeff=cfg.aux_loss_coeff,
                 dtype=dtype,
                 device=device,
+                transport=transport,
             )
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class MoEBlock(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, seed: int = 0, ep_group=None, device=None):
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0, ep_group=None, device=None, transport: str = "auto"):
         super().__init__()
         dtype = getattr(torch, cfg.dtype)
         self.cfg = cfg
@@ -90,7 +91,7 @@ class MoETransformer(nn.Module):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
             nn.init.normal_(self.embed.weight, std=1.0)
         self.blocks = nn.ModuleList(
-            MoEBlock(cfg, seed=seed + 100 * (i + 1), ep_group=ep_group, dtype=dtype, device=device)
+            MoEBlock(cfg, seed=seed + 100 * (i + 1), ep_group=ep_group, dtype=dtype, device=device, transport=transport)
             for i in range(cfg.num_layers)
         )
         with _seeded(seed + 1):
@@ -109,5 +110,6 @@ class MoETransformer(nn.Module):
         return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
-def build_model(cfg: ModelConfig, *, seed: int, ep_group=None, device: Optional[torch.device] = None) -> MoETransformer:
-    return MoETransformer(cfg, seed=seed, ep_group=ep_group, device=device)
+def build_model(cfg: ModelConfig, *, seed: int, ep_group=None, device: Optional[torch.device] = None,
+                transport: str = "auto") -> MoETransformer:
+    return MoETransformer(cfg, seed=seed, ep_group=ep_group, device=device, transport=transport)

@@ -94,6 +94,16 @@ def test_layout_errors(data, world, match):
         cfg.validate(world_size=world)
 
 
+def test_transport_is_checked_against_the_layers_choices():
+    from te_dist.moe import TRANSPORTS
+    from te_dist.train import config as config_module
+
+    assert config_module.TRANSPORTS == TRANSPORTS
+    assert config_from_dict({"parallel": {"transport": "peer"}}).validate().parallel.transport == "peer"
+    with pytest.raises(ConfigError, match=r"parallel.transport must be one of \['auto', 'all_to_all', 'peer'\], got 'nccl'"):
+        config_from_dict({"parallel": {"transport": "nccl"}}).validate()
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

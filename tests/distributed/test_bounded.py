@@ -5,7 +5,7 @@ import torch
 
 from te_dist.distributed.all_to_all import all_to_all_tokens, exchange_counts
 from te_dist.distributed.bounded import check_timeout_s
-from te_dist.moe.dispatcher import AllToAllDispatcher
+from te_dist.moe.transports import AllToAllDispatcher
 
 
 def test_check_timeout_s():

@@ -51,7 +51,7 @@ def assert_same_error_everywhere(errors):
 def test_equal_layers_agree_once_and_then_ride_on_the_count_exchange(results):
     for payload in results["equal"]:
         assert payload["errors"] == [None] * 3 and payload["finite"] == [True] * 3
-        assert payload["transport"] == "all-to-all"
+        assert payload["transport"] == "all_to_all"
         # one agreement at the first forward; later steps add no collective (3 all-to-alls: counts, tokens, combine)
         assert payload["calls"] == [{"agree": 1, "all_to_all": 3}] + [{"agree": 0, "all_to_all": 3}] * 2
 

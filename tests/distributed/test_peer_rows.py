@@ -1,5 +1,5 @@
-"""The peer-rows transport: its row map (simulated over R ranks in one process) and its choice on CPU,
-its kernels with stand-in ranks on one GPU.
+"""The peer-rows transport: its row map (simulated over R ranks in one process) on CPU, its kernels
+with stand-in ranks on one GPU (its choice: tests/moe/test_transports.py).
 
 The map is what cutlass_kernels/peer_rows.cu computes on the device; the GPU tests
 (tests/moe/test_dispatcher_multiprocess.py, tests/moe/test_layer_multiprocess.py, marked gpu) run
@@ -9,8 +9,9 @@ the kernels themselves against the all-to-all path and the closed-form reference
 import pytest
 import torch
 
-from te_dist.distributed import peer_rows
-from te_dist.distributed.peer_rows import expected_sources
+from te_dist.moe.transports.peer import availability
+from te_dist.moe.transports.peer import rows as peer_rows
+from te_dist.moe.transports.peer.rows import expected_sources
 
 
 def _tags(matrix, r):
@@ -55,28 +56,8 @@ def test_empty_sender_and_empty_matrix():
     assert [b.shape[0] for b in _simulate(torch.zeros(2, 4, dtype=torch.int64))] == [0, 0]
 
 
-def test_choice_is_all_to_all_without_nccl_or_for_one_rank(monkeypatch):
-    dev = torch.device("cpu")
-    assert peer_rows.use_peer_rows(None, dev, 64) is False  # one rank (no process group)
-    monkeypatch.setattr(peer_rows, "group_size", lambda group: 2)
-    monkeypatch.setattr(peer_rows.dist, "get_backend", lambda group: "gloo")
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "fast")
-    with pytest.raises(ValueError, match="TE_DIST_EP_TRANSPORT must be 'auto', 'peer' or 'nccl', got 'fast'"):
-        peer_rows.use_peer_rows(None, dev, 64)
-    for wanted in ("nccl", "auto"):
-        monkeypatch.setenv(peer_rows.TRANSPORT_ENV, wanted)
-        assert peer_rows.use_peer_rows(None, dev, 64) is False  # gloo: the all-to-all
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "peer")
-    with pytest.raises(ValueError, match="=peer but peer rows cannot run: the EP group runs gloo, not nccl; "
-                                         r"rows of 24 bytes \(a multiple of 16 is needed\)"):
-        peer_rows.use_peer_rows(None, dev, 24)
-    monkeypatch.setattr(peer_rows.dist, "get_backend", lambda group: "nccl")
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "auto")
-    assert peer_rows.use_peer_rows(None, dev, 24) is False  # rows that are not a multiple of 16 bytes
-
-
 def test_local_support_names_the_reason_on_cpu():
-    assert peer_rows._local_support(torch.device("cpu")) == "tensors on cpu"
+    assert availability._local_support(torch.device("cpu")) == "tensors on cpu"
 
 
 @pytest.mark.gpu
@@ -151,35 +132,9 @@ def test_symmetric_memory_failure_names_the_way_out(monkeypatch):
 
     monkeypatch.setattr(symm_mem, "empty", refuse)
     with pytest.raises(RuntimeError, match=r"failed on EP rank 1 \(RuntimeError: CUDA IPC handle could not be "
-                                           r"opened\); set TE_DIST_EP_TRANSPORT=nccl on every rank"):
+                                           r"opened\); build the MoE layer with transport='all_to_all'"):
         ws.ensure(8, 1 << 20, keep_bytes=4096)
     assert ws.buffer is None and (ws.num_experts, ws.rows_bytes) == (0, 0)  # nothing half-updated
-
-
-def test_agreed_choice_is_cached_and_forcing_peer_names_every_reason(monkeypatch):
-    """The first call gathers every rank's host and support once; later calls reuse the answer, and
-    TE_DIST_EP_TRANSPORT=peer raises with the gathered reasons even after an 'auto' call cached them."""
-    class Group:
-        group_name = "test-ep-group"
-
-    calls = []
-
-    def gather(out, mine, group=None):
-        calls.append(mine)
-        out[0], out[1] = mine, ("host-b", "")  # rank 1 on another host, able to run
-
-    monkeypatch.setattr(peer_rows, "group_size", lambda group: 2)
-    monkeypatch.setattr(peer_rows.dist, "get_backend", lambda group: "nccl")
-    monkeypatch.setattr(peer_rows.dist, "all_gather_object", gather)
-    monkeypatch.setattr(peer_rows, "_choices", {})
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "auto")
-    dev = torch.device("cpu")
-    assert peer_rows.use_peer_rows(Group(), dev, 64) is False
-    assert peer_rows.use_peer_rows(Group(), dev, 64) is False
-    assert len(calls) == 1  # agreed once per (group, device)
-    monkeypatch.setenv(peer_rows.TRANSPORT_ENV, "peer")
-    with pytest.raises(RuntimeError, match="=peer but peer rows are unavailable: rank 0: tensors on cpu; ranks on 2 hosts"):
-        peer_rows.use_peer_rows(Group(), dev, 64)
 
 
 @pytest.mark.parametrize("counts,row_bytes,match", [

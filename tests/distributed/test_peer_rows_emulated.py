@@ -2,7 +2,7 @@
 ABI is emulated on host memory (ctypes moves through the same raw addresses the kernels get).
 
 Why: CI has no GPU, and peer rows are the default transport on the GPUs of one host. This runs the
-real te_dist.moe.peer_dispatch / te_dist.distributed.peer_rows code (region sizing, growth that keeps
+real te_dist.moe.transports.peer.autograd / te_dist.moe.transports.peer.rows code (region sizing, growth that keeps
 rows packed into a region, rows staged outside it, the in-band error flag, every move forward and
 backward) against the closed-form reference of the stand-in experts. The kernels themselves are
 tested on a GPU (test_peer_rows.py, and the NCCL tests in tests/moe).
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import torch.distributed._symmetric_memory as symm_mem
-from te_dist.distributed import peer_rows
-from te_dist.moe.peer_dispatch import peer_combine, peer_dispatch
+from te_dist.moe.transports.peer import rows as peer_rows
+from te_dist.moe.transports.peer.autograd import peer_combine, peer_dispatch
 from te_dist.moe.permutation import permute_probs, sort_by_expert, unpermute_tokens
 
 
@@ -222,3 +222,38 @@ def test_invalid_routing_on_one_rank_moves_nothing_on_every_rank(emulated):
     before = world.moves
     got = _on_every_rank(world, lambda r: _step(ws[r], r, 4, 4, 2, 8, invalid=r == 1))
     assert got == ["invalid", "invalid"] and world.moves == before
+
+
+def test_peer_dispatcher_on_emulated_ranks(emulated, monkeypatch):
+    """The transport class end to end (its state, the agreed splits, combine with probabilities in
+    the expert and at combine, and the RoutingError every rank raises on one rank's NaN flag)."""
+    from te_dist.moe.transports import RoutingError, base
+    from te_dist.moe.transports.peer import dispatcher as peer_module
+
+    R, E, K, H = 2, 8, 2, 6
+    world, ws = emulated(R)
+    monkeypatch.setattr(base, "group_size", lambda group: R)
+    monkeypatch.setattr(base, "group_rank", lambda group: world.local.rank)
+    monkeypatch.setattr(peer_module, "peer_workspace", lambda group, device: ws[world.local.rank])
+    monkeypatch.setattr(peer_module, "use_peer_rows", lambda *args, **kwargs: True)  # the agreement: yes
+
+    def step(rank, probs_in_expert, invalid=False):
+        d = peer_module.PeerDispatcher(E, None)
+        x, probs, indices = _batch(rank, 5 + rank, E, K, H)
+        flag = torch.tensor(invalid)
+        try:
+            x_N, splits, probs_N, state = d.dispatch(x, probs, indices, probs_in_expert=probs_in_expert, invalid=flag)
+        except RoutingError as exc:
+            return str(exc)
+        assert state.transport == "peer" and state.group_splits().sizes == tuple(splits.tolist())
+        scale = torch.repeat_interleave(torch.arange(d.num_local_experts, dtype=x.dtype) + d.first_expert + 1, splits)
+        y_N = x_N * scale[:, None]
+        out = d.combine(y_N * probs_N[:, None] if probs_in_expert else y_N, state)
+        torch.testing.assert_close(out, (probs * (indices + 1).to(x.dtype)).sum(-1, keepdim=True) * x)
+        return sum(state.output_splits)
+
+    for probs_in_expert in (True, False):
+        got = _on_every_rank(world, lambda r: step(r, probs_in_expert))
+        assert sum(got) == sum((5 + r) * K for r in range(R))
+    got = _on_every_rank(world, lambda r: step(r, True, invalid=r == 1))
+    assert all("NaN or inf on EP rank(s) [1]" in g for g in got), got

@@ -41,7 +41,7 @@ def test_ep2_ep4_equal_ep1_and_checkpoint_moves_between_ep_sizes(tmp_path_factor
 
 @pytest.mark.gpu
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("transport,expected", [("peer", "peer"), ("nccl", "all-to-all")])
+@pytest.mark.parametrize("transport,expected", [("peer", "peer"), ("all_to_all", "all_to_all")])
 def test_nccl_bf16_ep2_equals_ep1(tmp_path, transport, expected):
     """Both GPU transports of the EP=2 layer (peer memory forced, then the NCCL all-to-all)."""
     import torch

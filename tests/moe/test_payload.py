@@ -86,7 +86,7 @@ def test_pack_rejects_wrong_probabilities():
 @pytest.mark.parametrize("x_dtype,probs_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
 def test_prob_view_reads_the_tail_of_a_payload_or_of_a_tail_block(x_dtype, probs_dtype):
     """The peer-rows transport pulls a payload row into two column blocks, x and the tail
-    (te_dist.moe.peer_dispatch); the tail block's prob_view holds the probabilities bit-exact."""
+    (te_dist.moe.transports.peer.autograd); the tail block's prob_view holds the probabilities bit-exact."""
     x, probs, indices = _case(x_dtype, probs_dtype)
     _, state = permute_tokens(x.detach(), indices, 5)
     probs_S = permute_probs(probs, state).detach()

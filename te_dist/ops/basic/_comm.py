@@ -9,15 +9,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "all_reduce_sum", "all_gather_dim0", "reduce_scatter_dim0"]
+from ...distributed.groups import group_rank, group_size, world_if_none
+
+__all__ = ["world_size", "all_reduce_sum", "all_gather_dim0", "reduce_scatter_dim0"]
 
 
 def world_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    """Ranks in ``group``, ``None`` being the default (world) group as in torch (1 without a process group)."""
+    return group_size(world_if_none(group))
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -52,7 +51,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
         # gloo: no reduce_scatter_tensor; same result via all-reduce + own chunk.
         summed = x.clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-        return summed.chunk(size)[rank(group)].contiguous()
+        return summed.chunk(size)[group_rank(world_if_none(group))].contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
     return out

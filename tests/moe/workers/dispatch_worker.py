@@ -1,4 +1,4 @@
-"""torchrun worker: the all-to-all dispatcher with stand-in experts (no MLP), every EP rank.
+"""torchrun worker: the token dispatcher (``--transport``, default auto) with stand-in experts (no MLP), every EP rank.
 
 Stand-in expert g multiplies its rows by (g + 1), so the combined output has a closed form
 ``out_t = sum_k w_tk * (e_tk + 1) * x_t`` that each rank checks locally, forward and backward.
@@ -8,7 +8,7 @@ ranks receive nothing), empty (rank 1 has zero tokens), nan (rank 1's routing is
 rank must raise RoutingError, none may hang), grow (rank 1 sends 60,000 rows: with peer rows, after
 the earlier scenarios sized the regions, every rank's region grows while rank 0's rows, packed into
 its old region, must survive and rank 1's, packed outside, are copied in). ``--backend nccl`` runs on cuda:LOCAL_RANK; there the
-transport is whatever TE_DIST_EP_TRANSPORT picks (peer memory or NCCL all-to-all), printed per scenario.
+transport is what ``--transport`` (or TE_DIST_EP_TRANSPORT) picks: peer memory or NCCL all-to-all, printed per scenario.
 Ranks hold 5 + rank tokens, so in "skewed" (rank 0) and "empty" (rank 1) a rank receives more rows
 than R x its own: the dispatcher's pre-built sort index is too short there and it builds the exact one.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from worker_env import init_worker
 
-from te_dist.moe import AllToAllDispatcher, RoutingError
+from te_dist.moe import RoutingError, TransportSelector
 
 
 def stand_in_experts(x_NH, split_sizes_El, first_expert):
@@ -48,14 +48,15 @@ def routing(scenario, rank, E, K, H, device, dtype):
 def run(scenario, args, device, dtype):
     rank = dist.get_rank()
     E, K = args.num_experts, 2
-    dispatcher = AllToAllDispatcher(E, dist.group.WORLD)
+    dispatcher = TransportSelector(E, dist.group.WORLD, transport=args.transport)
     x, probs, indices = routing(scenario, rank, E, K, args.hidden, device, dtype)
     transports = set()
     invalid = torch.tensor(scenario == "nan" and rank == 1, device=device)
     try:
         for probs_in_expert in (True, False):
             x_NH, splits, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=probs_in_expert, invalid=invalid)
-            transports.add("peer" if state.peer_plan is not None else "all-to-all")
+            transports.add(state.transport)
+            assert dispatcher.transport == state.transport
             assert splits.numel() == dispatcher.num_local_experts
             assert int(splits.sum()) == x_NH.shape[0]
             # The host sizes and the device offsets handed to the experts agree with the split sizes.
@@ -92,6 +93,7 @@ def main():
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=3)
+    parser.add_argument("--transport", default="auto", choices=("auto", "all_to_all", "peer"))
     args = parser.parse_args()
     device, dtype = init_worker(args.backend, cpu_dtype=torch.float64, gpu_dtype=torch.float32)
     try:

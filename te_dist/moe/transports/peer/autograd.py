@@ -4,7 +4,7 @@ Why one function per direction: the rows live in a shared region between two mov
 packed rows until the receivers pulled them; the expert outputs pushed home until the sender summed
 them; the same for the gradients), and the next move, of this or any other MoE layer, overwrites
 them. So each function packs *and* moves, or moves *and* sums, and no tensor that views a region
-ever leaves it (te_dist.distributed.peer_rows has the transport; docs/moe.md "Peer rows").
+ever leaves it (te_dist.moe.transports.peer.rows has the transport; docs/moe.md "Peer rows").
 
     peer_dispatch(x_TH, probs_S, perm)   count exchange | expand gather into the own region | pull
                                          -> x_NH, probs_N (rows by local expert, source rank)
@@ -22,9 +22,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..distributed.peer_rows import PeerWorkspace, RowPlan, begin_exchange, finish_exchange, pull, push
-from .payload import PROB_BYTES, payload_columns, prob_view
-from .permutation import PermutationState, gather_sum
+from .rows import PeerWorkspace, RowPlan, begin_exchange, finish_exchange, pull, push
+from ...payload import PROB_BYTES, payload_columns, prob_view
+from ...permutation import PermutationState, gather_sum
 
 __all__ = ["peer_dispatch", "peer_combine"]
 

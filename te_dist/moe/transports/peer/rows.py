@@ -33,19 +33,16 @@ so all of them grow together; rows packed outside the region (it was too small) 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
-import socket
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .groups import group_rank, group_size
+from ....distributed.groups import group_rank, group_size
+from ..base import TRANSPORT_ENV
 
 __all__ = [
-    "TRANSPORT_ENV",
     "PeerWorkspace",
     "RowPlan",
     "peer_workspace",
@@ -56,7 +53,6 @@ __all__ = [
     "expected_sources",
 ]
 
-TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"  # "auto" (default), "peer" or "nccl"; the same on every rank
 _ALIGN = 2 << 20  # rows region sizes round up to 2 MiB
 _GROWTH = 1.25  # headroom when the rows region grows
 _MAX_BLOCKS_PER_SM = 4
@@ -140,8 +136,8 @@ class PeerWorkspace:
         except Exception as exc:  # e.g. a container without the IPC rights that peer mappings need
             raise RuntimeError(
                 f"peer rows: symmetric memory of {total} bytes for the EP group failed on EP rank {self.rank} "
-                f"({type(exc).__name__}: {exc}); set {TRANSPORT_ENV}=nccl on every rank to move tokens with "
-                "the NCCL all-to-all instead"
+                f"({type(exc).__name__}: {exc}); build the MoE layer with transport='all_to_all' (or set "
+                f"{TRANSPORT_ENV}=all_to_all on every rank) to move tokens with the NCCL all-to-all instead"
             ) from exc
         self.num_experts, self.rows_bytes = num_experts, rows_bytes  # only once the buffer exists
         offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
@@ -211,61 +207,6 @@ def peer_workspace(group, device: torch.device) -> PeerWorkspace:
     if ws is None:
         ws = _workspaces[key] = PeerWorkspace(group, device)
     return ws
-
-
-# ---------------------------------------------------------------------------- transport choice
-def _local_support(device: torch.device) -> str:
-    """'' when this rank can use peer rows, else why not."""
-    if device.type != "cuda":
-        return f"tensors on {device}"
-    try:
-        importlib.import_module("torch.distributed._symmetric_memory")
-        from cutlass_kernels.peer_rows import load_peer_rows
-
-        load_peer_rows()
-    except Exception as exc:  # no symmetric memory in this torch, or no nvcc to build the kernels
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-_choices: dict = {}
-
-
-def use_peer_rows(group, device: torch.device, row_bytes: int) -> bool:
-    """Whether the EP group moves rows of ``row_bytes`` bytes through peer memory. Collective on the
-    first call per (group, device): every rank must agree, or one would wait in a barrier the
-    others never enter (the arguments are the layer's config, the same on every rank)."""
-    if group_size(group) == 1:
-        return False
-    wanted = os.environ.get(TRANSPORT_ENV, "auto")
-    if wanted not in ("auto", "peer", "nccl"):
-        raise ValueError(f"{TRANSPORT_ENV} must be 'auto', 'peer' or 'nccl', got {wanted!r}")
-    if wanted == "nccl":
-        return False
-    backend = dist.get_backend(group)
-    unfit = [why for bad, why in (
-        (backend != "nccl", f"the EP group runs {backend}, not nccl"),
-        (row_bytes % 16 != 0, f"rows of {row_bytes} bytes (a multiple of 16 is needed)"),
-    ) if bad]
-    if unfit:  # the same on every rank: the layer's config and the group's backend
-        if wanted == "peer":
-            raise ValueError(f"{TRANSPORT_ENV}=peer but peer rows cannot run: {'; '.join(unfit)}")
-        return False
-    g = group if group is not None else dist.group.WORLD
-    key = (g.group_name, device.index)
-    if key not in _choices:  # the reasons why not, per (group, device); empty: peer rows run
-        mine = (socket.gethostname(), _local_support(device))
-        everyone: List = [None] * group_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        hosts = {h for h, _ in everyone}
-        why = [f"rank {r}: {w}" for r, (_, w) in enumerate(everyone) if w]
-        if len(hosts) > 1:
-            why.append(f"ranks on {len(hosts)} hosts")
-        _choices[key] = why
-    why = _choices[key]
-    if why and wanted == "peer":
-        raise RuntimeError(f"{TRANSPORT_ENV}=peer but peer rows are unavailable: {'; '.join(why)}")
-    return not why
 
 
 # ---------------------------------------------------------------------------- the moves

@@ -1,0 +1,114 @@
+"""The interface every token transport implements, and the state one dispatch hands to its combine.
+
+Legend: T tokens, K top-k, H hidden, E global experts, R = EP size, El = E / R local experts,
+N rows this rank's experts receive.
+
+    dispatch(x_TH, probs_TK, indices_TK) -> x_NH (rows by local expert), split_sizes_El, probs_N, state
+    (expert MLP on x_NH with state.group_splits(): the split every rank agreed on in the count exchange)
+    combine(y_NH, state)                 -> out_TH (the K expert outputs of each token, summed)
+
+Experts are sharded contiguously: rank r owns global experts [r*El, (r+1)*El). A rank that must
+fail (NaN or inf router logits) sends -1 counts: every rank sees the flag in the count exchange, which
+every transport runs anyway, and raises the same :class:`RoutingError` before any row moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ...distributed.groups import group_rank, group_size
+from ...ops import GroupSplits
+from ..permutation import PermutationState
+
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "DispatchState", "RoutingError", "TokenDispatcher"]
+
+TRANSPORTS = ("auto", "all_to_all", "peer")  # what MoELayer(transport=...) accepts
+# Overrides the layer's argument where set (the same on every rank); "nccl" is read as "all_to_all".
+TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"
+
+
+class RoutingError(ValueError):
+    """Raised on every rank of the EP group when any rank's routing was invalid."""
+
+
+@dataclass
+class DispatchState:
+    """Everything combine needs to send expert outputs home and restore token order."""
+
+    permutation: PermutationState
+    input_splits: list  # rows this rank sent to each rank
+    output_splits: list  # rows this rank received from each rank
+    chunk_idx: Optional[torch.Tensor]  # (rank, expert) → (expert, rank) row permutation, or None
+    chunk_inv: Optional[torch.Tensor]  # its inverse (combine and backward gather through it)
+    probs_TK: Optional[torch.Tensor]  # set when probabilities are applied at combine
+    local_expert_sizes: list  # rows each local expert received (host ints: the read's by-product)
+    local_expert_offsets: torch.Tensor  # int32 cumulative end rows of the local experts, on the device
+    peer_plan: Any = None  # the peer transport's RowPlan (transports/peer) when the rows moved that way
+    peer_tags: Optional[list] = None  # every EP rank's tag (index = EP rank), when a tag rode in the counts
+    transport: str = "all_to_all"  # the transport that made this state: "local", "all_to_all" or "peer"
+
+    def group_splits(self) -> GroupSplits:
+        """The agreed split of the received rows over the local experts, both ways: offsets on the
+        device (queued before the host read) and sizes on the host (that read's by-product)."""
+        return GroupSplits(self.local_expert_offsets, tuple(self.local_expert_sizes))
+
+
+class TokenDispatcher:
+    """Moves routed token copies to the ranks that own their experts and back.
+
+    Subclasses set ``name`` and implement :meth:`dispatch` and :meth:`combine`; they hold no
+    tensors between calls (the per-call state is the returned :class:`DispatchState`).
+    """
+
+    name = ""  # the transport, as MoELayer(transport=...) spells it
+
+    def __init__(self, num_experts: int, ep_group=None):
+        self.ep_group = ep_group
+        self.ep_size = group_size(ep_group)
+        self.ep_rank = group_rank(ep_group)
+        if num_experts % self.ep_size != 0:
+            raise ValueError(f"{num_experts=} is not divisible by ep_size={self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        probs_TK: torch.Tensor,
+        indices_TK: torch.Tensor,
+        *,
+        probs_in_expert: bool,
+        invalid: Optional[torch.Tensor] = None,
+        tag: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], DispatchState]:
+        """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``; rows grouped by local expert.
+
+        ``probs_in_expert``: the probabilities travel with the rows (``probs_N``) instead of being
+        applied at combine. ``invalid``: optional bool scalar tensor (on x's device) that marks this
+        rank's routing as bad (e.g. NaN or inf logits); it travels in-band with the counts. ``tag``:
+        optional int64 [1] tensor (on x's device) sent to every rank with the counts; the all-to-all
+        transport returns every rank's tag in ``state.peer_tags`` (the peer one does not).
+        """
+        raise NotImplementedError
+
+    def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Expert outputs (rows by local expert) → [T, H] in the original token order."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _flag_invalid(counts_E: torch.Tensor, invalid: Optional[torch.Tensor]) -> torch.Tensor:
+        """The counts to send: all -1 where this rank's routing is bad (the in-band error flag)."""
+        if invalid is None:
+            return counts_E
+        return torch.where(invalid, torch.full_like(counts_E, -1), counts_E)
+
+    def _raise_if_invalid(self, bad_ranks) -> None:
+        if bad_ranks:
+            raise RoutingError(
+                f"router logits contain NaN or inf on EP rank(s) {sorted(bad_ranks)} (this is EP rank {self.ep_rank}); "
+                "check the hidden states fed to the MoE layer and the router weight"
+            )

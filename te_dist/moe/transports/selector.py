@@ -1,0 +1,89 @@
+"""``TransportSelector``: the dispatcher an ``MoELayer`` holds; it picks the transport per call.
+
+Why per call: "auto" depends on the device of the tensors and on every rank's support, known at
+the first forward, not at construction; and ``TE_DIST_EP_TRANSPORT`` (an override for jobs and
+benchmarks, read on every dispatch) may change between steps, on every rank alike.
+
+    requested = TE_DIST_EP_TRANSPORT if set, else the layer's ``transport``
+    EP size 1                      -> "local" (the all-to-all dispatcher, which is then the identity)
+    "all_to_all"                   -> AllToAllDispatcher
+    "peer"                         -> PeerDispatcher, or raise with the reasons it cannot run
+    "auto"                         -> PeerDispatcher where every rank can run it, else AllToAllDispatcher
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .all_to_all import AllToAllDispatcher
+from .base import TRANSPORT_ENV, TRANSPORTS, DispatchState, TokenDispatcher
+from .peer.availability import use_peer_rows
+from .peer.dispatcher import PeerDispatcher
+
+__all__ = ["TransportSelector", "check_transport", "requested_transport"]
+
+_ALIASES = {"nccl": "all_to_all"}  # the override's older spelling
+
+
+def check_transport(transport) -> str:
+    """``transport`` if it is one of TRANSPORTS, else ValueError naming them."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport
+
+
+def requested_transport(transport: str):
+    """(transport, where it came from): the environment's override where set, else ``transport``."""
+    override = os.environ.get(TRANSPORT_ENV)
+    if not override:
+        return transport, f"transport={transport!r}"
+    name = _ALIASES.get(override, override)
+    if name not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {TRANSPORTS} (or 'nccl', read as 'all_to_all'), "
+                         f"got {override!r}")
+    return name, f"{TRANSPORT_ENV}={override}"
+
+
+class TransportSelector(TokenDispatcher):
+    """Dispatches through the transport chosen for each call (module docstring); ``transport`` is
+    the one the last dispatch used: "local", "all_to_all" or "peer"."""
+
+    name = "auto"
+
+    def __init__(self, num_experts: int, ep_group=None, transport: str = "auto"):
+        super().__init__(num_experts, ep_group)
+        self.requested = check_transport(transport)
+        self.transport: Optional[str] = None
+        self._all_to_all = AllToAllDispatcher(num_experts, ep_group)
+        self._peer = None  # built on first use (it needs more than one rank)
+
+    def _peer_dispatcher(self):
+        if self._peer is None:
+            self._peer = PeerDispatcher(self.num_experts, self.ep_group)
+        return self._peer
+
+    def choose(self, device: torch.device, row_bytes: int) -> TokenDispatcher:
+        """The dispatcher for rows of ``row_bytes`` bytes on ``device``; collective the first time
+        "auto" or "peer" asks every rank whether it can run the peer transport."""
+        wanted, source = requested_transport(self.requested)
+        if self.ep_size == 1 or wanted == "all_to_all":
+            return self._all_to_all
+        if wanted == "peer":
+            peer = self._peer_dispatcher()
+            peer.check(device, row_bytes, source)
+            return peer
+        return self._peer_dispatcher() if use_peer_rows(self.ep_group, device, row_bytes) else self._all_to_all
+
+    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None):
+        dispatcher = self.choose(x_TH.device, x_TH.shape[1] * x_TH.element_size())
+        out = dispatcher.dispatch(x_TH, probs_TK, indices_TK, probs_in_expert=probs_in_expert, invalid=invalid,
+                                  tag=tag)
+        self.transport = out[3].transport
+        return out
+
+    def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        dispatcher = self._peer if state.transport == "peer" else self._all_to_all
+        return dispatcher.combine(y_NH, state)
