@@ -229,6 +229,27 @@ def _paths(devices) -> dict:
     return out
 
 
+def _transport(devices) -> dict:
+    """The token transport an MoELayer would use: the request (TE_DIST_EP_TRANSPORT overrides the
+    layer's ``transport="auto"``) and what "auto" picks per device (docs/moe.md "Transports")."""
+    from .moe.transports.selector import requested_transport
+
+    try:
+        requested, source = requested_transport("auto")
+    except ValueError as exc:
+        return {"requested": f"invalid: {exc}"}
+    picks = {}
+    for device in devices:
+        if requested != "auto":
+            picks[str(device)] = requested
+        elif device.type != "cuda":
+            picks[str(device)] = "all_to_all (peer memory needs CUDA tensors)"
+        else:
+            picks[str(device)] = ("peer where every rank of the EP group runs NCCL on this host with symmetric "
+                                  "memory and the peer kernels load, else all_to_all (agreed at the first forward)")
+    return {"requested": f"{requested} ({source})", "auto picks": picks}
+
+
 def env_report() -> dict:
     import torch
 
@@ -256,6 +277,7 @@ def env_report() -> dict:
         "backends": _backends(devices),
         "support": _support_matrix(devices),
         "paths": _paths(devices),
+        "transport": _transport(devices),
     }
 
 
@@ -285,6 +307,9 @@ def format_env_report(report: dict) -> str:
         for name, cells in rows.items():
             text = "".join(f"{_mark(c['module']) + ' / ' + _mark(c['op_fuser']):>22}" for c in cells.values())
             lines.append(f"    {name:<10}{text}")
+    transport = report.get("transport", {})
+    lines += ["", f"token transport (EP > 1): {transport.get('requested')}"]
+    lines += [f"  {device:<10} {pick}" for device, pick in transport.get("auto picks", {}).items()]
     lines += ["", "which path a bf16 MoE expert MLP takes per device and recipe, and why:"]
     for device, rows in report.get("paths", {}).items():
         lines.append(f"  {device}")

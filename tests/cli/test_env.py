@@ -50,3 +50,14 @@ def test_report_names_the_path_each_recipe_takes():
     assert list(paths) == list(RECIPE_NAMES)
     assert all(path == ["emulated", "cpu: the float32 reference path"] for name, path in paths.items() if name != "none")
     assert "which path a bf16 MoE expert MLP takes" in format_env_report(report)
+
+
+def test_report_shows_the_transport_choice_and_its_override(monkeypatch):
+    monkeypatch.delenv("TE_DIST_EP_TRANSPORT", raising=False)
+    report = env_report()
+    assert report["transport"]["requested"] == "auto (transport='auto')"
+    assert report["transport"]["auto picks"]["cpu"].startswith("all_to_all")
+    monkeypatch.setenv("TE_DIST_EP_TRANSPORT", "peer")
+    report = env_report()
+    assert report["transport"]["requested"] == "peer (TE_DIST_EP_TRANSPORT=peer)"
+    assert "token transport (EP > 1): peer" in format_env_report(report)
