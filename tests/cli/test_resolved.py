@@ -1,6 +1,5 @@
 """The resolved config: what is printed at start, saved as config.yaml and kept in checkpoints."""
 
-import pytest
 import yaml
 
 from te_dist.train.config import JobConfig, config_from_dict, load_config
