@@ -43,6 +43,7 @@ import collections
 import contextlib
 import functools
 import operator
+import os
 import threading
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -205,13 +206,17 @@ def cutlass_tools_present() -> bool:
 
 
 def _default_fp8_kernels() -> bool:
-    return not _fp8_unavailable and cutlass_tools_present()
+    # TE_DIST_DISABLE_CUTLASS turns our FP8 kernels off too; read when a cached answer is computed.
+    disabled = os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0")
+    return not disabled and not _fp8_unavailable and cutlass_tools_present()
 
 
 def fp8_kernels_unavailable_reason() -> str:
     """Why the FP8 grouped kernels cannot run here ("" when they can)."""
     if _fp8_unavailable:
         return _fp8_unavailable[0]
+    if os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0"):
+        return "TE_DIST_DISABLE_CUTLASS is set"
     return "" if cutlass_tools_present() else "nvcc or the CUTLASS headers are not found"
 
 
