@@ -70,3 +70,36 @@ def test_nvcc_compiles_peer_rows(tmp_path, monkeypatch):
     assert build.build_plain_source(peer_rows.SOURCE) == path and path.stat().st_mtime_ns == mtime
     monkeypatch.setattr(build, "BASE_FLAGS", build.BASE_FLAGS + ("-DEXTRA",))
     assert build.plain_source_key(peer_rows.SOURCE) not in path.name
+
+
+def test_fp8_instance_names_and_validation():
+    from cutlass_kernels.fp8_block import Fp8Instance, all_fp8_instances, choose_fp8_config
+
+    inst = Fp8Instance("wgrad", 0, a_format="e5m2")
+    assert inst.name == "te_fb_wgrad_c0_e5m2xe4m3_bf16"
+    assert "-DTE_FB_KIND=2" in inst.macros and "-DTE_FB_A_E5M2=1" in inst.macros
+    assert {i.direction for i in all_fp8_instances()} == {"fwd", "dgrad", "wgrad"}
+    assert choose_fp8_config("wgrad", 64, 8) == 0 and choose_fp8_config("fwd", 64 * 8, 8) == 1
+    with pytest.raises(ValueError, match="a_format"):
+        Fp8Instance("fwd", 0, a_format="e2m1")
+    with pytest.raises(ValueError, match="config"):
+        Fp8Instance("fwd", 7)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and build.find_nvcc() is None,
+                    reason="nvcc is absent on this machine (the .cu build check needs the CUDA compiler)")
+@pytest.mark.timeout(1800)
+def test_nvcc_compiles_fp8_block_instance(tmp_path, monkeypatch):
+    """The block-scaled FP8 kernels (the wgrad instance: 1x1x128 scale granularity, an e5m2 operand)."""
+    import subprocess
+
+    from cutlass_kernels.fp8_block import Fp8Instance, build_fp8_instance
+
+    if ck.find_cutlass() is None:
+        pytest.fail("nvcc is present but the CUTLASS headers are not: pip install --no-deps nvidia-cutlass")
+    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
+    path = build_fp8_instance(Fp8Instance("wgrad", 0, a_format="e5m2"))
+    assert path.exists() and path.parent == tmp_path
+    symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
+    for name in ("te_fb_run", "te_fb_workspace_bytes", "te_fb_kind", "te_fb_formats", "te_fb_last_error"):
+        assert f" T {name}" in symbols, name
