@@ -55,7 +55,7 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 
 # --------------------------------------------------------------------------- tiles (heuristics)
-# Picked with benchmarks/cast_tiles.py on H200 (docs/benchmarks.md, 2026-11-30). Bandwidth wants many bytes in flight per SM and few registers per thread: every kernel works on
+# Picked with benchmarks/cast_tiles.py on H200 (docs/benchmarks.md). Bandwidth wants many bytes in flight per SM and few registers per thread: every kernel works on
 # sub-tiles of ~16 elements per thread (no spills) and loops over several of them, so one program
 # still moves >= 8-16 KB of bf16 input and issues one amax atomic.
 _PT_BLOCK, _PT_ITERS, _PT_WARPS = 2048, 4, 4  # per-tensor: 8192 elements per program
