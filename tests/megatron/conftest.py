@@ -30,5 +30,5 @@ def megatron_world1():
         mcore_helpers.destroy_megatron()
         mcore_helpers.undo_cpu_workarounds()
 
-# Megatron's own tests run through upstream_suite.py (their own plugin and process), never in this session.
+# Megatron's own tests run through upstream_suite.py (their own plugin and process), never in this pytest process.
 collect_ignore = ["upstream"]
