@@ -138,25 +138,12 @@ def _tree_digest(root: Path) -> str:
 
 
 def build_command(inst: Instance, out_path: Path) -> List[str]:
-    nvcc = find_nvcc()
-    cut = find_cutlass()
-    if nvcc is None:
-        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    if cut is None:
-        raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
-    include, util, _ = cut
-    return [nvcc, *ARCH_FLAGS, *BASE_FLAGS, *inst.macros, f"-I{include}", f"-I{util}", "-o", str(out_path),
-            str(SOURCE)]
+    return _cutlass_entry(SOURCE, inst.name, inst.macros)[1](out_path)
 
 
 def cache_key(inst: Instance) -> str:
-    nvcc = find_nvcc()
-    cut = find_cutlass()
-    if nvcc is None or cut is None:
-        raise BuildError("nvcc or CUTLASS headers not found")
-    return _digest(SOURCE.read_bytes(), _tree_digest(cut[0]).encode(), _tree_digest(cut[1]).encode(),
-                   " ".join(inst.macros + ARCH_FLAGS + BASE_FLAGS).encode(), cut[2].encode(),
-                   nvcc_version(nvcc).encode())
+    target = _cutlass_entry(SOURCE, inst.name, inst.macros)[0]
+    return target.stem[len(inst.name) + 1:]
 
 
 def _digest(*parts: bytes) -> str:
@@ -245,24 +232,19 @@ def _compile_cached(target: Path, command, name: str, verbose: bool) -> Path:
     return build_cached(target, command, name, verbose)
 
 
-class _Library:
-    """ctypes view of one instance's C ABI."""
+class GemmLibrary:
+    """What every grouped-GEMM library of this package exports beside its run function:
+    ``<prefix>_workspace_bytes`` (cached per group count and SM count) and ``<prefix>_last_error``."""
 
-    def __init__(self, path: Path, inst: Instance):
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib, prefix: str, path: Path):
         c = ctypes
-        lib.te_gg_run.restype = c.c_int
-        lib.te_gg_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
-                                  c.c_void_p, c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
-        lib.te_gg_workspace_bytes.restype = c.c_int
-        lib.te_gg_workspace_bytes.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
-        lib.te_gg_last_error.restype = c.c_char_p
-        got = (lib.te_gg_kind(), lib.te_gg_config(), bool(lib.te_gg_out_f32()))
-        if got != (KINDS[inst.direction], inst.config, inst.out_f32):
-            raise BuildError(f"{path} is not {inst}: it reports (kind, config, out_f32) = {got}")
+        self._workspace = getattr(lib, f"{prefix}_workspace_bytes")
+        self._workspace.restype = c.c_int
+        self._workspace.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
+        self._last_error = getattr(lib, f"{prefix}_last_error")
+        self._last_error.restype = c.c_char_p
         self._lib = lib
         self._ws_cache = {}
-        self.run = lib.te_gg_run
         self.path = path
 
     def workspace_bytes(self, num_groups: int, sm_count: int) -> int:
@@ -270,12 +252,28 @@ class _Library:
         got = self._ws_cache.get(key)
         if got is None:
             out = ctypes.c_size_t(0)
-            self._lib.te_gg_workspace_bytes(num_groups, sm_count, ctypes.byref(out))
+            self._workspace(num_groups, sm_count, ctypes.byref(out))
             got = self._ws_cache[key] = int(out.value)
         return got
 
     def last_error(self) -> str:
-        return self._lib.te_gg_last_error().decode(errors="replace")
+        return self._last_error().decode(errors="replace")
+
+
+class _Library(GemmLibrary):
+    """ctypes view of one instance's C ABI."""
+
+    def __init__(self, path: Path, inst: Instance):
+        lib = ctypes.CDLL(str(path))
+        super().__init__(lib, "te_gg", path)
+        c = ctypes
+        lib.te_gg_run.restype = c.c_int
+        lib.te_gg_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
+                                  c.c_void_p, c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
+        got = (lib.te_gg_kind(), lib.te_gg_config(), bool(lib.te_gg_out_f32()))
+        if got != (KINDS[inst.direction], inst.config, inst.out_f32):
+            raise BuildError(f"{path} is not {inst}: it reports (kind, config, out_f32) = {got}")
+        self.run = lib.te_gg_run
 
 
 _loaded: dict = {}  # (direction, config, out_f32) -> _Library

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .build import BuildError, build_cutlass_source
+from .build import BuildError, GemmLibrary, build_cutlass_source, open_cutlass_source
 
 __all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "load_fp8", "build_fp8_instance"]
 
@@ -85,41 +85,24 @@ def build_fp8_instance(inst: Fp8Instance, *, verbose: bool = False) -> Path:
     return build_cutlass_source(SOURCE, inst.name, inst.macros, verbose=verbose)
 
 
-class _Fp8Library:
+class _Fp8Library(GemmLibrary):
     """ctypes view of one instance's C ABI (``te_fb_*``)."""
 
     def __init__(self, path: Path, inst: Fp8Instance):
         lib = ctypes.CDLL(str(path))
+        super().__init__(lib, "te_fb", path)
         c = ctypes
         lib.te_fb_run.restype = c.c_int
         lib.te_fb_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
                                   c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
                                   c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
-        lib.te_fb_workspace_bytes.restype = c.c_int
-        lib.te_fb_workspace_bytes.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
-        lib.te_fb_last_error.restype = c.c_char_p
         formats = lib.te_fb_formats()
         got = (lib.te_fb_kind(), lib.te_fb_config(), formats & 1, (formats >> 1) & 1, (formats >> 2) & 1)
         want = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
                 int(inst.out_f32))
         if got != want:
-            raise RuntimeError(f"{path} is not {inst}: the library reports {got}")
-        self._lib = lib
-        self._ws_cache = {}
+            raise BuildError(f"{path} is not {inst}: the library reports {got}")
         self.run = lib.te_fb_run
-        self.path = path
-
-    def workspace_bytes(self, num_groups: int, sm_count: int) -> int:
-        key = (num_groups, sm_count)
-        got = self._ws_cache.get(key)
-        if got is None:
-            out = ctypes.c_size_t(0)
-            self._lib.te_fb_workspace_bytes(num_groups, sm_count, ctypes.byref(out))
-            got = self._ws_cache[key] = int(out.value)
-        return got
-
-    def last_error(self) -> str:
-        return self._lib.te_fb_last_error().decode(errors="replace")
 
 
 _loaded: dict = {}
@@ -139,7 +122,9 @@ def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32:
                     raise BuildError(_failed[key])
                 inst = Fp8Instance(direction, config, a_format, b_format, out_f32)
                 try:
-                    lib = _loaded[key] = _Fp8Library(build_fp8_instance(inst), inst)
+                    # a library that fails to open is rebuilt once, then BuildError (the cache's rule)
+                    lib = _loaded[key] = open_cutlass_source(SOURCE, inst.name, inst.macros,
+                                                             lambda path: _Fp8Library(path, inst))
                 except BuildError as exc:
                     _failed[key] = f"{inst.name}: {exc}"
                     raise
