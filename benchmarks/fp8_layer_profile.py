@@ -1,14 +1,16 @@
-"""Where one MoELayer step's GPU time goes, per kernel, under a recipe (torch.profiler; one GPU).
+"""Where one MoELayer step's GPU time goes, per kernel category, under each recipe (torch.profiler; one GPU).
 
-    python benchmarks/fp8_layer_profile.py --config deepseek --recipe block [--rows 30]
+    python benchmarks/fp8_layer_profile.py [--configs deepseek,qwen3] [--recipes none,block,current] [--top 12]
 
-Prints the kernels sorted by total CUDA time over --iters steps, and the step's CPU and GPU time,
-so a gap between the FP8 GEMMs' speed-up and the layer's is traced to the kernels that cause it.
+Prints, per (config, recipe), the GPU time per step by category (the FP8 and bf16 GEMMs, casts,
+expert-row padding, activation, permutation, router, the rest) and the --top kernels, so a gap
+between the FP8 GEMMs' speed-up and the layer's is traced to the kernels that cause it.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,21 +21,26 @@ from te_dist.recipe import recipe_from_name
 
 from fp8_layer import CONFIGS
 
+# (category, substrings of the kernel name; the first category with a match wins)
+CATEGORIES = (
+    ("fp8 gemm", ("te_fb", "Blockwise", "FP8Blockwise", "f8f8", "e4m3")),
+    ("gemm", ("cutlass", "gemm", "Gemm", "sm90_xmma", "nvjet", "grouped_mm")),
+    ("cast", ("_cast", "amax", "_delayed_update", "transpose", "cast_")),
+    ("index/pad", ("index", "scatter", "gather", "repeat_interleave", "fill")),
+    ("activation", ("swiglu", "silu", "sigmoid")),
+    ("sort/permute", ("sort", "radix", "permute", "cumsum", "scan", "histc", "bincount")),
+    ("router", ("softmax", "topk", "log_softmax", "bitonic")),
+)
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", default="deepseek")
-    p.add_argument("--recipe", default="block")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--rows", type=int, default=30)
-    args = p.parse_args()
-    c = CONFIGS[args.config]
-    torch.manual_seed(0)
-    layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn_like(x)
-    recipe = recipe_from_name(args.recipe)
 
+def category(name: str) -> str:
+    for cat, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "other"
+
+
+def profile_one(layer, x, grad, recipe, iters):
     def step():
         layer.zero_grad(set_to_none=True)
         x.grad = None
@@ -44,12 +51,52 @@ def main():
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.iters):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    print(f"== {args.config} / {args.recipe}: per {args.iters} steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    per_kernel = defaultdict(float)
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t and evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.key] += t / 1000.0 / iters  # ms per step
+    if not per_kernel:  # this torch names the fields differently: show its own table
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    return per_kernel
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default="deepseek,qwen3,mixtral")
+    p.add_argument("--recipes", default="none,block,current")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    summary = []
+    for name in args.configs.split(","):
+        c = CONFIGS[name]
+        torch.manual_seed(0)
+        layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(x)
+        for rname in args.recipes.split(","):
+            layer.fc1._weight_copy = layer.fc2._weight_copy = None
+            per_kernel = profile_one(layer, x, grad, recipe_from_name(rname), args.iters)
+            by_cat = defaultdict(float)
+            for k, ms in per_kernel.items():
+                by_cat[category(k)] += ms
+            summary.append((name, rname, by_cat))
+            print(f"\n== {name} / {rname}: GPU ms per step {sum(per_kernel.values()):.2f}")
+            for k, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
+                print(f"  {ms:7.3f}  [{category(k):<12}] {k[:110]}")
+        del layer, x, grad
+        torch.cuda.empty_cache()
+    print(f"\nGPU ms per step by category ({torch.cuda.get_device_name()}, torch {torch.__version__})")
+    print(f"{'config':<9} {'recipe':<8} " + " ".join(f"{c:>12}" for c in cats) + f" {'total':>8}")
+    for name, rname, by_cat in summary:
+        print(f"{name:<9} {rname:<8} " + " ".join(f"{by_cat.get(c, 0.0):12.3f}" for c in cats)
+              + f" {sum(by_cat.values()):8.2f}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ BF16="" ; for d in fwd dgrad wgrad; do for c in 0 1 2 3 10; do BF16="$BF16 te_gg
 FP8=$(python3 -c "from cutlass_kernels.fp8_block import all_fp8_instances as a; print(' '.join(i.name for i in a()))")
 timeout 420 python3 -m cutlass_kernels --jobs 16 --only $BF16 $FP8 > "$OUT/build.txt" 2>&1
 tail -n 30 "$OUT/build.txt"
-tar czf "$OUT/kcache.tgz" .kcache/*.so 2>/dev/null
+tar czf "$OUT/kcache.tgz" .kcache/*.so .kcache/*.sha256 2>/dev/null
 timeout ${TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu ${TESTS:-tests/kernels/test_fp8_grouped_gpu.py} > "$OUT/tests.txt" 2>&1
 tail -n 25 "$OUT/tests.txt"
 timeout ${GEMM_LIMIT:-200} python3 benchmarks/fp8_grouped_gemm.py ${GEMM_ARGS:-} --json "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1

@@ -4,7 +4,8 @@ Why one adapter: the quantizers produce per-tensor ``Float8Tensor``s (one scale)
 ``Float8BlockTensor``s (1x128 / 128x128 block scales, rowwise and columnwise copies), while
 the block-scaled kernels (cutlass_kernels/fp8_block_gemm.cu) read every operand K-major with
 float32 block scales in fixed layouts. Per-tensor FP8 runs on the same kernels: its one scale
-is broadcast into block scales and its transposed copies are the data transposed.
+is broadcast into block scales and its transposed copies are the data transposed (written by the
+cast in the same pass when the quantizer was asked for the columnwise usage).
 
 Layouts per GEMM (E experts, T rows, K in-features, N out-features, all /128 in blocks):
 
@@ -96,6 +97,8 @@ def rowwise_operand(q: QuantizedTensor):
         _check_block_copy(q.rowwise, "rowwise", 1)
         return q.rowwise.data, q.rowwise.scale_inv.contiguous()
     if isinstance(q, Float8Tensor):
+        if q.data is None:
+            raise ValueError("rowwise copy missing: this Float8Tensor holds only its transposed data (a wgrad copy)")
         R, C = q.data.shape
         return q.data, q.scale_inv.reshape(1, 1).float().expand(R, C // BLOCK).contiguous()
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
@@ -113,7 +116,8 @@ def columnwise_operand(q: QuantizedTensor):
         out[: scale.shape[1]] = scale.t()
         return q.columnwise.data, out
     if isinstance(q, Float8Tensor):
-        return q.data.t().contiguous(), q.scale_inv.reshape(1, 1).float().expand(blocks, C).contiguous()
+        # the transposed data the cast wrote in the same pass, else a transpose here
+        return q.transpose_data(), q.scale_inv.reshape(1, 1).float().expand(blocks, C).contiguous()
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
 
 
@@ -124,7 +128,7 @@ def copy_format(q: QuantizedTensor, usage: str) -> str:
         _check_block_copy(copy, usage, 0)
         return fp8_format(copy.data)
     if isinstance(q, Float8Tensor):
-        return fp8_format(q.data)
+        return fp8_format(torch.empty(0, dtype=q.fp8_dtype))
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
 
 

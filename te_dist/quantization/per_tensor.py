@@ -11,7 +11,9 @@ New tensors are assigned only after every step succeeded, so an error leaves the
 
 On CUDA the casts run as fused Triton kernels when available (see :mod:`.fused`): DelayedScaling
 casts and records amax in one pass, then one tiny kernel updates history and scale; current
-scaling runs an amax pass and a cast pass that derives the scale on the device.
+scaling runs an amax pass and a cast pass that derives the scale on the device. Asked for the
+columnwise usage of a 2-D x, the cast pass also writes the transposed data (``data_t``, the wgrad
+operand) from the same read.
 """
 
 from __future__ import annotations
@@ -78,6 +80,15 @@ class DelayedScalingQuantizer(Quantizer):
         kernels = fused_casts_for(x)
         if self._fusable():
             args = (x, self.scale, self.amax_history, self.fp8_dtype, self.fmt_max, self.margin, self.amax_compute_algo)
+            if kernels is not None and columnwise and x.dim() == 2:  # the transposed data from the same pass
+                key = ("delayed_scaling_step_rowcol", x.dtype, self.fp8_dtype, self.amax_compute_algo)
+                result = run_fused(key, kernels.delayed_scaling_step_rowcol, *args)
+                if result is not None:
+                    data, data_t, history, scale, scale_inv = result
+                    out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype, data_t=data_t)
+                    self.amax_history, self.scale, self.scale_inv = history, scale, scale_inv
+                    self.num_updates += 1
+                    return out
             result = None
             if kernels is not None:
                 key = ("delayed_scaling_step", x.dtype, self.fp8_dtype, self.amax_compute_algo)
@@ -151,8 +162,15 @@ class CurrentScalingQuantizer(Quantizer):
     def _quantize(self, x, rowwise, columnwise, hadamard):
         kernels = fused_casts_for(x)
         key = (x.dtype, self.fp8_dtype, self.use_power_2_scales)
+        rowcol = kernels is not None and columnwise and x.dim() == 2  # the transposed data from the cast pass
         if self.group is None:
             result = None
+            if rowcol:
+                result = run_fused(("current_scaling_quantize_rowcol", *key), kernels.current_scaling_quantize_rowcol,
+                                   x, self.fp8_dtype, self.fmt_max, self.use_power_2_scales)
+                if result is not None:
+                    data, data_t, scale_inv = result
+                    return Float8Tensor(data, scale_inv, self.fmt, x.dtype, data_t=data_t)
             if kernels is not None:
                 result = run_fused(
                     ("current_scaling_quantize", *key), kernels.current_scaling_quantize, x, self.fp8_dtype,
@@ -165,6 +183,12 @@ class CurrentScalingQuantizer(Quantizer):
         amax = None if kernels is None else run_fused(("compute_amax", x.dtype), kernels.compute_amax, x)
         amax = reduce_amax(compute_amax(x) if amax is None else amax, self.group)
         result = None
+        if rowcol:
+            result = run_fused(("cast_from_amax_rowcol", *key), kernels.cast_from_amax_rowcol, x, amax, self.fp8_dtype,
+                               self.fmt_max, self.use_power_2_scales)
+            if result is not None:
+                data, data_t, scale_inv = result
+                return Float8Tensor(data, scale_inv, self.fmt, x.dtype, data_t=data_t)
         if kernels is not None:  # the scale is derived from the reduced amax inside the cast kernel
             result = run_fused(
                 ("cast_from_amax", *key), kernels.cast_from_amax, x, amax, self.fp8_dtype, self.fmt_max,

@@ -4,7 +4,8 @@ Layouts (the contract for GEMM kernels):
 
 ``Float8Tensor`` (DelayedScaling, Float8CurrentScaling)
     ``data``: FP8, x's shape, row-major. ``scale_inv``: float32 0-dim, ``x ~= data * scale_inv``.
-    A GEMM that needs the other operand orientation uses ``transpose_data()`` (same scale).
+    A GEMM that needs the other operand orientation uses ``transpose_data()`` (same scale): the
+    ``data_t`` the cast wrote in the same pass when asked for the columnwise usage, else a transpose.
 
 ``BlockScaledTensor`` (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling) holds up to two
 copies, ``rowwise`` and ``columnwise`` (:class:`BlockScaledData`). Each copy is quantized along
@@ -70,22 +71,43 @@ class QuantizedTensor:
 
 
 class Float8Tensor(QuantizedTensor):
-    """Per-tensor scaled FP8."""
+    """Per-tensor scaled FP8. ``data_t``: the same bytes transposed (last two dims), when the cast
+    wrote it in the same pass (the wgrad operand); ``data`` may then be None (a copy kept for
+    wgrad alone), and the shape is still x's."""
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, fmt: Format, dtype: torch.dtype):
-        super().__init__(data.shape, dtype, data.device)
+    def __init__(self, data: Optional[torch.Tensor], scale_inv: torch.Tensor, fmt: Format, dtype: torch.dtype,
+                 data_t: Optional[torch.Tensor] = None):
+        if data is None and data_t is None:
+            raise ValueError("Float8Tensor needs its data, its transposed data, or both")
+        some = data if data is not None else data_t
+        shape = data.shape if data is not None else (*data_t.shape[:-2], data_t.shape[-1], data_t.shape[-2])
+        super().__init__(shape, dtype, some.device)
         self.data = data
+        self.data_t = data_t
         self.scale_inv = scale_inv
         self.fmt = fmt
 
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return (self.data if self.data is not None else self.data_t).dtype
+
     def transpose_data(self) -> torch.Tensor:
         """Columnwise copy: the FP8 data with its last two dims swapped, contiguous."""
-        if self.data.dim() < 2:
+        if len(self.shape) < 2:
             raise ValueError(f"transpose_data needs at least 2 dims, got shape {tuple(self.shape)}")
+        if self.data_t is not None:
+            return self.data_t
         return self.data.transpose(-1, -2).contiguous()
 
+    def wgrad_copy(self) -> "Float8Tensor":
+        """What a wgrad reads: the transposed copy alone when there is one (the data served fprop)."""
+        if self.data_t is None or self.data is None:
+            return self
+        return Float8Tensor(None, self.scale_inv, self.fmt, self.dtype, data_t=self.data_t)
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        return (self.data.to(torch.float32) * self.scale_inv).to(dtype or self.dtype)
+        data = self.data if self.data is not None else self.data_t.transpose(-1, -2)
+        return (data.to(torch.float32) * self.scale_inv).to(dtype or self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

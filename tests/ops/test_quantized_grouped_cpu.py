@@ -186,3 +186,26 @@ def test_weight_copy_is_rebuilt_after_an_in_place_update(monkeypatch):
         op.weight.add_(1.0)
         fuser(x, torch.tensor((128, 128)))
         assert len(built) == 2
+
+
+def test_per_tensor_transposed_copy_serves_wgrad_alone():
+    """A per-tensor FP8 tensor whose cast wrote the transposed data: the wgrad copy keeps only that
+    (the rowwise data served fprop and is freed), with x's shape, the same values, and the wgrad
+    operand is that data as it is (no transpose)."""
+    from te_dist.backends.fp8_operands import columnwise_operand, copy_format, rowwise_operand
+    from te_dist.quantization.tensors import Float8Tensor
+
+    x = torch.randn(64, 256)
+    q = make_quantizer(R.Float8CurrentScaling(), "input")(x)
+    full = Float8Tensor(q.data, q.scale_inv, q.fmt, q.dtype, data_t=q.data.t().contiguous())
+    wgrad = full.wgrad_copy()
+    assert wgrad.data is None and wgrad.data_t is full.data_t and wgrad.shape == x.shape
+    assert torch.equal(wgrad.dequantize(torch.float32), q.dequantize(torch.float32))
+    data_t, scales = columnwise_operand(wgrad)
+    assert data_t is full.data_t and scales.shape == (64 // 128 + 1, 256)
+    assert copy_format(wgrad, "columnwise") == "e4m3"
+    with pytest.raises(ValueError, match="rowwise copy missing"):
+        rowwise_operand(wgrad)
+    assert q.wgrad_copy() is q  # without transposed data the one copy serves both
+    with pytest.raises(ValueError, match="needs its data"):
+        Float8Tensor(None, q.scale_inv, q.fmt, q.dtype)

@@ -203,6 +203,52 @@ def test_delayed_scaling_history_over_calls(device, kernels, algo, dtype):
         _, ref_history, ref_scale, _ = ref
 
 
+# (rows, cols): rows not a multiple of the 64-row tile, columns not a multiple of the 128-column one
+_ROWCOL_SHAPES = [(48, 160), (132, 96), (4, 8), (256, 384)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("power_2", [False, True])
+def test_per_tensor_casts_with_transposed_data(device, kernels, dtype, power_2):
+    """The per-tensor casts that also write the transposed data: the same bytes as the plain cast,
+    transposed, for current scaling (amax from x or given) and delayed scaling (amax recorded)."""
+    for seed, shape in enumerate(_ROWCOL_SHAPES):
+        x = _data(shape, dtype, device, seed=seed, specials=seed == 0)
+        data, data_t, scale_inv = kernels.current_scaling_quantize_rowcol(x, *E4M3, power_2)
+        ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *E4M3, power_2)
+        _assert_same(data, ref_data, f"{shape} data")
+        _assert_same(data_t, ref_data.t().contiguous(), f"{shape} data_t")
+        _assert_same(scale_inv, ref_scale_inv, f"{shape} scale_inv")
+        amax = torch.tensor(5.5, device=device)
+        data, data_t, scale_inv = kernels.cast_from_amax_rowcol(x, amax, *E5M2, power_2)
+        scale = cast.per_tensor_scale(amax, E5M2[1], power_2=power_2)
+        ref_data = cast.cast_fp8_per_tensor(x, scale, *E5M2)
+        _assert_same(data, ref_data, f"{shape} data from amax")
+        _assert_same(data_t, ref_data.t().contiguous(), f"{shape} data_t from amax")
+        _assert_same(scale_inv, 1.0 / scale, f"{shape} scale_inv from amax")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_delayed_scaling_with_transposed_data(device, kernels, dtype):
+    history, scale = torch.zeros(4, device=device), torch.full((), 3.0, device=device)
+    for step, shape in enumerate(_ROWCOL_SHAPES):
+        x = _data(shape, dtype, device, seed=step, specials=step == 1)
+        out = kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 1, "max")
+        ref = cast.delayed_scaling_step(x, scale, history, *E4M3, 1, "max")
+        _assert_same(out[1], ref[0].t().contiguous(), f"step {step} data_t")
+        for name, a, b in zip(("data", "history", "scale", "scale_inv"), (out[0], *out[2:]), ref):
+            _assert_same(a, b, f"step {step} {name}")
+        history, scale = out[2], out[3]
+
+
+def test_per_tensor_transposed_data_needs_rows_in_words(device, kernels):
+    """Rows not a multiple of 4 (one word of four FP8 bytes) or a 3-D x: UnsupportedLayout, so the
+    quantizer takes the plain cast and transposes."""
+    for shape in ((6, 64), (2, 4, 64)):
+        with pytest.raises(kernels.UnsupportedLayout):
+            kernels.current_scaling_quantize_rowcol(torch.ones(shape, device=device), *E4M3, False)
+
+
 # ----------------------------------------------------------------------------- block formats
 def _reference_blocks(x, block, fmt, power_2, columnwise):
     src = x.transpose(-1, -2) if columnwise else x

@@ -342,7 +342,9 @@ def bias_grad(dy, offsets, num_groups, dtype):
 
 def _wgrad_copy(xq):
     """What wgrad reads of a quantized input: a block tensor's columnwise copy alone (the rowwise
-    copy served fprop and is freed); a per-tensor tensor's one copy."""
+    copy served fprop and is freed); a per-tensor tensor's transposed data where the cast wrote it."""
+    if hasattr(xq, "wgrad_copy"):
+        return xq.wgrad_copy()
     columnwise = getattr(xq, "columnwise", None)
     if columnwise is None or getattr(xq, "rowwise", None) is None:
         return xq

@@ -15,7 +15,8 @@ import torch
 
 from ..op import BasicOperation
 
-__all__ = ["SwiGLU", "ScaledSwiGLU", "swiglu_forward", "swiglu_backward", "scaled_swiglu_backward"]
+__all__ = ["SwiGLU", "ScaledSwiGLU", "swiglu_forward", "swiglu_backward", "scaled_swiglu_forward",
+           "scaled_swiglu_backward"]
 
 _aten = torch.ops.aten
 
@@ -61,6 +62,17 @@ def swiglu_forward(x: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     return _fused(_swiglu_forward_kernel, x, limit)
 
 
+def _scaled_swiglu_forward_kernel(x: torch.Tensor, probs: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    s = _swiglu_forward_kernel(x, limit)
+    return s * probs.to(s.dtype).unsqueeze(-1)
+
+
+def scaled_swiglu_forward(x: torch.Tensor, probs: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    """``swiglu(x) * probs[:, None]`` in one compiled pass (the input of a quantized fc2; without
+    quantization the probabilities ride in fc2's row-scale epilogue instead)."""
+    return _fused(_scaled_swiglu_forward_kernel, x, probs, limit)
+
+
 def _scaled_swiglu_backward_kernel(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
     """Pure function behind :func:`scaled_swiglu_backward`, computed in fp32, rounded once."""
     gate_in, up_in = h.float().chunk(2, dim=-1)
@@ -83,11 +95,13 @@ def _scaled_swiglu_backward_kernel(da: torch.Tensor, h: torch.Tensor, probs: tor
     return torch.cat((dgate, dup), dim=-1).to(h.dtype), dprobs, (s * p).to(h.dtype)
 
 
-def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
+                           want_scaled: bool = True):
     """Backward of ``y = swiglu(h) * probs[:, None]`` given ``da = dL/dy``, in one pass over h and da.
 
     Returns ``(dh, dprobs_fp32, swiglu(h) * probs)``: the last one is what the grouped MLP's second
-    GEMM needs for its weight gradient, formed here so it costs one write instead of another pass.
+    GEMM needs for its weight gradient, formed here so it costs one write instead of another pass
+    (None when not ``want_scaled``: a quantized fc2 saved its FP8 copy in the forward).
     On CUDA it runs the Triton kernel of :mod:`.swiglu_triton` when compilation is enabled (one
     kernel instead of Inductor's two), else the compiled function, else eager ops.
     """
@@ -95,9 +109,11 @@ def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tenso
         if h.is_cuda and h.dim() == 2:
             triton_module = _triton_module()
             if triton_module is not None:
-                return triton_module.scaled_swiglu_backward(da, h, probs, limit)
-        return _fused(_scaled_swiglu_backward_kernel, da, h, probs, limit)
-    return _scaled_swiglu_backward_eager(da, h, probs, limit)
+                return triton_module.scaled_swiglu_backward(da, h, probs, limit, want_scaled)
+        out = _fused(_scaled_swiglu_backward_kernel, da, h, probs, limit)
+    else:
+        out = _scaled_swiglu_backward_eager(da, h, probs, limit)
+    return out if want_scaled else (*out[:2], None)
 
 
 _triton_state: dict = {}

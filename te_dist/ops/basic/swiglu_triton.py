@@ -26,7 +26,7 @@ _MAX_BLOCK = 1024  # columns per loop step: 8 bf16 (16 bytes) per thread with 4 
 
 @triton.jit
 def _scaled_swiglu_backward_rows(da_ptr, h_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F, limit,
-                                 HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+                                 HAS_LIMIT: tl.constexpr, WRITE_S: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * 2 * F
     dh_row = dh_ptr + row * 2 * F
@@ -58,23 +58,26 @@ def _scaled_swiglu_backward_rows(da_ptr, h_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F,
             dup = tl.where((up_in >= -limit) & (up_in <= limit), dup, 0.0)
         tl.store(dh_row + cols, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_row + F + cols, dup.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_row + cols, (s * p).to(s_ptr.dtype.element_ty), mask=mask)
+        if WRITE_S:
+            tl.store(s_row + cols, (s * p).to(s_ptr.dtype.element_ty), mask=mask)
     tl.store(dp_ptr + row, tl.sum(acc, axis=0))
 
 
-def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
-    """``(dh, dprobs_fp32, swiglu(h) * probs)`` for ``h [T, 2F]``, ``da [T, F]``, ``probs [T]`` (CUDA)."""
+def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
+                           want_scaled: bool = True):
+    """``(dh, dprobs_fp32, swiglu(h) * probs)`` for ``h [T, 2F]``, ``da [T, F]``, ``probs [T]`` (CUDA);
+    the last is None when not ``want_scaled`` (a quantized fc2 saved its own FP8 copy of it)."""
     rows, width = h.shape
     half = width // 2
     h, da, probs = h.contiguous(), da.contiguous(), probs.contiguous()
     dh = torch.empty_like(h)
-    scaled = torch.empty(rows, half, dtype=h.dtype, device=h.device)
+    scaled = torch.empty(rows, half, dtype=h.dtype, device=h.device) if want_scaled else None
     dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
     if rows and half:
         block = min(_MAX_BLOCK, max(16, triton.next_power_of_2(half)))
         _scaled_swiglu_backward_rows[(rows,)](
-            da, h, probs, dh, scaled, dprobs, half, 0.0 if limit is None else float(limit),
-            HAS_LIMIT=limit is not None, BLOCK=block, num_warps=4,
+            da, h, probs, dh, dh if scaled is None else scaled, dprobs, half, 0.0 if limit is None else float(limit),
+            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, BLOCK=block, num_warps=4,
         )
     elif rows:
         dprobs.zero_()

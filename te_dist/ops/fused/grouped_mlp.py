@@ -4,7 +4,8 @@ Forward: split sizes become offsets once (shared when both GEMMs get the same sp
 the expert biases ride in grouped_mm's bias epilogue, and without quantization the routing
 probabilities ride in the second GEMM's row-scale epilogue (``y = p * (swiglu(h) @ W2) + b2``),
 so ``swiglu(h) * p`` is never materialised. Under a recipe the scaled activation is quantized, so
-it is formed first — exactly what the unfused ops quantize.
+it is formed first (one compiled pass over h) — exactly what the unfused ops quantize. Backward
+runs one pass over h and dgrad's output for dh and the probability gradient either way.
 
 Under an FP8 recipe the fused forward asks ``is_op_fuser_grouped_tensor_supported`` once (input
 dtype and device, the host sizes' alignment) and both GEMMs follow that answer: the native
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
 from ..basic.grouped_linear import host_split_alignment, support
-from ..basic.swiglu import scaled_swiglu_backward, swiglu_forward
+from ..basic.swiglu import scaled_swiglu_backward, scaled_swiglu_forward, swiglu_forward
 from ..op import FusedOperation
 from ..rules import FusionRule
 
@@ -39,21 +40,19 @@ class GroupedMLP(FusedOperation):
             native = fc1.native_path(x, groups1[1], _op_fuser_predicate()) and fc2.native_shape_ok and (
                 groups2 is groups1 or host_split_alignment(groups2[1]) == host_split_alignment(groups1[1]))
         h = fc1.grouped_forward(c1, x, groups1, native=native)
-        s = swiglu_forward(h, act.limit)
-        fc2.check_input(s)
         if isinstance(act, ScaledSwiGLU):
             probs_in = extra_inputs[1][0]
             probs = act.check_scales(h, probs_in)
             if c2.requires_grad:
                 c2.saved = (h, probs, probs_in.shape, probs_in.requires_grad)
             if fc2.quantizers.active:
-                y = fc2.grouped_forward(c3, s * probs.to(s.dtype).unsqueeze(-1), groups2, native=native)
+                y = fc2.grouped_forward(c3, scaled_swiglu_forward(h, probs, act.limit), groups2, native=native)
             else:
-                y = fc2.grouped_forward(c3, s, groups2, row_scale=probs)
+                y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, row_scale=probs)
         else:
             if c2.requires_grad:
                 c2.saved = (h,)
-            y = fc2.grouped_forward(c3, s, groups2, native=native)
+            y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, native=native)
         return y, [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
@@ -67,6 +66,14 @@ class GroupedMLP(FusedOperation):
             da = fc2.grouped_dgrad(c3, dy)
             dh, dprobs, scaled = scaled_swiglu_backward(da, h, probs, act.limit)
             dw2, db2 = fc2.grouped_wgrad(c3, dy, dy, scaled)
+            act_extra = (dprobs.to(probs.dtype).reshape(probs_shape) if probs_rg else None,)
+        elif isinstance(act, ScaledSwiGLU):
+            # Quantized fc2 (its input was formed and saved in the forward): the same one pass over
+            # h and da for dh and the probability gradient, without re-forming swiglu(h) * probs.
+            h, probs, probs_shape, probs_rg = c2.saved
+            c2.saved = ()
+            da, dw2, db2 = fc2.grouped_backward(c3, dy)
+            dh, dprobs, _ = scaled_swiglu_backward(da, h, probs, act.limit, want_scaled=False)
             act_extra = (dprobs.to(probs.dtype).reshape(probs_shape) if probs_rg else None,)
         else:
             da, dw2, db2 = fc2.grouped_backward(c3, dy)
