@@ -40,6 +40,7 @@ __all__ = [
     "cast_from_amax",
     "cast_and_amax",
     "delayed_scaling_step",
+    "transpose_fp8",
     "current_scaling_quantize_rowcol",
     "cast_from_amax_rowcol",
     "delayed_scaling_step_rowcol",
@@ -62,7 +63,7 @@ _F32_INF_BITS = tl.constexpr(0x7F800000)
 # sub-tiles of ~16 elements per thread (no spills) and loops over several of them, so one program
 # still moves >= 8-16 KB of bf16 input and issues one amax atomic.
 _PT_BLOCK, _PT_ITERS, _PT_WARPS = 2048, 4, 4  # per-tensor: 8192 elements per program
-_PT_TILE = (64, 128, 4)  # per-tensor with the transposed copy: rows, columns per program, warps
+_PT_TILE = (64, 128, 4)  # FP8 byte transpose: rows, columns per program, warps
 # rowwise-only 1xG blocks are consecutive runs of G elements in memory: the kernel streams x as a flat
 # [blocks, G] array. group -> (blocks per sub-tile, sub-tiles per program, warps): 2048 elements per sub-tile
 _ROWS_TILE = {128: (16, 4, 4), 32: (64, 4, 4)}
@@ -182,48 +183,28 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
 
 
 @triton.jit
-def _cast_per_tensor_rowcol_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr, R, C,
-                                   FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
-                                   RECORD_AMAX: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
-    """Both copies of a per-tensor cast of x [R, C] (R % 4 == 0) in one pass: the data [R, C] and
-    its transpose [C, R] (the wgrad operand, which FP8 tensor cores read K-major), the same bytes.
-    Scale and amax as in ``_cast_per_tensor_kernel``.
+def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.constexpr):
+    """dst [C, R] = src [R, C] transposed, for 1-byte elements (FP8 data as uint8), R % 4 == 0.
 
-    Why: transposing the FP8 data afterwards (torch's byte-wise transpose copy) took ~4 ms of a
-    DeepSeek-like layer step on H200, more than the casts. As in ``_cast_tile_kernel``, a program
-    reads its rows as four row sets (rows 4a+j), packs the four FP8 bytes of each column into one
-    uint32 and transposes only these words, so the columnwise stores are whole words."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    if SCALE_FROM_AMAX:
-        scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
-        if (pid_r == 0) & (pid_c == 0):
-            tl.store(scale_inv_ptr, _recip(scale))
-    else:
-        scale = tl.load(scale_ptr)
+    Why: torch's transpose copy moves one byte per thread access (~1.5 ms for a 32768 x 7168 FP8
+    tensor on H200, ~0.18 ms here). A program reads TR rows as four row sets (rows 4a+j, [A, 1, TC]),
+    packs the four bytes of each column into one uint32 and transposes only these words, so every
+    store is a whole word. Integers only: no FP8 conversion is laid out by the compiler here (the
+    per-tensor cast writing both copies in one pass placed bytes wrongly on H200 with Triton 3.6)."""
     A: tl.constexpr = TR // 4
-    r = pid_r.to(tl.int64) * TR + 4 * tl.arange(0, A)  # first row of each word
-    c = pid_c * TC + tl.arange(0, TC)
-    cmask = c < C
-    FP8: tl.constexpr = row_ptr.dtype.element_ty
-    w = tl.zeros((A, TC), dtype=tl.uint32)
-    acc = tl.zeros((A, TC), dtype=tl.int32)
+    pid_r = tl.program_id(0)
+    r3 = (pid_r.to(tl.int64) * TR + 4 * tl.arange(0, A))[:, None, None]  # first row of each word
+    c = tl.program_id(1) * TC + tl.arange(0, TC)
+    c3 = c[None, None, :]
+    src = src_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    w = tl.zeros((A, 1, TC), dtype=tl.uint32)
     for j in tl.static_range(4):
-        rows = r + j
-        mask = (rows < R)[:, None] & cmask[None, :]
-        offs = rows[:, None] * C + c[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _saturate(x * scale, FMT_MAX).to(FP8)
-        tl.store(row_ptr + offs, q, mask=mask)
-        w = w | (q.to(tl.uint8, bitcast=True).to(tl.uint32) << (8 * j))
-        if RECORD_AMAX:
-            acc = tl.maximum(acc, _abs_bits(x))
+        b = tl.load(src + (r3 + j) * C + c3, mask=(c3 < C) & (r3 + j < R), other=0)
+        w = w | (b.to(tl.uint32) << (8 * j))
     words = pid_r.to(tl.int64) * A + tl.arange(0, A)  # word index along R (row // 4)
-    col_w = col_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    tl.store(col_w + c[:, None].to(tl.int64) * (R // 4) + words[None, :], tl.trans(w),
-             mask=cmask[:, None] & (words < R // 4)[None, :])
-    if RECORD_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0), sem="relaxed")
+    dst = dst_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    tl.store(dst + c[None, :, None].to(tl.int64) * (R // 4) + words[None, None, :], tl.permute(w, (1, 2, 0)),
+             mask=(c < C)[None, :, None] & (words < R // 4)[None, None, :])
 
 
 @triton.jit
@@ -482,47 +463,37 @@ def delayed_scaling_step(x, scale, history, fp8_dtype, fmt_max: float, margin: i
 
 def _rowcol_layout(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.shape[0] % 4:
-        raise UnsupportedLayout(f"the fused per-tensor cast with a transposed copy takes x [R, C] with R % 4 == 0, "
+        raise UnsupportedLayout(f"the per-tensor cast with a transposed copy takes x [R, C] with R % 4 == 0, "
                                 f"got shape {tuple(x.shape)}")
 
 
-def _launch_rowcol(x, fp8_dtype, fmt_max, *, scale=None, amax_bits=None, scale_inv=None, from_amax, power_2,
-                   record):
-    """(data [R, C], data_t [C, R]) of x [R, C] through ``_cast_per_tensor_rowcol_kernel``."""
-    rows, cols = x.shape
-    data = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device)
-    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device)
-    tr, tc, warps = _PT_TILE
-    dummy = amax_bits if amax_bits is not None else scale
-    _cast_per_tensor_rowcol_kernel[(max(1, triton.cdiv(rows, tr)), max(1, triton.cdiv(cols, tc)))](
-        x, data, data_t, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
-        scale_inv if scale_inv is not None else dummy, rows, cols, FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax,
-        POWER_2=power_2, RECORD_AMAX=record, TR=tr, TC=tc, num_warps=warps,
-    )
-    return data, data_t
+def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
+    """``data.t().contiguous()`` for 2-D FP8 data [R, C] with R % 4 == 0, in one pass of whole words."""
+    _rowcol_layout(data)
+    rows, cols = data.shape
+    out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
+    if rows and cols:
+        tr, tc, warps = _PT_TILE
+        _transpose_bytes_kernel[(triton.cdiv(rows, tr), triton.cdiv(cols, tc))](
+            data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
+    return out
 
 
 @_on_x_device
 def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool):
-    """:func:`current_scaling_quantize` plus the transposed data from the cast pass (x [R, C], R % 4 == 0).
+    """:func:`current_scaling_quantize` plus the transposed data (x [R, C], R % 4 == 0).
     Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    x = x.contiguous()
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    data, data_t = _launch_rowcol(x, fp8_dtype, fmt_max, amax_bits=_amax_bits(x), scale_inv=scale_inv,
-                                  from_amax=True, power_2=power_2, record=False)
-    return data, data_t, scale_inv
+    data, scale_inv = current_scaling_quantize(x, fp8_dtype, fmt_max, power_2)
+    return data, transpose_fp8(data), scale_inv
 
 
 @_on_x_device
 def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
     """:func:`cast_from_amax` plus the transposed data. Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    bits = amax.to(torch.float32).reshape(1).contiguous().view(torch.int32)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    data, data_t = _launch_rowcol(x.contiguous(), fp8_dtype, fmt_max, amax_bits=bits, scale_inv=scale_inv,
-                                  from_amax=True, power_2=power_2, record=False)
-    return data, data_t, scale_inv
+    data, scale_inv = cast_from_amax(x, amax, fp8_dtype, fmt_max, power_2)
+    return data, transpose_fp8(data), scale_inv
 
 
 def _delayed_update(amax, scale, history, fmt_max: float, margin: int, algo: str, device):
@@ -543,17 +514,11 @@ def _delayed_update(amax, scale, history, fmt_max: float, margin: int, algo: str
 
 @_on_x_device
 def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
-    """:func:`delayed_scaling_step` with the transposed data from the same cast pass (x [R, C],
-    R % 4 == 0). Returns NEW (data, data_t, history, scale, scale_inv)."""
-    if algo not in ("max", "most_recent"):
-        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
+    """:func:`delayed_scaling_step` plus the transposed data (x [R, C], R % 4 == 0).
+    Returns NEW (data, data_t, history, scale, scale_inv)."""
     _rowcol_layout(x)
-    x = x.contiguous()
-    bits = _zero_bits(x.device)
-    data, data_t = _launch_rowcol(x, fp8_dtype, fmt_max, scale=scale.to(torch.float32).reshape(1).contiguous(),
-                                  amax_bits=bits, from_amax=False, power_2=False, record=True)
-    amax = bits.view(torch.float32).reshape(())
-    return (data, data_t, *_delayed_update(amax, scale, history, fmt_max, margin, algo, x.device))
+    data, *update = delayed_scaling_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
+    return (data, transpose_fp8(data), *update)
 
 
 def _split_shape(x: torch.Tensor):
