@@ -17,7 +17,13 @@ With a gated fc1 Megatron writes the two halves as separate shards (its SwiGLU f
 the same shards, plus the ``_extra_state`` objects its local linears write, so either side finds
 every key it asks for. With ``metadata={"singleton_local_shards": True}`` each global expert g has
 keys of its own, ``{prefix}experts.{g}.linear_fc1.weight`` (gated halves ``..._w`` / ``..._v``),
-as SequentialMLP writes them then. Only expert tensor-parallel size 1 is supported.
+as SequentialMLP writes them then.
+
+Expert tensor parallelism (ETP size P, rank r) shards F as Megatron's column/row-parallel expert
+linears do: fc1 rows (and fc1 bias) along axis 0, fc2 columns along axis 1, the fc2 bias replicated.
+A gated fc1 holds ``[gate_r; up_r]`` locally: its halves are fragments r and P + r of 2P.
+Replica ids follow Megatron's: ``(0, 0, expert-DP rank)`` for TP-sharded tensors,
+``(0, r, expert-DP rank)`` for the replicated fc2 bias and the ``_extra_state`` objects.
 """
 
 from __future__ import annotations
@@ -42,43 +48,60 @@ def expert_tensor_factory(
     sharded_offsets: tuple,
     ep_rank: int,
     ep_size: int,
-    replica_id: tuple,
+    dp_rank: int,
     glu: bool,
+    tp_axis: Optional[int] = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
     singleton: bool = False,
     extra_state_owner: Optional[str] = None,
 ):
     """A ShardedTensorFactory writing ``data`` [E_local, ...] as per-expert shards of ``experts.{name}`` [E, ...].
 
-    With ``glu`` the first local axis (2F) is written as two half shards, as Megatron's SwiGLU
-    factory does for a tensor-parallel size of 1. With ``singleton`` every expert gets keys of its
-    own (no expert axis). With ``extra_state_owner`` (``"linear_fc1"``) the factory also writes the
-    (empty) per-expert ``_extra_state`` objects of that linear; loading ignores them.
+    With ``glu`` the first local axis (2F/P) is written as two half shards, as Megatron's SwiGLU
+    factory does. ``tp_axis`` is the axis of one expert's slice that expert tensor parallelism
+    shards (fc1: 0, fc2 weight: 1; None: replicated over the ETP group). With ``singleton`` every
+    expert gets keys of its own (no expert axis). With ``extra_state_owner`` (``"linear_fc1"``) the
+    factory also writes the (empty) per-expert ``_extra_state`` objects of that linear; loading
+    ignores them.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    if glu and tp_axis != 0:
+        raise ValueError(f"{name}: gated halves are split along the tensor-parallel axis 0, got {tp_axis=}")
     num_local = data.shape[0]
     num_global = num_local * ep_size
     expert_axis = len(sharded_offsets)
+    replica_id = (0, 0 if tp_axis is not None else tp_rank, dp_rank)
 
     def expert_shards(t_e, global_idx):
         pieces = torch.chunk(t_e, 2, dim=0) if glu else (t_e,)
         if singleton:  # Megatron's singleton SwiGLU halves: separate "_w" / "_v" tensors
             key = expert_key(prefix, name, global_idx)
             keys = (f"{key}_w", f"{key}_v") if glu else (key,)
+            tp = (expert_axis + tp_axis, tp_rank, tp_size) if tp_axis is not None else (expert_axis, 0, 1)
             return [
                 ShardedTensor.from_rank_offsets(
-                    k, piece, *sharded_offsets, (expert_axis, 0, 1),
-                    replica_id=replica_id, prepend_axis_num=expert_axis,
+                    k, piece, *sharded_offsets, tp, replica_id=replica_id, prepend_axis_num=expert_axis,
                 )
                 for k, piece in zip(keys, pieces)
             ]
         prepend = expert_axis + 1  # the expert axis is prepended to each [..] expert slice
+        expert = (expert_axis, global_idx, num_global)
+        if glu:  # gate_r is fragment r of 2P, up_r fragment P + r
+            return [
+                ShardedTensor.from_rank_offsets(
+                    expert_key(prefix, name), piece, *sharded_offsets, expert,
+                    (prepend, half * tp_size + tp_rank, 2 * tp_size), replica_id=replica_id, prepend_axis_num=prepend,
+                )
+                for half, piece in enumerate(pieces)
+            ]
+        tp = ((prepend + tp_axis, tp_rank, tp_size),) if tp_axis is not None and tp_size > 1 else ()
         return [
             ShardedTensor.from_rank_offsets(
-                expert_key(prefix, name), piece, *sharded_offsets, (expert_axis, global_idx, num_global),
-                (prepend, half, len(pieces)), replica_id=replica_id, prepend_axis_num=prepend,
+                expert_key(prefix, name), t_e, *sharded_offsets, expert, *tp,
+                replica_id=replica_id, prepend_axis_num=prepend,
             )
-            for half, piece in enumerate(pieces)
         ]
 
     @torch.no_grad()
@@ -89,7 +112,7 @@ def expert_tensor_factory(
         if extra_state_owner is not None:
             built["extra_state"] = list(expert_extra_state_objects(
                 prefix, extra_state_owner, sharded_offsets=sharded_offsets, ep_rank=ep_rank, num_local=num_local,
-                ep_size=ep_size, replica_id=replica_id, singleton=singleton,
+                ep_size=ep_size, replica_id=(0, tp_rank, dp_rank), singleton=singleton,
             ).values())
         return built
 

@@ -15,7 +15,9 @@ experts. It computes the same function as ``SequentialMLP`` built from the same 
 routing probability scales the SwiGLU output before fc2, and an fc2 bias is scaled by it too.
 
 Legend: T tokens routed to this rank (sorted by local expert), H hidden size, F
-``moe_ffn_hidden_size``, E local experts.
+``moe_ffn_hidden_size`` divided by the expert tensor-parallel size (ETP), E local experts.
+With ETP > 1 each rank holds its part of every expert's ffn, as Megatron's expert linears do;
+the token dispatcher gathers the tokens and reduce-scatters the outputs over the ETP group.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from megatron.core.transformer.module import MegatronModule  # noqa: E402  (afte
 __all__ = ["GroupedExperts"]
 
 
-def _check_config(config, num_local_experts: int, ep_size: int, expt_tp_size: int) -> None:
+def _check_config(config, num_local_experts: int, ep_size: int, etp_size: int) -> None:
     """Reject what the grouped path does not compute the way SequentialMLP would, before allocating."""
     if not isinstance(num_local_experts, int) or num_local_experts < 1:
         raise ValueError(f"num_local_experts must be a positive int, got {num_local_experts!r}")
@@ -57,8 +59,11 @@ def _check_config(config, num_local_experts: int, ep_size: int, expt_tp_size: in
         raise ValueError(f"config.moe_latent_size must be None for te_dist experts, got {config.moe_latent_size}")
     if getattr(config, "delay_wgrad_compute", False):
         raise ValueError("config.delay_wgrad_compute=True is not supported by te_dist experts")
-    if expt_tp_size != 1:
-        raise ValueError(f"te_dist experts need expert tensor-parallel size 1, got {expt_tp_size}")
+    if config.moe_ffn_hidden_size % etp_size:
+        raise ValueError(
+            f"config.moe_ffn_hidden_size={config.moe_ffn_hidden_size} is not divisible by the expert "
+            f"tensor-parallel size {etp_size=}"
+        )
 
 
 def _fused_swiglu(config) -> bool:
@@ -79,6 +84,17 @@ def _megatron_activation(config):
         return act(gate) * (linear + offset)
 
     return glu
+
+
+def _etp_part_init(init, full_shape: tuple, take):
+    """An expert-slice init that draws the expert's whole tensor and keeps this ETP rank's ``take(full)``."""
+
+    def part(param_slice, seed):
+        full = torch.empty(full_shape, dtype=param_slice.dtype, device=param_slice.device)
+        init(full, seed)
+        param_slice.copy_(take(full))
+
+    return part
 
 
 # Routing-probability dtypes ScaledSwiGLU takes; Megatron's fp64 router (moe_router_dtype="fp64")
@@ -117,7 +133,8 @@ class GroupedExperts(MegatronModule):
             pg_collection = get_default_pg_collection()
         ep_group = pg_collection.ep
         ep_size, ep_rank = group_size(ep_group), group_rank(ep_group)
-        _check_config(config, num_local_experts, ep_size, group_size(pg_collection.expt_tp))
+        etp_size, etp_rank = group_size(pg_collection.expt_tp), group_rank(pg_collection.expt_tp)
+        _check_config(config, num_local_experts, ep_size, etp_size)
         resolved = resolve_recipe(recipe, config)  # raises before any allocation
         super().__init__(config=config)
 
@@ -125,13 +142,16 @@ class GroupedExperts(MegatronModule):
         self.num_local_experts = num_local_experts
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = ep_size, ep_rank
+        # Expert tensor parallelism: this rank holds F / etp_size of every expert's ffn (fc1 rows
+        # [gate_r; up_r], fc2 columns); the token dispatcher gathers and reduce-scatters over the group.
+        self.etp_size, self.etp_rank = etp_size, etp_rank
         self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
         self.recipe = resolved
         # An explicit "none" also overrides an outer te_dist.autocast; "config" without fp8/fp4 inherits it.
         self._recipe_disabled = isinstance(recipe, str) and recipe == "none"
         self._recipe_group = ep_group if (recipe_group == "ep" and ep_size > 1) else None
 
-        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size // etp_size
         dtype = config.params_dtype
         device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
         bias = bool(config.add_bias_linear)
@@ -171,10 +191,22 @@ class GroupedExperts(MegatronModule):
     @torch.no_grad()
     def _initialize(self, config) -> None:
         """Megatron's init methods, seeded per *global* expert (te_dist.moe.init, the MoELayer's
-        scheme) so any EP size gives the same experts. The base seed is the generator's initial
+        scheme) so any EP or ETP size gives the same experts (with ETP, each expert's whole
+        tensors are drawn and this rank keeps its part). The base seed is the generator's initial
         seed, not a draw: Megatron's ranks may have drawn different amounts before (pipeline stages)."""
-        init_experts_([(self.linear_fc1.weight, on_seeded_global_rng(config.init_method)), (None, None),
-                       (self.linear_fc2.weight, on_seeded_global_rng(config.output_layer_init_method))],
+        fc1_init = on_seeded_global_rng(config.init_method)
+        fc2_init = on_seeded_global_rng(config.output_layer_init_method)
+        if self.etp_size > 1:
+            ffn, part = config.moe_ffn_hidden_size, config.moe_ffn_hidden_size // self.etp_size
+            rows = slice(self.etp_rank * part, (self.etp_rank + 1) * part)
+            up_rows = slice(ffn + rows.start, ffn + rows.stop)
+            fc1_rows = 2 * ffn if self.gated else ffn
+            fc1_init = _etp_part_init(
+                fc1_init, (fc1_rows, config.hidden_size),
+                (lambda w: torch.cat([w[rows], w[up_rows]])) if self.gated else (lambda w: w[rows]),
+            )
+            fc2_init = _etp_part_init(fc2_init, (config.hidden_size, ffn), lambda w: w[:, rows])
+        init_experts_([(self.linear_fc1.weight, fc1_init), (None, None), (self.linear_fc2.weight, fc2_init)],
                       self.ep_rank * self.num_local_experts, torch.initial_seed())
         if getattr(self.linear_fc1, "bias", None) is not None:
             self.linear_fc1.bias.zero_()
@@ -243,20 +275,20 @@ class GroupedExperts(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """SequentialMLP's checkpoint layout (see ``te_dist.megatron.checkpoint``)."""
-        replica_id = (0, 0, group_rank(self.expt_dp_group))
         common = dict(sharded_offsets=sharded_offsets, ep_rank=self.ep_rank, ep_size=self.ep_size,
-                      replica_id=replica_id, singleton=bool((metadata or {}).get("singleton_local_shards", False)))
-        tensors = (  # (our state-dict name, checkpoint name, tensor, gated halves, linear owning _extra_state)
-            ("linear_fc1.weight", "linear_fc1.weight", self.linear_fc1.weight, self.gated, "linear_fc1"),
-            ("linear_fc1.bias", "linear_fc1.bias", getattr(self.linear_fc1, "bias", None), self.gated, None),
-            ("linear_fc2.weight", "linear_fc2.weight", self.linear_fc2.weight, False, "linear_fc2"),
-            ("linear_fc2_bias", "linear_fc2.bias", self.linear_fc2_bias, False, None),
+                      dp_rank=group_rank(self.expt_dp_group), tp_rank=self.etp_rank, tp_size=self.etp_size,
+                      singleton=bool((metadata or {}).get("singleton_local_shards", False)))
+        tensors = (  # (our state-dict name, checkpoint name, tensor, gated halves, ETP axis, linear owning _extra_state)
+            ("linear_fc1.weight", "linear_fc1.weight", self.linear_fc1.weight, self.gated, 0, "linear_fc1"),
+            ("linear_fc1.bias", "linear_fc1.bias", getattr(self.linear_fc1, "bias", None), self.gated, 0, None),
+            ("linear_fc2.weight", "linear_fc2.weight", self.linear_fc2.weight, False, 1, "linear_fc2"),
+            ("linear_fc2_bias", "linear_fc2.bias", self.linear_fc2_bias, False, None, None),
         )
         sharded = {}
-        for local_name, ckpt_name, tensor, glu, extra_owner in tensors:
+        for local_name, ckpt_name, tensor, glu, tp_axis, extra_owner in tensors:
             if tensor is None:
                 continue
             sharded[f"{prefix}{local_name}"] = expert_tensor_factory(
-                prefix, ckpt_name, tensor.detach(), glu=glu, extra_state_owner=extra_owner, **common
+                prefix, ckpt_name, tensor.detach(), glu=glu, tp_axis=tp_axis, extra_state_owner=extra_owner, **common
             )
         return sharded

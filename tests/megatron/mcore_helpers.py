@@ -73,8 +73,9 @@ def free_port() -> int:
 _created_process_group = False
 
 
-def init_megatron(ep_size: int = 1) -> None:
-    """Initialise torch.distributed (if needed: world size 1, gloo/nccl) and Megatron's parallel_state."""
+def init_megatron(ep_size: int = 1, etp_size: int = 1) -> None:
+    """Initialise torch.distributed (if needed: world size 1, gloo/nccl) and Megatron's parallel_state
+    (TP=PP=1, the given expert-parallel and expert tensor-parallel sizes)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -89,7 +90,8 @@ def init_megatron(ep_size: int = 1) -> None:
         dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
                                 world_size=int(os.environ.get("WORLD_SIZE", 1)))
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep_size)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep_size,
+                                             expert_tensor_parallel_size=etp_size)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

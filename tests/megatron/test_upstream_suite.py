@@ -1,6 +1,6 @@
 """The pinned Megatron-Core tests are Megatron's own, and a small slice of them passes with te_dist experts.
 
-The whole target (both arms, 1 and 2 ranks) takes tens of minutes on a shared 2-core machine, so it is
+The whole target (both arms, 1 and 2 ranks) takes about 10 minutes on a shared 2-core machine, so it is
 a documented command (docs/megatron.md, ``python tests/megatron/upstream_suite.py``), not a CI test.
 """
 

@@ -11,7 +11,10 @@ Only the setup changes; Megatron's test bodies and assertions are the pinned fil
 What a CPU run with the megatron-core wheel needs (each applied only where it is missing):
   * gloo instead of NCCL in ``Utils.initialize_distributed``; ``.cuda()`` of modules and tensors,
     ``torch.cuda.current_device/set_device/synchronize`` answer the CPU; the CUDA RNG tracker
-    keeps seeds only (CPU initialisation draws from the CPU generator).
+    keeps seeds only (CPU initialisation draws from the CPU generator), and activation recompute
+    (``tensor_parallel.checkpoint``) saves and restores the CPU generator alone.
+  * ``Utils.destroy_model_parallel`` also destroys the groups Megatron forgets: each gloo group keeps
+    its threads, and at 2 ranks thousands of them piled up over the run and slowed every test.
   * ``is_te_min_version`` answers False without TransformerEngine (0.16.1 raises TypeError);
     ``get_gpt_layer_with_transformer_engine_spec`` answers the local spec of the same arguments;
     ``transformer_engine.pytorch.fp8`` exists only while ``test_moe_experts.py`` is imported,
@@ -121,6 +124,9 @@ def _cpu_device():
 
     mrandom.CudaRNGStatesTracker.add = add
     mrandom.CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
+    # tensor_parallel.checkpoint saves the CUDA generator's state beside the CPU one: there is none.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     _CudaMeansCpu().__enter__()  # for the whole run: tests write device="cuda" and .to("cuda")
     # The alltoall dispatcher copies its split sizes to the host on a side stream.
     torch.cuda.Stream = _CpuStream
@@ -196,9 +202,28 @@ def _gloo_utils():
                 raise
             pytest.skip(f"layout needs more ranks than {Utils.world_size}: {err}")
 
+    destroy = Utils.destroy_model_parallel
+
+    def destroy_model_parallel():
+        destroy()
+        _destroy_subgroups()
+
     if ON_CPU:
         Utils.initialize_distributed = staticmethod(initialize_distributed)
+        Utils.destroy_model_parallel = staticmethod(destroy_model_parallel)
     Utils.initialize_model_parallel = staticmethod(initialize_model_parallel)
+
+
+def _destroy_subgroups():
+    """Destroy every process group but the default one (``parallel_state.destroy_model_parallel``
+    only forgets them; a gloo group's threads live as long as the group)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not torch.distributed.is_initialized():
+        return
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            torch.distributed.destroy_process_group(group)
 
 
 def _without_te():

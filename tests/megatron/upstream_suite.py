@@ -176,8 +176,8 @@ def main(argv=None) -> int:
             run = results[(arm, world)]
             counts = Counter(o for o, _ in run.get("tests", {}).values())
             print(f"{arm} world={world}: " + ("CRASHED" if "crashed" in run else str(dict(counts))), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({f"{a}/{w}": r for (a, w), r in results.items()}, indent=1))
+            if args.json:  # after every arm, so a run stopped part way keeps what it measured
+                args.json.write_text(json.dumps({f"{a}/{w}": r for (a, w), r in results.items()}, indent=1))
     s = summarize(results)
     for (f, arm, w), reasons in sorted(s["reasons"].items()):
         print(f"skipped {f} {arm} world={w}: " + "; ".join(f"{n}x {r}" for r, n in reasons.most_common()))
