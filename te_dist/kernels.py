@@ -25,7 +25,6 @@ Legend: T rows (tokens), K in-features, N out-features, E experts.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -122,7 +121,7 @@ def describe_choice(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, 
                      direction == "wgrad" or _weight_k_major(w_EKN), group_sizes)
     name = _select(p, x_TK.device, None)
     tuner = autotune.tuner()
-    if p.device_type == "cuda" and tuner.settings.enabled and os.environ.get(autotune.ENV, "1") != "0":
+    if p.device_type == "cuda" and tuner.enabled:
         index = x_TK.device.index if x_TK.device.index is not None else torch.cuda.current_device()
         ranking = tuner.table_for(index).ranking.get(autotune.bucket_key(p, group_sizes))
         if ranking is not None and not (tuner.deterministic() and not tuner.agreed):

@@ -8,7 +8,7 @@ candidate wherever it can run).
 
 Flow of one CUDA call (``choose``; forced backends and CPU calls never get here)::
 
-    TE_DIST_TUNE=0 or configure(enabled=False)         -> None: the static table decides
+    TE_DIST_TUNE=0 (read when the tuner is made) or configure(enabled=False) -> None: the static table
     key = bucket_key(...) in the device's table         -> the first allowed choice of its ranking
     miss, measuring allowed (not capturing, not deterministic, budget left, the file's lock free)
         -> reload the file (another rank of the node may have measured it), else time every
@@ -253,6 +253,9 @@ class Autotuner:
         self._by_index: Dict[int, _Table] = {}
         self._by_identity: Dict[Tuple[str, int], _Table] = {}
         self.agreed = False  # set by agree_tuned_choices: every rank holds rank 0's entries
+        # Read once, when the process's tuner is made (its first CUDA call) or reset: a lookup
+        # of os.environ cost about as much as the rest of the hot path together.
+        self.env_enabled = os.environ.get(ENV, "1").strip() != "0"
         self._lock = threading.Lock()
         self._warned = set()
 
@@ -262,24 +265,33 @@ class Autotuner:
                context: Callable[[], "MissContext"]) -> Optional[Choice]:
         """The measured choice for this call, or None where the static table decides. ``context``
         is called on a miss only (it builds the candidates' runners)."""
-        if not self.settings.enabled or os.environ.get(ENV, "1") == "0":
+        if not self.enabled:
             return None
         table = self._by_index.get(device_index)
         if table is None:
             table = self._table(device_index)
-        key = bucket_key(p, group_sizes)
+        # bucket_key, inlined: this runs on every CUDA call (benchmarks/autotune_overhead.py)
+        n = p.num_groups
+        m = -(-p.num_rows // n) if n > 0 else p.num_rows
+        gs = group_sizes
+        key = (p.direction, p.dtype, p.out_dtype, n, p.k, p.n, 0 if m <= 0 else 1 << (m - 1).bit_length(),
+               gs is not None and len(gs) > 1 and gs.count(gs[0]) != len(gs), gs is not None)
         ranking = table.ranking.get(key)
         if ranking is None:
             return self._miss(p, key, table, group_sizes, context)
-        if self.deterministic() and not self.agreed:
+        if not self.agreed and (self.settings.deterministic or _deterministic_algorithms()):
             return None
         for choice in ranking:
             if allowed(choice, p):
                 return choice
         return None
 
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled and self.env_enabled
+
     def deterministic(self) -> bool:
-        return self.settings.deterministic or torch.are_deterministic_algorithms_enabled()
+        return self.settings.deterministic or _deterministic_algorithms()
 
     # ------------------------------------------------------------------ a miss
 
@@ -432,6 +444,9 @@ class Autotuner:
                     table.ranking, table.ms = other.ranking, other.ms
             self._by_identity.update(tables)
             self.agreed = True
+
+
+_deterministic_algorithms = torch.are_deterministic_algorithms_enabled
 
 
 def _cuda_identity(index: int) -> Tuple[str, int]:

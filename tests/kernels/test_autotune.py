@@ -153,22 +153,34 @@ def test_no_measurement_while_capturing_or_deterministic(monkeypatch):
     t.settings.deterministic = True
     assert t.choose(_p(), 0, SIZES, _context()) is None
     t.settings.deterministic = False
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(autotune, "_deterministic_algorithms", lambda: True)
     assert t.choose(_p(), 0, SIZES, _context()) is None
     assert timer.calls == []
 
 
 def test_switch_off_by_env_and_by_settings(monkeypatch):
     timer = FakeTimer(MS)
-    t = _tuner(timer=timer)
     monkeypatch.setenv(autotune.ENV, "0")
+    t = _tuner(timer=timer)  # the switch is read when the process's tuner is made
+    assert not t.enabled
     assert t.choose(_p(), 0, SIZES, _context()) is None
     monkeypatch.setenv(autotune.ENV, "1")
+    t = _tuner(timer=timer)
     t.settings.enabled = False
     assert t.choose(_p(), 0, SIZES, _context()) is None
     assert timer.calls == []
     t.settings.enabled = True
     assert t.choose(_p(), 0, SIZES, _context()) == ("cutlass", 2)
+
+
+def test_process_tuner_reads_the_switch_at_reset(monkeypatch):
+    try:
+        monkeypatch.setenv(autotune.ENV, "0")
+        assert not autotune.reset().enabled
+        monkeypatch.delenv(autotune.ENV)
+        assert autotune.reset().enabled
+    finally:
+        autotune.reset()
 
 
 def test_configure_validates_and_reset_restores(monkeypatch):

@@ -61,9 +61,10 @@ def _reference(direction, x, w, dy, off, sizes):
 def test_tuned_call_matches_untuned(cuda_device, fresh_tuner, monkeypatch, direction, ragged):
     x, w, dy, off, sizes = _operands(direction, ragged, cuda_device)
     ref = _reference(direction, x, w, dy, off, sizes)
-    monkeypatch.setenv(autotune.ENV, "0")
+    fresh_tuner.settings.enabled = False
     untuned = _call(direction, x, w, dy, off, sizes).float().cpu()
-    monkeypatch.setenv(autotune.ENV, "1")
+    assert not fresh_tuner.table_for(cuda_device.index).ranking  # off: nothing measured
+    fresh_tuner.settings.enabled = True
     first = _call(direction, x, w, dy, off, sizes).float().cpu()  # measures, then runs the winner
     again = _call(direction, x, w, dy, off, sizes).float().cpu()  # the table's answer
     row = x if direction != "dgrad" else dy
