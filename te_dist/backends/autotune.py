@@ -281,10 +281,10 @@ class Autotuner:
             return self._miss(p, key, table, group_sizes, context)
         if not self.agreed and (self.settings.deterministic or _deterministic_algorithms()):
             return None
-        for choice in ranking:
-            if allowed(choice, p):
-                return choice
-        return None
+        first = ranking[0]
+        if first[0] != "loop" or (p.sizes_on_host and not p.capturing):  # allowed(), inlined
+            return first
+        return self.choose_from(ranking, p)
 
     @property
     def enabled(self) -> bool:
