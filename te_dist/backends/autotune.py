@@ -59,6 +59,10 @@ __all__ = [
     "bucket_rows",
     "bucket_key",
     "key_text",
+    "parse_key",
+    "choice_name",
+    "parse_choice",
+    "allowed",
     "candidates",
     "measure",
     "cuda_timer",
@@ -192,7 +196,12 @@ def measure(runs: Sequence[Tuple[Choice, Callable[[], object]]], budget: Budget,
     for choice, fn in runs:
         if out and spent + (calls + 1) * probe > cap:
             break
-        ms = timer(fn, calls)
+        try:
+            ms = timer(fn, calls)
+        except Exception:  # noqa: BLE001 - a candidate that fails on this shape cannot win; the static one re-raises
+            if choice == runs[0][0]:
+                raise
+            continue
         spent += (calls + 1) * ms
         out[choice] = ms
     if not out:  # the probe alone filled the bucket: it is still a measurement of the first run
@@ -228,7 +237,7 @@ class _Table:
 
     def to_entries(self) -> dict:
         return {key_text(k): {"ranking": [choice_name(c) for c in r], "ms": self.ms.get(k, {})}
-                for k, r in self.ranking.items()}
+                for k, r in self.ranking.items() if r}
 
     def merge_entries(self, entries: dict) -> None:
         for text, entry in entries.items():
@@ -279,8 +288,8 @@ class Autotuner:
         ranking = table.ranking.get(key)
         if ranking is None:
             return self._miss(p, key, table, group_sizes, context)
-        if not self.agreed and (self.settings.deterministic or _deterministic_algorithms()):
-            return None
+        if not ranking or (not self.agreed and (self.settings.deterministic or _deterministic_algorithms())):
+            return None  # () marks a bucket with nothing to choose from
         first = ranking[0]
         if first[0] != "loop" or (p.sizes_on_host and not p.capturing):  # allowed(), inlined
             return first
@@ -301,7 +310,8 @@ class Autotuner:
         ctx = context()
         cands = candidates(p, ctx.static, cutlass_ok=ctx.cutlass_ok, torch_ok=ctx.torch_ok, group_sizes=group_sizes,
                            built=ctx.built, configs=ctx.configs)
-        if len(cands) < 2:
+        if len(cands) < 2:  # nothing to choose: remember it, so later calls skip this work
+            table.ranking[key] = ()
             return None
         if table.path is None:
             return self._measure(p, key, table, cands, ctx.run)

@@ -124,6 +124,17 @@ def test_measure_stops_at_the_bucket_budget():
     assert measure([(c, (lambda c=c: c)) for c in slow], Budget(50, 0), FakeTimer(slow)) == {}
 
 
+def test_a_candidate_that_fails_is_skipped_not_raised():
+    def timer(fn, calls):
+        choice = fn()
+        if choice == ("cutlass", 10):
+            raise RuntimeError("cutlass_kernels fwd (config 10) failed: misaligned")
+        return MS[choice]
+
+    got = measure([(c, (lambda c=c: c)) for c in MS], Budget(50, 2000), timer)
+    assert ("cutlass", 10) not in got and got[("cutlass", 2)] == MS[("cutlass", 2)]
+
+
 # ---------------------------------------------------------------------- the tuner
 
 
@@ -216,8 +227,12 @@ def test_fewer_than_two_candidates_measures_nothing():
     timer = FakeTimer(MS)
     t = _tuner(timer=timer)
     ctx = lambda: MissContext(("loop", None), lambda c: (lambda: c), False, False)  # noqa: E731
+    built = []
+    ctx = lambda: built.append(1) or MissContext(("loop", None), lambda c: (lambda: c), False, False)  # noqa: E731
     assert t.choose(_p(sizes_on_host=False), 0, None, ctx) is None
-    assert timer.calls == []
+    assert t.choose(_p(sizes_on_host=False), 0, None, ctx) is None
+    assert timer.calls == [] and len(built) == 1  # the second call did not look for candidates again
+    assert t.export() == {"Fake GPU|sm132": {}}  # and nothing of it is written or sent
 
 
 # ---------------------------------------------------------------------- persistence
