@@ -5,6 +5,8 @@
     python benchmarks/grouped_gemm.py --ragged          # the MoE-layer rows with router-like ragged splits
     python benchmarks/grouped_gemm.py --ragged --candidates --seed 200   # also the candidate tiles, other sizes
     python benchmarks/grouped_gemm.py --only small_m_E64 --candidates 11,12   # two of the candidate tiles
+    python benchmarks/grouped_gemm.py --sweep [--json out.json]   # public MoE shapes: the measured choice
+                                                                  # vs every candidate (grouped_gemm_sweep.py)
 
 Prints TFLOP/s per backend (CUTLASS per config and with the heuristic's choice), the backend the
 selector picks ("auto") and its ratio to the best of the three, the CUTLASS/torch ratio and its
@@ -49,6 +51,8 @@ import torch  # noqa: E402
 
 from te_dist import kernels  # noqa: E402
 from te_dist.backends import cutlass_backend, epilogue, loop_backend, torch_backend  # noqa: E402
+
+import grouped_gemm_sweep  # noqa: E402  (beside this file: the script's directory is on sys.path)
 
 cutlass_kernels = cutlass_backend.kernels_module()
 CONFIGS, choose_config = cutlass_kernels.CONFIGS, cutlass_kernels.choose_config
@@ -224,7 +228,10 @@ def main():
     ap.add_argument("--ragged", action="store_true",
                     help="the MoE-layer rows with router-like group sizes (module docstring), not the default shapes")
     ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i)")
+    grouped_gemm_sweep.add_arguments(ap)
     args = ap.parse_args()
+    if args.sweep:
+        return grouped_gemm_sweep.run_sweep(args, bench_interleaved)
     dev = torch.device("cuda")
     W, I = args.warmup, args.iters
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; per call: median over {args.rounds} interleaved rounds of the mean of {I} calls, after {W} warm-up")

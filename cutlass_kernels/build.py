@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .cache import BuildError, build_cached, open_cached
+from .cache import BuildError, build_cached, entry_is_whole, open_cached
 from .heuristics import CONFIGS, TILES
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "load",
     "load_instance",
     "all_instances",
+    "is_built",
 ]
 
 SOURCE = Path(__file__).resolve().parent / "grouped_gemm.cu"
@@ -296,3 +297,16 @@ def load(direction: str, config: int, out_f32: bool = False) -> _Library:
 
 def load_instance(inst: Instance) -> _Library:
     return load(inst.direction, inst.config, inst.out_f32)
+
+
+def is_built(direction: str, config: int, out_f32: bool = False) -> bool:
+    """Whether an instance is loaded or whole in the disk cache, so using it costs no compile (the
+    autotuner times only such tiles; compiling one takes minutes). False without nvcc or headers."""
+    if (direction, config, out_f32) in _loaded:
+        return True
+    inst = Instance(direction, config, out_f32)
+    try:
+        target = _cutlass_entry(SOURCE, inst.name, inst.macros)[0]
+    except BuildError:
+        return False
+    return entry_is_whole(target)

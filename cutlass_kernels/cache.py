@@ -31,7 +31,8 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: the atomic rename still keeps entries whole
     fcntl = None
 
-__all__ = ["BuildError", "LOCK_TIMEOUT_S", "build_cached", "open_cached", "entry_is_whole", "lock_path"]
+__all__ = ["BuildError", "LOCK_TIMEOUT_S", "build_cached", "open_cached", "entry_is_whole", "lock_path",
+           "write_atomic", "try_locked"]
 
 T = TypeVar("T")
 Command = Callable[[Path], Sequence[str]]
@@ -118,6 +119,44 @@ def _locked(target: Path, timeout_s: float) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def write_atomic(target: Path, data: bytes) -> None:
+    """Replace ``target`` with ``data`` whole or not at all: temp file beside it, fsync, rename,
+    fsync the directory. Readers see the old file or the new one, never a torn one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync(target.parent)
+
+
+@contextmanager
+def try_locked(target: Path) -> Iterator[bool]:
+    """The per-key lock of ``target`` if no other process holds it: yields True while held, False
+    (without waiting) when another process has it. For work another rank may be doing already."""
+    if fcntl is None:  # pragma: no cover
+        yield True
+        return
+    path = lock_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def _build(target: Path, command: Command, name: str, verbose: bool) -> None:

@@ -9,7 +9,9 @@ x's device, as ``torch._grouped_mm`` takes them)::
 and is differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally a transposed view of
 a contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Each call picks a backend
 (``te_dist.backends.selection``): our CUTLASS SM90 kernels -> ``torch._grouped_mm`` -> a per-expert
-loop (CPU, fp16/fp32, decode shapes). Inputs are validated before anything launches.
+loop (CPU, fp16/fp32, decode shapes). On CUDA a choice measured for the call's shape bucket
+(``te_dist.backends.autotune``) overrides that static table. Inputs are validated before anything
+launches.
 
 Quantized (FP8) grouped GEMMs are entry points of the same stack:
 ``grouped_mm_quantized_forward / _dgrad / _wgrad`` take the operands as the recipe's quantizers
@@ -27,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .backends import loop_backend, torch_backend, validation
+from .backends import autotune, loop_backend, torch_backend, validation
 from .backends.fp8_operands import BLOCK, QuantizedWeight, copy_format, dequantized, fp8_format
 from .backends.fp8_operands import prepare_weight as prepare_quantized_weight
 from .backends.grouped_mm_function import GroupedMM
@@ -40,6 +42,7 @@ __all__ = [
     "grouped_mm_dgrad",
     "grouped_mm_wgrad",
     "select_backend",
+    "describe_choice",
     "available_backends",
     "BACKENDS",
     "QUANTIZED_BACKENDS",
@@ -104,6 +107,34 @@ def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, o
     return _select(p, x_TK.device, backend)
 
 
+def describe_choice(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None,
+                    group_sizes=None) -> str:
+    """What a call with these operands would run, and why: ``"cutlass:2 measured"`` (the bucket's
+    tuned choice), ``"torch static"`` (the static table). Measures nothing (benchmarks, the tune CLI)."""
+    E, K, N = w_EKN.shape
+    if group_sizes is not None:
+        group_sizes = tuple(group_sizes)
+    if direction == "dgrad":
+        p = _problem(direction, x_TK, N, K, E, x_TK.dtype, out_dtype or x_TK.dtype, _weight_k_major(w_EKN), group_sizes)
+    else:
+        p = _problem(direction, x_TK, K, N, E, x_TK.dtype, out_dtype or x_TK.dtype,
+                     direction == "wgrad" or _weight_k_major(w_EKN), group_sizes)
+    name = _select(p, x_TK.device, None)
+    tuner = autotune.tuner()
+    if p.device_type == "cuda" and tuner.enabled:
+        index = x_TK.device.index if x_TK.device.index is not None else torch.cuda.current_device()
+        ranking = tuner.table_for(index).ranking.get(autotune.bucket_key(p, group_sizes))
+        if ranking is not None and not (tuner.deterministic() and not tuner.agreed):
+            choice = tuner.choose_from(ranking, p)
+            if choice is not None:
+                return f"{autotune.choice_name(choice)} measured"
+    if name == "cutlass":
+        config = _static_config(direction, x_TK.device, x_TK.shape[0], N, K, E,
+                                None if direction == "wgrad" else group_sizes)
+        return f"cutlass:{config} static"
+    return f"{name} static"
+
+
 def available_backends(device) -> list:
     """Backends that can run a bf16 call on ``device`` (ignoring shape constraints)."""
     device = torch.device(device)
@@ -118,6 +149,60 @@ def available_backends(device) -> list:
     return out
 
 
+def _static_config(direction, device, num_rows, n, k, num_groups, group_sizes) -> Optional[int]:
+    """The tile the static table picks (cutlass_kernels/heuristics.py); n/k: user-level out/in features."""
+    ck = _cutlass_module().kernels_module()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ck.choose_config(direction, num_rows, n, k, num_groups, _cutlass_module()._sm_count(index), group_sizes)
+
+
+def _tuned(p: Problem, device, group_sizes, name: str, run, static_config) -> tuple:
+    """(backend, tile config or None): the measured choice of the call's bucket, else the static one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = autotune.choose(p, index, group_sizes, lambda: _miss_context(p, device, name, run, static_config))
+    return (name, None) if got is None else got
+
+
+def _miss_context(p: Problem, device, name: str, run, static_config) -> autotune.MissContext:
+    cutlass_ok = p.capability == (9, 0) and _cutlass_built(device)
+    static = (name, static_config() if name == "cutlass" else None)
+    if not cutlass_ok:
+        return autotune.MissContext(static, run, False, torch_backend.is_available())
+    ck = _cutlass_module().kernels_module()
+    out_f32 = p.out_dtype == torch.float32
+    return autotune.MissContext(static, run, True, torch_backend.is_available(), tuple(sorted(ck.CONFIGS)),
+                                lambda c: ck.build.is_built(p.direction, c, out_f32))
+
+
+def _forward_with(choice, x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes):
+    name, config = choice
+    if name == "loop":
+        return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
+    if name == "cutlass":  # the host sizes also pick its tile (cutlass_kernels/heuristics.py)
+        return _cutlass_module().forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, config=config,
+                                         group_sizes=group_sizes)
+    return torch_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+
+
+def _dgrad_with(choice, dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes):
+    name, config = choice
+    if name == "loop":
+        return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
+    if name == "cutlass":
+        return _cutlass_module().dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, config=config,
+                                       group_sizes=group_sizes)
+    return torch_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+
+
+def _wgrad_with(choice, x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes):
+    name, config = choice
+    if name == "loop":
+        return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
+    if name == "cutlass":  # no size-dependent static tile for wgrad: it pads no rows
+        return _cutlass_module().wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, config=config)
+    return torch_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+
+
 class _Dispatch:
     """Validated-input entry points used by the autograd function (one object, no state)."""
 
@@ -129,13 +214,12 @@ class _Dispatch:
             return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
         E, K, N = w_EKN.shape
         p = _problem("fwd", x_TK, K, N, E, x_TK.dtype, out_dtype, _weight_k_major(w_EKN), group_sizes)
-        name = _select(p, x_TK.device, backend)
-        if name == "loop":
-            return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
-        if name == "cutlass":  # the host sizes also pick its tile (cutlass_kernels/heuristics.py)
-            return _cutlass_module().forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype,
-                                             group_sizes=group_sizes)
-        return torch_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+        choice = (_select(p, x_TK.device, backend), None)
+        if backend is None and p.device_type == "cuda":
+            args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
+            choice = _tuned(p, x_TK.device, group_sizes, choice[0], lambda c: lambda: _forward_with(c, *args),
+                            lambda: _static_config("fwd", x_TK.device, x_TK.shape[0], N, K, E, group_sizes))
+        return _forward_with(choice, x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
 
     @staticmethod
     def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
@@ -145,25 +229,26 @@ class _Dispatch:
         E, K, N = w_EKN.shape
         # dgrad contracts over N and writes K columns.
         p = _problem("dgrad", dy_TN, N, K, E, dy_TN.dtype, out_dtype, _weight_k_major(w_EKN), group_sizes)
-        name = _select(p, dy_TN.device, backend)
-        if name == "loop":
-            return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
-        if name == "cutlass":
-            return _cutlass_module().dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes=group_sizes)
-        return torch_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+        choice = (_select(p, dy_TN.device, backend), None)
+        if backend is None and p.device_type == "cuda":
+            args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
+            choice = _tuned(p, dy_TN.device, group_sizes, choice[0], lambda c: lambda: _dgrad_with(c, *args),
+                            lambda: _static_config("dgrad", dy_TN.device, dy_TN.shape[0], N, K, E, group_sizes))
+        return _dgrad_with(choice, dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
 
     @staticmethod
     def wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
         out_dtype = out_dtype or x_TK.dtype
         if backend is None and x_TK.is_cpu:
             return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
-        p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, x_TK.dtype, out_dtype, True, group_sizes)
-        name = _select(p, x_TK.device, backend)
-        if name == "loop":
-            return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
-        if name == "cutlass":  # no size-dependent tile for wgrad: it pads no rows
-            return _cutlass_module().wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
-        return torch_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+        K, N = x_TK.shape[1], dy_TN.shape[1]
+        p = _problem("wgrad", x_TK, K, N, num_groups, x_TK.dtype, out_dtype, True, group_sizes)
+        choice = (_select(p, x_TK.device, backend), None)
+        if backend is None and p.device_type == "cuda":
+            args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
+            choice = _tuned(p, x_TK.device, group_sizes, choice[0], lambda c: lambda: _wgrad_with(c, *args),
+                            lambda: _static_config("wgrad", x_TK.device, x_TK.shape[0], N, K, num_groups, None))
+        return _wgrad_with(choice, x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
 
 
 def _check_backend_arg(backend) -> None:

@@ -1,5 +1,5 @@
-"""Distributed pieces: recipe consensus and layer agreement across ranks, expert-parallel groups, token all-to-all,
-bounded collective waits.
+"""Distributed pieces: recipe consensus, layer and tuning-table agreement across ranks, expert-parallel
+groups, token all-to-all, bounded collective waits.
 
 A thin re-export list; each name lives in the module that owns it.
 """
@@ -9,6 +9,7 @@ from .bounded import CollectiveError, CollectiveTimeoutError, wait_collective
 from .consensus import ConsensusError, MismatchError, RecipeMismatchError, sync_recipe
 from .groups import ExpertParallelGroups, group_rank, group_size, init_expert_parallel_groups
 from .layer_agreement import LayerMismatchError
+from .tune_agreement import agree_tuned_choices
 
 __all__ = [
     "sync_recipe",
@@ -25,4 +26,5 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "wait_collective",
+    "agree_tuned_choices",
 ]

@@ -12,7 +12,7 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
                ckpt_every, keep_last, checkpoint, out_dir, device, threads, log,
-               collective_timeout_s, stop_grace_s}
+               collective_timeout_s, stop_grace_s, autotune}
     parallel: {ep, transport}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
     provenance: {...}   # written by te-dist into config.yaml (versions, ranks); ignored when read
@@ -110,6 +110,8 @@ class TrainConfig:
     log: str = _f("jsonl", f"metrics sinks besides stdout, one of {list(LOGS)} (metrics.jsonl is always written)")
     collective_timeout_s: float = _f(300.0, "a collective waiting longer on a stuck or dead peer fails on every live rank")
     stop_grace_s: float = _f(8.0, "after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill")
+    autotune: bool = _f(True, "measure grouped-GEMM choices per shape bucket on first use (CUDA; docs/kernels.md "
+                              "\"Measured choices\"); TE_DIST_TUNE=0 also turns it off")
 
 
 @dataclass(kw_only=True)

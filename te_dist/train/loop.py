@@ -112,6 +112,9 @@ def _build(cfg: JobConfig) -> _Job:
     t, m, d = cfg.train, cfg.model, cfg.data
     if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
+    from ..backends import autotune  # measured grouped-GEMM choices: the config's switch (CUDA calls only)
+
+    autotune.configure(enabled=t.autotune)
     ep_size, _ = cfg.layout(int(os.environ.get("WORLD_SIZE", "1")))
     recipe = resolve_recipe(cfg.recipe)
     rt = init_runtime(device=t.device, ep_size=ep_size, timeout_s=t.collective_timeout_s)

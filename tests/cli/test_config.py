@@ -115,3 +115,10 @@ def test_missing_and_malformed_files(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(listy)
+
+
+def test_autotune_switch_is_a_checked_bool():
+    assert config_from_dict({"train": {"autotune": False}}).validate().train.autotune is False
+    assert JobConfig().train.autotune is True  # measured grouped-GEMM choices are on by default
+    with pytest.raises(ConfigError, match="train.autotune must be true or false"):
+        config_from_dict({"train": {"autotune": "yes"}}).validate()

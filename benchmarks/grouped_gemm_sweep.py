@@ -1,0 +1,213 @@
+"""``benchmarks/grouped_gemm.py --sweep``: the measured choice ("auto") against every candidate on public MoE shapes.
+
+    python benchmarks/grouped_gemm.py --sweep [--tokens 4096] [--only dsv3,gpt_oss_120b] [--json out.json]
+    python benchmarks/grouped_gemm.py --sweep --write-shapes shapes.json   # the list, for `python -m cutlass_kernels tune`
+
+Rows: the expert GEMMs of public MoE models (fc1 = the gated up-projection [H -> 2F], fc2 = the
+down-projection [F -> H]) at several experts-per-rank counts, with ``--tokens`` tokens per rank
+routed top-k (rows per expert = tokens x top_k / experts per rank), each with even group sizes and
+with Zipf-skewed ones that leave experts empty (cutlass_kernels.tune.zipf_splits), in all three
+directions (fwd, dgrad, wgrad).
+
+Columns (ms per call, median over interleaved rounds, as in the rest of grouped_gemm.py):
+  auto    te_dist.kernels with measuring on (its first call measured the bucket within
+          ``--bucket-ms``, a fresh tuning file per sweep unless ``--tune-dir``)
+  static  te_dist.kernels with measuring off (the static table)
+  best    the fastest candidate: every built CUTLASS tile, torch._grouped_mm, the per-expert loop
+  torch   torch._grouped_mm (+ the unfused epilogue where one is asked for: none here)
+and auto/best, auto/torch; the last line is the geometric mean of auto/torch (and of static/torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from typing import List, NamedTuple
+
+import torch
+
+from te_dist import kernels
+from te_dist.backends import autotune, cutlass_backend, loop_backend, torch_backend
+
+__all__ = ["MODELS", "EXPERTS_PER_RANK", "sweep_gemms", "run_sweep", "add_arguments"]
+
+
+class Model(NamedTuple):
+    name: str
+    hidden: int  # H
+    ffn: int  # F, per expert (fc1 writes 2F: gate and up)
+    num_experts: int
+    top_k: int
+
+
+# Public configs (model cards / config.json of each release).
+MODELS = [
+    Model("dsv3", 7168, 2048, 256, 8),  # DeepSeek-V3 / R1
+    Model("qwen3_30b", 2048, 768, 128, 8),  # Qwen3-30B-A3B
+    Model("qwen3_235b", 4096, 1536, 128, 8),  # Qwen3-235B-A22B
+    Model("mixtral_8x7b", 4096, 14336, 8, 2),
+    Model("mixtral_8x22b", 6144, 16384, 8, 2),
+    Model("gpt_oss_20b", 2880, 2880, 32, 4),
+    Model("gpt_oss_120b", 2880, 2880, 128, 4),
+    Model("dbrx", 6144, 10752, 16, 4),
+    Model("llama4_scout", 5120, 8192, 16, 1),
+    Model("llama4_maverick", 5120, 8192, 128, 1),
+    Model("granite_3b", 1536, 512, 40, 8),  # granite-3.0-3b-a800m
+    Model("granite_1b", 1024, 512, 32, 8),  # granite-3.0-1b-a400m
+]
+EXPERTS_PER_RANK = (4, 8, 16, 32, 64)
+MAX_LOCAL_COUNTS = 2  # per model: the two largest counts that divide its experts, to bound the sweep
+
+
+class Gemm(NamedTuple):
+    name: str  # model_fcX_eLOCAL
+    num_experts: int  # experts on this rank
+    k: int
+    n: int
+    rows_per_expert: int
+
+
+def sweep_gemms(tokens: int, only=None) -> List[Gemm]:
+    """fc1 and fc2 of every model at its experts-per-rank counts (at most MAX_LOCAL_COUNTS each)."""
+    out = []
+    for m in MODELS:
+        if only and m.name not in only:
+            continue
+        counts = [e for e in EXPERTS_PER_RANK if e <= m.num_experts and m.num_experts % e == 0]
+        if m.num_experts not in counts and m.num_experts <= max(EXPERTS_PER_RANK):
+            counts.append(m.num_experts)  # e.g. granite's 40 experts on one rank
+        for local in sorted(set(counts))[-MAX_LOCAL_COUNTS:]:
+            rows = max(1, tokens * m.top_k // local)
+            out.append(Gemm(f"{m.name}_fc1_e{local}", local, m.hidden, 2 * m.ffn, rows))
+            out.append(Gemm(f"{m.name}_fc2_e{local}", local, m.ffn, m.hidden, rows))
+    return out
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--sweep", action="store_true", help="public MoE shapes, auto vs every candidate (module doc of "
+                                                         "benchmarks/grouped_gemm_sweep.py)")
+    ap.add_argument("--tokens", type=int, default=4096, help="--sweep: tokens per rank (default 4096)")
+    ap.add_argument("--bucket-ms", type=float, default=None,
+                    help="--sweep: timed ms per bucket for auto's measurement (default: the run's default)")
+    ap.add_argument("--tune-dir", default=None, help="--sweep: tuning-file directory (default: a fresh temp dir)")
+    ap.add_argument("--write-shapes", default=None, help="--sweep: write the shape list as JSON for "
+                                                         "`python -m cutlass_kernels tune --shapes` and exit")
+    ap.add_argument("--directions", default="fwd,dgrad,wgrad", help="--sweep: comma-separated directions")
+
+
+def _write_shapes(gemms, path) -> None:
+    rows = [{"direction": "all", "E": g.num_experts, "K": g.k, "N": g.n, "rows_per_expert": g.rows_per_expert,
+             "ragged": ragged, "name": g.name} for g in gemms for ragged in (False, True)]
+    with open(path, "w") as f:
+        json.dump({"shapes": rows}, f, indent=1)
+    print(f"wrote {len(rows)} shapes ({len(rows) * 3} GEMMs) to {path}")
+
+
+def _candidates(direction, x, w, dy, off, sizes, configs):
+    """{column: fn} of every candidate (the tiles the sweep can run, torch, the loop)."""
+    E = w.shape[0]
+    fns = {}
+    if direction == "fwd":
+        fns.update({f"c{c}": (lambda c=c: cutlass_backend.forward(x, w, off, config=c)) for c in configs})
+        fns["torch"] = lambda: torch_backend.forward(x, w, off)
+        fns["loop"] = lambda: loop_backend.forward(x, w, off, group_sizes=sizes)
+    elif direction == "dgrad":
+        fns.update({f"c{c}": (lambda c=c: cutlass_backend.dgrad(dy, w, off, config=c)) for c in configs})
+        fns["torch"] = lambda: torch_backend.dgrad(dy, w, off)
+        fns["loop"] = lambda: loop_backend.dgrad(dy, w, off, group_sizes=sizes)
+    else:
+        fns.update({f"c{c}": (lambda c=c: cutlass_backend.wgrad(x, dy, off, E, config=c)) for c in configs})
+        fns["torch"] = lambda: torch_backend.wgrad(x, dy, off, E)
+        fns["loop"] = lambda: loop_backend.wgrad(x, dy, off, E, group_sizes=sizes)
+    return fns
+
+
+def _entry(direction, x, w, dy, off, sizes):
+    if direction == "fwd":
+        return lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes)
+    if direction == "dgrad":
+        return lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes)
+    return lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=w.shape[0], group_sizes=sizes)
+
+
+def _static(fn, settings):
+    """``fn`` with measured choices off (the static table), toggled around the call."""
+
+    def call():
+        settings.enabled = False
+        try:
+            return fn()
+        finally:
+            settings.enabled = True
+
+    return call
+
+
+def run_sweep(args, bench_interleaved) -> None:
+    from cutlass_kernels.tune import zipf_splits
+
+    only = set(args.only.split(",")) if args.only else None
+    gemms = sweep_gemms(args.tokens, only)
+    if args.write_shapes:
+        _write_shapes(gemms, args.write_shapes)
+        return
+    dev = torch.device("cuda")
+    ck = cutlass_backend.kernels_module()
+    tune_dir = args.tune_dir or tempfile.mkdtemp(prefix="te_dist_sweep_tune_")
+    autotune.reset()
+    settings = autotune.configure(enabled=True, directory=tune_dir, total_ms=float("inf"),
+                                  bucket_ms=args.bucket_ms)
+    cutlass_ok = "cutlass" in kernels.available_backends(dev)
+    configs = sorted(ck.CONFIGS) if cutlass_ok else []
+    for direction in ("fwd", "dgrad", "wgrad"):  # built before auto's first measurement: it times built tiles only
+        for c in configs:
+            ck.load(direction, c, False)
+    directions = [d for d in args.directions.split(",") if d]
+    print(f"# sweep: {len(gemms)} expert GEMM shapes x (even, zipf) x {directions}, {args.tokens} tokens per rank; "
+          f"auto measured within {settings.bucket_ms:g} ms per bucket (tuning file in {tune_dir})")
+    hdr = (f"{'shape':<28}{'dir':<6}{'routing':<7}{'auto':>9}{'static':>9}{'best':>9} {'best is':<8}{'torch':>9}"
+           f"{'auto/best':>10}{'auto/torch':>11}  auto pick")
+    print(hdr)
+    rows, ratios, static_ratios = [], [], []
+    for g in gemms:
+        for routing in ("even", "zipf"):
+            sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else \
+                [g.rows_per_expert] * g.num_experts
+            T = sum(sizes)
+            x = torch.randn(T, g.k, device=dev, dtype=torch.bfloat16)
+            w = (torch.randn(g.num_experts, g.n, g.k, device=dev, dtype=torch.bfloat16) / g.k ** 0.5).transpose(1, 2)
+            dy = torch.randn(T, g.n, device=dev, dtype=torch.bfloat16)
+            off = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+            for direction in directions:
+                fns = _candidates(direction, x, w, dy, off, sizes, configs)
+                auto = _entry(direction, x, w, dy, off, sizes)
+                auto()  # the first call measures the bucket (outside the timed rounds)
+                torch.cuda.synchronize()
+                fns["auto"], fns["static"] = auto, _static(auto, settings)
+                t = bench_interleaved(fns, args.warmup, args.iters, args.rounds)
+                cands = {k: v for k, v in t.items() if k not in ("auto", "static")}
+                best = min(cands, key=cands.get)
+                pick = kernels.describe_choice(direction, dy if direction == "dgrad" else x, w, group_sizes=sizes)
+                row = {"shape": g.name, "direction": direction, "routing": routing, "E": g.num_experts, "K": g.k,
+                       "N": g.n, "rows_per_expert": g.rows_per_expert, "sizes": sizes, "ms": t, "best": best,
+                       "auto_pick": pick, "auto_over_best": t["auto"] / t[best],
+                       "auto_over_torch": t["auto"] / t["torch"], "static_over_torch": t["static"] / t["torch"]}
+                rows.append(row)
+                ratios.append(row["auto_over_torch"])
+                static_ratios.append(row["static_over_torch"])
+                print(f"{g.name:<28}{direction:<6}{routing:<7}{t['auto']:9.4f}{t['static']:9.4f}{t[best]:9.4f} "
+                      f"{best:<8}{t['torch']:9.4f}{row['auto_over_best']:10.3f}{row['auto_over_torch']:11.3f}  {pick}",
+                      flush=True)
+            del x, w, dy
+            torch.cuda.empty_cache()
+    geo = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
+    print(f"\ngeomean auto/torch over {len(ratios)} GEMMs: {geo(ratios):.3f}   (static/torch: {geo(static_ratios):.3f}); "
+          f"auto slower than torch in {sum(r > 1 for r in ratios)} rows")
+    if args.json:
+        meta = {"hardware": f"1 x {torch.cuda.get_device_name()}", "torch": torch.__version__, "dtype": "bfloat16",
+                "tokens_per_rank": args.tokens, "bucket_ms": settings.bucket_ms, "iters": args.iters,
+                "rounds": args.rounds, "warmup": args.warmup}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "sweep": rows, "geomean_auto_over_torch": geo(ratios),
+                       "geomean_static_over_torch": geo(static_ratios)}, f, indent=1)
