@@ -223,16 +223,12 @@ class ScaledSwiGLU(SwiGLU):
         scales = self.check_scales(x, scales)
         if ctx.requires_grad:
             ctx.saved = (x, scales, scales_in.shape, scales_in.requires_grad)
-        s = swiglu_forward(x, self.limit)
-        return s * scales.to(s.dtype).unsqueeze(-1), ()
+        # the grouped-MLP fusion forms its quantized fc2 input with the same pass: fused == unfused
+        return scaled_swiglu_forward(x, scales, self.limit), ()
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         x, scales, scales_shape, scales_requires_grad = ctx.saved
         ctx.saved = ()
-        dscales = None
-        if scales_requires_grad:
-            s = swiglu_forward(x, self.limit)
-            acc = torch.promote_types(dy.dtype, torch.float32)
-            dscales = (dy * s).sum(-1, dtype=acc).to(scales.dtype).reshape(scales_shape)
-        dx = swiglu_backward(dy * scales.to(dy.dtype).unsqueeze(-1), x, self.limit)
+        dx, dscales, _ = scaled_swiglu_backward(dy, x, scales, self.limit, want_scaled=False)
+        dscales = dscales.to(scales.dtype).reshape(scales_shape) if scales_requires_grad else None
         return dx, [], (dscales,)
