@@ -19,17 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/megatron: 
 import mcore_helpers as H  # noqa: E402
 
 
-@torch.no_grad()
-def copy_local_shards(sequential, grouped) -> None:
-    """SequentialMLP local expert e (this rank's [gate_r; up_r] rows, fc2 columns) -> our slice e."""
-    for e, expert in enumerate(sequential.local_experts):
-        grouped.linear_fc1.weight[e].copy_(expert.linear_fc1.weight)
-        grouped.linear_fc2.weight[e].copy_(expert.linear_fc2.weight)
-        if expert.linear_fc1.bias is not None:
-            grouped.linear_fc1.bias[e].copy_(expert.linear_fc1.bias)
-            grouped.linear_fc2_bias[e].copy_(expert.linear_fc2.bias)
-
-
 def save(layer, path: Path) -> None:
     import psutil  # noqa: F401  Megatron's torch_dist writer needs it; without it the save hangs
     from megatron.core import dist_checkpointing
