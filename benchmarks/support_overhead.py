@@ -88,8 +88,37 @@ def main():
                   f"{cac_other:9.3f}{cac_other / unc:7.3f}  {'met' if met else 'NOT met'}")
     print(f"# cached* = equal but distinct torch.device object; goals: cached <= {GOAL_US} us and "
           f"<= {GOAL_RATIO:.3f} x uncached, both columns")
+    routing(args)
     if ctx is not None:
         ctx.__exit__(None, None, None)
+
+
+def routing(args):
+    """Host time of one forward's routing decision (GroupedLinear.native_path: the recipe's state,
+    the host sizes' alignment, the cached predicate with the tensor's dtype and device), with the
+    sizes tuple seen before (the fused MLP's second ask, the layer's) and a new one (the step's first)."""
+    from te_dist.ops import GroupedLinear
+
+    pred = S.is_op_fuser_grouped_tensor_supported
+    print(f"\n{'routing per forward':<38}{'experts':>8}{'seen sizes':>12}{'new sizes':>11}  goal <= {ROUTING_GOAL_US} us")
+    for experts in (8, 64):
+        for label, rec in (("Float8Block", R.Float8BlockScaling()), ("Float8Current", R.Float8CurrentScaling())):
+            op = GroupedLinear(experts, 256, 256)
+            op.reset_recipe_state(rec)
+            x = torch.empty(experts * 128, 256)
+            sizes = tuple([128] * experts)
+            fresh = [tuple([128] * experts) for _ in range(args.calls // 10)]  # a new tuple per call
+            names = dict(op=op, x=x, sizes=sizes, pred=pred, fresh=iter(fresh))
+            seen = best_us(["op.native_path(x, sizes, pred)"], names, args.calls // 10, args.repeats)[0]
+            new = float("inf")
+            for _ in range(args.repeats):
+                names["fresh"] = iter(fresh)
+                new = min(new, timeit.Timer("op.native_path(x, next(fresh), pred)", globals=names)
+                          .timeit(len(fresh)) / len(fresh) * 1e6)
+            print(f"{'GroupedLinear.native_path ' + label:<38}{experts:>8}{seen:12.3f}{new:11.3f}")
+
+
+ROUTING_GOAL_US = 1.0
 
 
 if __name__ == "__main__":

@@ -75,6 +75,12 @@ __all__ = [
 ENV = "TE_DIST_TUNE"  # "0" turns measured choices off (the static table decides every call)
 FILE_VERSION = 1
 MAX_REPS = 10  # timed calls per candidate when the bucket's budget affords them
+# Contenders within this factor of the fastest are timed again, in reverse order, with the share of
+# the bucket kept for that; each keeps its best time. Why: on H200 the one-pass ranking put a tile
+# 4-11% slower than the best first in 8 of 72 sweep rows (docs/benchmarks.md), among candidates a
+# few percent apart, the first ones timed right after the probe.
+CONFIRM_WITHIN = 1.05
+CONFIRM_SHARE = 0.3
 
 Choice = Tuple[str, Optional[int]]  # (backend, CUTLASS tile config or None)
 Key = tuple  # (direction, dtype, out_dtype, E, K, N, rows bucket, ragged, host sizes)
@@ -184,13 +190,14 @@ def measure(runs: Sequence[Tuple[Choice, Callable[[], object]]], budget: Budget,
     """{choice: ms per call} of the runs timed within the bucket's budget (charged to ``budget``).
 
     A probe call of the first run sizes the rest: every later run gets the same number of calls,
-    as many as the bucket's share affords (1..MAX_REPS); runs that no longer fit are skipped."""
+    as many as the bucket's share affords (1..MAX_REPS); runs that no longer fit are skipped. The
+    close contenders are then timed again with what the bucket has left (CONFIRM_WITHIN)."""
     cap = budget.for_bucket()
     if not runs or cap <= 0:
         return {}
     probe = timer(runs[0][1], 1)
     spent = 2 * probe
-    share = (cap - spent) / max(len(runs), 1)
+    share = (cap * (1 - CONFIRM_SHARE) - spent) / max(len(runs), 1)
     calls = max(1, min(MAX_REPS, int(share / max(probe, 1e-6)) - 1))
     out: Dict[Choice, float] = {}
     for choice, fn in runs:
@@ -206,8 +213,30 @@ def measure(runs: Sequence[Tuple[Choice, Callable[[], object]]], budget: Budget,
         out[choice] = ms
     if not out:  # the probe alone filled the bucket: it is still a measurement of the first run
         out[runs[0][0]] = probe
+    spent += _confirm(out, dict(runs), calls, cap - spent, timer)
     budget.spent_ms += spent
     return out
+
+
+def _confirm(out: Dict[Choice, float], fns, calls: int, left_ms: float, timer: Timer) -> float:
+    """Time the contenders within CONFIRM_WITHIN of the fastest once more, slowest first (the first
+    pass timed the static choice first), while ``left_ms`` affords it; keep each one's best time.
+    Returns the ms spent."""
+    fastest = min(out.values())
+    close = sorted((c for c in out if out[c] <= CONFIRM_WITHIN * fastest), key=out.get, reverse=True)
+    spent = 0.0
+    if len(close) < 2:
+        return spent
+    for choice in close:
+        if spent + (calls + 1) * out[choice] > left_ms:
+            break
+        try:
+            ms = timer(fns[choice], calls)
+        except Exception:  # noqa: BLE001 - it ran in the first pass; a failure now keeps that timing
+            continue
+        spent += (calls + 1) * ms
+        out[choice] = min(out[choice], ms)
+    return spent
 
 
 class MissContext(NamedTuple):

@@ -87,16 +87,27 @@ def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor):
     return offsets, sizes
 
 
+_last_alignment = (None, None)  # (the last sizes tuple, its alignment): one entry, replaced whole
+
+
 def host_split_alignment(group_sizes) -> Optional[int]:
     """The largest power of two up to 128 that divides every group size (so every group's first
     row), or None when the sizes are not on the host or all groups are empty. Powers of two keep the
-    predicates' cache to a few entries whatever the sizes are."""
+    predicates' cache to a few entries whatever the sizes are.
+
+    The MoE layer and both GEMMs of the fused MLP ask for the same sizes tuple in one step, so the
+    last tuple's answer is kept (by identity: a tuple cannot change): the gcd of 64 sizes costs ~1 µs."""
+    global _last_alignment
     if group_sizes is None:
         return None
+    last = _last_alignment
+    if last[0] is group_sizes:
+        return last[1]
     g = math.gcd(*group_sizes)
-    if g == 0:
-        return None
-    return min(g & -g, 128)
+    result = None if g == 0 else min(g & -g, 128)
+    if isinstance(group_sizes, tuple):
+        _last_alignment = (group_sizes, result)
+    return result
 
 
 def _check_host_sizes(sizes, num_rows: int, name: str) -> None:
@@ -159,6 +170,8 @@ class GroupedLinear(BasicOperation):
             self.register_parameter("bias", None)
         self._quantizers = GemmQuantizers(None)
         self._weight_copy = None  # (key, QuantizedWeight) of the native FP8 path
+        # the quantized grouped kernels tile both features by 128 (the scale block); asked per forward
+        self._native_shape_ok = in_features % 128 == 0 and out_features % 128 == 0
 
     def reset_recipe_state(self, recipe) -> None:
         self._quantizers = GemmQuantizers(recipe)
@@ -183,7 +196,7 @@ class GroupedLinear(BasicOperation):
     @property
     def native_shape_ok(self) -> bool:
         """The quantized grouped kernels tile both features by 128 (the scale block)."""
-        return self.in_features % 128 == 0 and self.out_features % 128 == 0
+        return self._native_shape_ok
 
     def native_path(self, x: torch.Tensor, group_sizes, predicate=None) -> bool:
         """Does this call take the quantized grouped path? Asks the support predicate (the module
@@ -191,13 +204,11 @@ class GroupedLinear(BasicOperation):
         Only under a recipe whose backward quantizes too (no ``backward_override``) and on CUDA;
         elsewhere the emulated path is the reference."""
         q = self._quantizers
-        if not q.active or q.backward_override is not None:
-            return False
-        if not self.native_shape_ok:
+        if not q.active or q.backward_override is not None or not self._native_shape_ok:
             return False
         predicate = predicate or support().is_module_grouped_tensor_supported
         supported = predicate(q.recipe, x.dtype, split_alignment=host_split_alignment(group_sizes), device=x.device)
-        return supported and x.device.type == "cuda"  # on CPU the grouped answer is the reference path
+        return supported and x.is_cuda  # on CPU the grouped answer is the reference path
 
     def grouped_forward(self, ctx: OpContext, x, groups, *, row_scale: Optional[torch.Tensor] = None,
                         native: Optional[bool] = None):
