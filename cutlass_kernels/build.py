@@ -1,7 +1,7 @@
 """Just-in-time build of grouped_gemm.cu instances, cached on disk, loaded with ctypes.
 
-Cache key (sha256): the source, every CUTLASS header (the whole include tree, hashed once per
-process), the instance macros, arch and flags, the CUTLASS version and the nvcc version. The
+Cache key (sha256): the source, the headers our sources share (``SHARED_HEADERS``), every CUTLASS
+header (the whole include tree, hashed once per process), the instance macros, arch and flags, the CUTLASS version and the nvcc version. The
 disk cache itself (whole-or-absent entries, one build per key across processes, a broken entry
 rebuilt once) is ``cache.py``. Cache dir: ``$TE_DIST_CACHE`` or ``~/.cache/te_dist/kernels``.
 """
@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).resolve().parent / "grouped_gemm.cu"
+# included by grouped_gemm.cu and fp8_block_gemm.cu: part of every instance's cache key
+SHARED_HEADERS = (Path(__file__).resolve().parent / "grouped_launch.cuh",)
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 BASE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-O3", "-Xcompiler", "-fPIC", "-shared",
               "-lineinfo")
@@ -174,7 +176,8 @@ def _cutlass_entry(source: Path, name: str, macros):
         raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
     include, util, version = cut
     macros = tuple(macros)
-    key = _digest(source.read_bytes(), _tree_digest(include).encode(), _tree_digest(util).encode(),
+    key = _digest(source.read_bytes(), *(h.read_bytes() for h in SHARED_HEADERS), _tree_digest(include).encode(),
+                  _tree_digest(util).encode(),
                   " ".join(macros + ARCH_FLAGS + BASE_FLAGS).encode(), version.encode(), nvcc_version(nvcc).encode())
 
     def command(out: Path) -> List[str]:

@@ -45,6 +45,8 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "grouped_launch.cuh"
+
 #ifndef TE_FB_KIND
 #define TE_FB_KIND 0
 #endif
@@ -105,12 +107,7 @@ using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 #error "TE_FB_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
 #endif
 
-// out = fma(row_scale, acc, bias): per-row (M) scale, per-column (N) bias, one pointer per group.
-using namespace cutlass::epilogue::fusion;
-using RowScale = Sm90ColBroadcast<0, TileShape, float*, float, Stride<_1, _0, _0>, 1>;
-using ColBias = Sm90RowBroadcast<0, TileShape, float*, float, Stride<_0, _1, _0>, 4>;
-using Epilogue = Sm90EVT<Sm90Compute<cutlass::multiply_add, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
-                         RowScale, Sm90AccFetch, ColBias>;
+using Epilogue = te_grouped::RowScaleBiasEpilogue<TileShape, ElementD>;  // out = fma(row_scale, acc, bias)
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -140,12 +137,10 @@ struct WsLayout {
       ptr_scale, ptr_bias, cutlass_ws, total;
 };
 
-static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
 static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
   WsLayout l{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
+  te_grouped::WorkspaceCarver carve;
+  auto take = [&](size_t bytes) { return carve.take(bytes); };
   size_t e = static_cast<size_t>(num_groups);
   l.shapes = take(e * sizeof(UnderlyingShape));
   l.ptr_a = take(e * sizeof(void*));
@@ -161,7 +156,7 @@ static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
   l.ptr_scale = take(e * sizeof(void*));
   l.ptr_bias = take(e * sizeof(void*));
   l.cutlass_ws = take(cutlass_bytes);
-  l.total = off;
+  l.total = carve.offset;
   return l;
 }
 
@@ -199,7 +194,7 @@ static DevicePtrs device_ptrs(char* ws, const WsLayout& l, bool has_scale, bool 
 
 // ----------------------------------------------------------------------------- device-side preparation
 
-__device__ __forceinline__ int64_t group_start(const int32_t* offsets, int e) { return e == 0 ? 0 : offsets[e - 1]; }
+using te_grouped::group_start;
 
 // fwd/dgrad: [T, KB] row-major scales -> one [KB, rows_e] block per group at start_e * KB.
 __global__ void group_scales_kernel(const float* __restrict__ in, const int32_t* __restrict__ offsets, int num_groups,
@@ -268,30 +263,13 @@ __global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_grou
   if (p.ptr_bias != nullptr) p.ptr_bias[e] = bias + static_cast<int64_t>(e) * n;
 }
 
-// wgrad only: dw[e] = 0 for experts without rows (grid.x = group, grid.y strides the block).
-__global__ void zero_empty_kernel(const int32_t* __restrict__ offsets, int64_t group_vec16, uint4* dw) {
-  int e = blockIdx.x;
-  if (offsets[e] != group_start(offsets, e)) return;
-  uint4* base = dw + static_cast<int64_t>(e) * group_vec16;
-  for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < group_vec16; i += int64_t(gridDim.y) * blockDim.x) {
-    base[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-static thread_local char g_error[512] = {0};
-
-static int fail(const char* what, const char* detail) {
-  snprintf(g_error, sizeof(g_error), "%s: %s", what, detail);
-  return 1;
-}
-
 static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l, char* ws, bool has_scale,
                                                bool has_bias, int sm_count, int device_id) {
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = device_id;
   hw_info.sm_count = sm_count;
   DevicePtrs p = device_ptrs(ws, l, has_scale, has_bias);
-  typename Epilogue::Arguments fusion{{p.ptr_scale, 1.0f, {}}, {}, {p.ptr_bias, 0.0f, {}}, {}};
+  auto fusion = te_grouped::row_scale_bias_arguments<Epilogue>(p.ptr_scale, p.ptr_bias);
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {num_groups, p.shapes, nullptr},
@@ -301,35 +279,8 @@ static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l
   return args;
 }
 
-// Kernel Params depend only on this key (the per-call data reaches the kernel through the device
-// arrays prepare_kernel writes), so a repeated key launches with the Params built the first time.
-struct LaunchKey {
-  const void* workspace;
-  int num_groups, sm_count, device_id;
-  bool has_scale, has_bias;
-  bool operator==(const LaunchKey& o) const {
-    return workspace == o.workspace && num_groups == o.num_groups && sm_count == o.sm_count &&
-           device_id == o.device_id && has_scale == o.has_scale && has_bias == o.has_bias;
-  }
-};
-
-struct PreparedLaunch {
-  LaunchKey key{};
-  bool valid = false;
-  WsLayout layout{};
-  typename GemmKernel::Params params{};
-};
-
-constexpr int kPreparedSlots = 8;
-static thread_local PreparedLaunch t_prepared[kPreparedSlots];
-static thread_local int t_next_slot = 0;
-
-static PreparedLaunch* find_prepared(const LaunchKey& key) {
-  for (auto& slot : t_prepared) {
-    if (slot.valid && slot.key == key) return &slot;
-  }
-  return nullptr;
-}
+// Kernel Params per launch key, per host thread (te_grouped::LaunchKey says why they can be reused).
+static thread_local te_grouped::PreparedLaunches<WsLayout, typename GemmKernel::Params> t_prepared;
 
 static WsLayout layout_for(int num_groups, int sm_count, int device_id) {
   WsLayout probe = make_layout_for(num_groups, 0);
@@ -345,7 +296,7 @@ int te_fb_kind() { return TE_FB_KIND; }
 int te_fb_config() { return TE_FB_CONFIG; }
 int te_fb_formats() { return (TE_FB_A_E5M2 ? 1 : 0) | (TE_FB_B_E5M2 ? 2 : 0) | (TE_FB_OUT_F32 ? 4 : 0); }
 
-const char* te_fb_last_error() { return te_fb::g_error; }
+const char* te_fb_last_error() { return te_grouped::g_error; }
 
 int te_fb_workspace_bytes(int num_groups, int sm_count, size_t* bytes) {
   *bytes = te_fb::layout_for(num_groups, sm_count, 0).total;
@@ -360,12 +311,13 @@ int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const flo
               const float* bias, void* workspace, size_t workspace_bytes, int sm_count, int device_id,
               cudaStream_t stream) {
   using namespace te_fb;
+  using te_grouped::fail;
   if (num_groups <= 0) return 0;
   if (n % kBlock != 0 || k % kBlock != 0) return fail("te_fb_run", "N and K must be multiples of 128");
   char* ws = static_cast<char*>(workspace);
   bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
-  LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
-  PreparedLaunch* prepared = find_prepared(key);
+  te_grouped::LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
+  auto* prepared = t_prepared.find(key);
   WsLayout l = prepared != nullptr ? prepared->layout : layout_for(num_groups, sm_count, device_id);
   if (workspace_bytes < l.total) return fail("te_fb_run", "workspace too small");
 
@@ -388,30 +340,14 @@ int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const flo
                                                  sfb, row_scale, bias, p);
   if constexpr (kKind == kWgrad) {
     int64_t vec16 = static_cast<int64_t>(n) * k * sizeof(ElementD) / 16;
-    zero_empty_kernel<<<dim3(num_groups, 16), 256, 0, stream>>>(offsets, vec16, static_cast<uint4*>(d));
+    te_grouped::zero_empty_kernel<<<dim3(num_groups, 16), 256, 0, stream>>>(offsets, vec16, static_cast<uint4*>(d));
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return fail("prepare launch", cudaGetErrorString(err));
 
-  if (prepared == nullptr) {
-    auto args = make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id);
-    Gemm gemm;
-    cutlass::Status st = gemm.can_implement(args);
-    if (st != cutlass::Status::kSuccess) return fail("can_implement", cutlassGetStatusString(st));
-    st = gemm.initialize(args, ws + l.cutlass_ws, stream);
-    if (st != cutlass::Status::kSuccess) return fail("initialize", cutlassGetStatusString(st));
-    prepared = &t_prepared[t_next_slot];
-    t_next_slot = (t_next_slot + 1) % kPreparedSlots;
-    prepared->key = key;
-    prepared->layout = l;
-    prepared->params = gemm.params();
-    prepared->valid = true;
-  }
-  cutlass::Status st = Gemm::run(prepared->params, stream);
-  if (st != cutlass::Status::kSuccess) return fail("run", cutlassGetStatusString(st));
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return fail("gemm launch", cudaGetErrorString(err));
-  return 0;
+  return te_grouped::launch_grouped<Gemm>(
+      t_prepared, prepared, key, l, ws + l.cutlass_ws,
+      [&] { return make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id); }, stream);
 }
 
 }  // extern "C"

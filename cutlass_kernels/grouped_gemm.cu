@@ -31,6 +31,8 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "grouped_launch.cuh"
+
 #ifndef TE_GG_KIND
 #define TE_GG_KIND 0
 #endif
@@ -81,13 +83,7 @@ using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 #error "TE_GG_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
 #endif
 
-// out = fma(row_scale, acc, bias): per-row (M) scale, per-column (N) bias, one pointer per group.
-// Alignment 1 for the scale: a group's first row can start anywhere.
-using namespace cutlass::epilogue::fusion;
-using RowScale = Sm90ColBroadcast<0, TileShape, float*, float, Stride<_1, _0, _0>, 1>;
-using ColBias = Sm90RowBroadcast<0, TileShape, float*, float, Stride<_0, _1, _0>, 4>;
-using Epilogue = Sm90EVT<Sm90Compute<cutlass::multiply_add, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
-                         RowScale, Sm90AccFetch, ColBias>;
+using Epilogue = te_grouped::RowScaleBiasEpilogue<TileShape, ElementD>;  // out = fma(row_scale, acc, bias)
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -114,12 +110,10 @@ struct WsLayout {
   size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, ptr_scale, ptr_bias, cutlass_ws, total;
 };
 
-static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
 static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
   WsLayout l{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
+  te_grouped::WorkspaceCarver carve;
+  auto take = [&](size_t bytes) { return carve.take(bytes); };
   size_t e = static_cast<size_t>(num_groups);
   l.shapes = take(e * sizeof(UnderlyingShape));
   l.ptr_a = take(e * sizeof(void*));
@@ -131,7 +125,7 @@ static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
   l.ptr_scale = take(e * sizeof(void*));
   l.ptr_bias = take(e * sizeof(void*));
   l.cutlass_ws = take(cutlass_bytes);
-  l.total = off;
+  l.total = carve.offset;
   return l;
 }
 
@@ -180,35 +174,14 @@ __global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_grou
   if (ptr_bias != nullptr) ptr_bias[e] = bias + static_cast<int64_t>(e) * n;
 }
 
-// wgrad only: dw[e] = 0 for experts without rows (grid.x = group, grid.y strides the block).
-__global__ void zero_empty_kernel(const int32_t* __restrict__ offsets, int num_groups, int64_t group_vec16,
-                                  uint4* dw) {
-  int e = blockIdx.x;
-  int64_t start = e == 0 ? 0 : offsets[e - 1];
-  if (offsets[e] != start) return;
-  uint4* base = dw + static_cast<int64_t>(e) * group_vec16;
-  for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < group_vec16; i += int64_t(gridDim.y) * blockDim.x) {
-    base[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-static thread_local char g_error[512] = {0};
-
-static int fail(const char* what, const char* detail) {
-  snprintf(g_error, sizeof(g_error), "%s: %s", what, detail);
-  return 1;
-}
-
 static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l, char* ws, bool has_scale,
                                                bool has_bias, int sm_count, int device_id) {
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = device_id;
   hw_info.sm_count = sm_count;
-  typename Epilogue::Arguments fusion{
-      {has_scale ? reinterpret_cast<const float* const*>(ws + l.ptr_scale) : nullptr, 1.0f, {}},
-      {},
-      {has_bias ? reinterpret_cast<const float* const*>(ws + l.ptr_bias) : nullptr, 0.0f, {}},
-      {}};
+  auto fusion = te_grouped::row_scale_bias_arguments<Epilogue>(
+      has_scale ? reinterpret_cast<const float* const*>(ws + l.ptr_scale) : nullptr,
+      has_bias ? reinterpret_cast<const float* const*>(ws + l.ptr_bias) : nullptr);
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {num_groups, reinterpret_cast<UnderlyingShape*>(ws + l.shapes), nullptr},
@@ -220,41 +193,8 @@ static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l
   return args;
 }
 
-// What te_gg_run keeps between calls (per host thread). CUTLASS's initialize() turns the
-// Arguments into kernel Params (TMA descriptors encoded on the host, the scheduler's grid, a
-// cudaFuncSetAttribute call), and our Arguments hold nothing but the workspace's sub-pointers,
-// the group count, whether scale/bias are present and the SM count: the same key gives the same
-// Params. The per-call data (operand pointers, group sizes) reaches the kernel through the
-// device arrays prepare_kernel writes. So a call whose key matches an earlier one launches with
-// that call's Params. The caching allocator hands the workspace back at the same address call after
-// call, so the key repeats in a training step.
-struct LaunchKey {
-  const void* workspace;
-  int num_groups, sm_count, device_id;
-  bool has_scale, has_bias;
-  bool operator==(const LaunchKey& o) const {
-    return workspace == o.workspace && num_groups == o.num_groups && sm_count == o.sm_count &&
-           device_id == o.device_id && has_scale == o.has_scale && has_bias == o.has_bias;
-  }
-};
-
-struct PreparedLaunch {
-  LaunchKey key{};
-  bool valid = false;
-  WsLayout layout{};
-  typename GemmKernel::Params params{};
-};
-
-constexpr int kPreparedSlots = 8;  // distinct (workspace, groups, scale/bias) keys of one step, with room
-static thread_local PreparedLaunch t_prepared[kPreparedSlots];
-static thread_local int t_next_slot = 0;
-
-static PreparedLaunch* find_prepared(const LaunchKey& key) {
-  for (auto& slot : t_prepared) {
-    if (slot.valid && slot.key == key) return &slot;
-  }
-  return nullptr;
-}
+// Kernel Params per launch key, per host thread (te_grouped::LaunchKey says why they can be reused).
+static thread_local te_grouped::PreparedLaunches<WsLayout, typename GemmKernel::Params> t_prepared;
 
 }  // namespace te_gg
 
@@ -265,7 +205,7 @@ int te_gg_kind() { return TE_GG_KIND; }
 int te_gg_config() { return TE_GG_CONFIG; }
 int te_gg_out_f32() { return TE_GG_OUT_F32; }
 
-const char* te_gg_last_error() { return te_gg::g_error; }
+const char* te_gg_last_error() { return te_grouped::g_error; }
 
 // Bytes of device workspace te_gg_run needs for `num_groups` groups on a GPU with `sm_count` SMs.
 int te_gg_workspace_bytes(int num_groups, int sm_count, size_t* bytes) {
@@ -283,11 +223,12 @@ int te_gg_run(const void* a, const void* b, void* d, const int32_t* offsets, int
               const float* row_scale, const float* bias, void* workspace, size_t workspace_bytes, int sm_count,
               int device_id, cudaStream_t stream) {
   using namespace te_gg;
+  using te_grouped::fail;
   if (num_groups <= 0) return 0;
   char* ws = static_cast<char*>(workspace);
   bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
-  LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
-  PreparedLaunch* prepared = find_prepared(key);
+  te_grouped::LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
+  auto* prepared = t_prepared.find(key);
   WsLayout l;
   if (prepared != nullptr) {
     l = prepared->layout;
@@ -309,30 +250,14 @@ int te_gg_run(const void* a, const void* b, void* d, const int32_t* offsets, int
       has_bias ? reinterpret_cast<const float**>(ws + l.ptr_bias) : nullptr);
   if constexpr (kKind == kWgrad) {
     int64_t vec16 = static_cast<int64_t>(n) * k * sizeof(ElementD) / 16;
-    zero_empty_kernel<<<dim3(num_groups, 16), 256, 0, stream>>>(offsets, num_groups, vec16, static_cast<uint4*>(d));
+    te_grouped::zero_empty_kernel<<<dim3(num_groups, 16), 256, 0, stream>>>(offsets, vec16, static_cast<uint4*>(d));
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return fail("prepare launch", cudaGetErrorString(err));
 
-  if (prepared == nullptr) {  // first call with this key: let CUTLASS build the Params (see LaunchKey)
-    auto args = make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id);
-    Gemm gemm;
-    cutlass::Status st = gemm.can_implement(args);
-    if (st != cutlass::Status::kSuccess) return fail("can_implement", cutlassGetStatusString(st));
-    st = gemm.initialize(args, ws + l.cutlass_ws, stream);
-    if (st != cutlass::Status::kSuccess) return fail("initialize", cutlassGetStatusString(st));
-    prepared = &t_prepared[t_next_slot];
-    t_next_slot = (t_next_slot + 1) % kPreparedSlots;
-    prepared->key = key;
-    prepared->layout = l;
-    prepared->params = gemm.params();
-    prepared->valid = true;
-  }
-  cutlass::Status st = Gemm::run(prepared->params, stream);
-  if (st != cutlass::Status::kSuccess) return fail("run", cutlassGetStatusString(st));
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return fail("gemm launch", cudaGetErrorString(err));
-  return 0;
+  return te_grouped::launch_grouped<Gemm>(
+      t_prepared, prepared, key, l, ws + l.cutlass_ws,
+      [&] { return make_arguments(num_groups, l, ws, has_scale, has_bias, sm_count, device_id); }, stream);
 }
 
 }  // extern "C"
