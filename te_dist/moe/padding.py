@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..ops import GroupSplits
+from ..ops.basic.grouped_linear import remember_split_alignment
 
 __all__ = ["PaddedRows", "pad_expert_rows", "padded_sizes"]
 
@@ -89,6 +90,10 @@ def pad_expert_rows(x_NH: torch.Tensor, probs_N: Optional[torch.Tensor], sizes, 
         raise ValueError(f"sizes sum to {sum(sizes)} but there are {x_NH.shape[0]} rows")
     padded = padded_sizes(sizes, alignment)
     num_rows, num_padded = x_NH.shape[0], sum(padded)
+    bits_or = 0
+    for p in padded:
+        bits_or |= p
+    remember_split_alignment(padded, bits_or)  # the GEMMs' predicate asks for this tuple next
     device = x_NH.device
     # Per expert: padded end, shift of its rows, its rows, first padding row, padding rows, the
     # padding rows before it, and its padded rows (host ints; one copy to the device).

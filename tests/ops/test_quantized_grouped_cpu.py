@@ -209,3 +209,19 @@ def test_per_tensor_transposed_copy_serves_wgrad_alone():
     assert q.wgrad_copy() is q  # without transposed data the one copy serves both
     with pytest.raises(ValueError, match="needs its data"):
         Float8Tensor(None, q.scale_inv, q.fmt, q.dtype)
+
+
+def test_split_alignment_is_remembered_exactly():
+    """host_split_alignment's memo: a tuple asked again is answered from the memo, and the padding's
+    remembered answer (from the OR of its sizes) equals the gcd rule."""
+    for sizes in [(128, 0, 384, 256), (48, 16, 0), (0, 0), (512, 1024), (96, 160)]:
+        t = tuple(sizes)
+        expected = gl.host_split_alignment(list(sizes))  # a list is never memoised: the rule itself
+        bits = 0
+        for s in t:
+            bits |= s
+        gl.remember_split_alignment(t, bits)
+        assert gl.host_split_alignment(t) == expected
+    x = torch.randn(5, 8)
+    padded = pad_expert_rows(x, None, (3, 0, 2), 16)
+    assert gl.host_split_alignment(padded.splits.sizes) == 16

@@ -33,7 +33,8 @@ import torch
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 
-__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment"]
+__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
+           "remember_split_alignment"]
 
 _kernels = None
 _support = None
@@ -108,6 +109,14 @@ def host_split_alignment(group_sizes) -> Optional[int]:
     if isinstance(group_sizes, tuple):
         _last_alignment = (group_sizes, result)
     return result
+
+
+def remember_split_alignment(group_sizes: tuple, bits_or: int) -> None:
+    """Record the alignment of ``group_sizes`` from the OR of all its sizes (the lowest set bit of
+    the OR is the largest power of two dividing every size), for a caller that built the sizes in a
+    loop anyway (te_dist.moe.padding): the next ask for this tuple is a hit."""
+    global _last_alignment
+    _last_alignment = (group_sizes, None if bits_or == 0 else min(bits_or & -bits_or, 128))
 
 
 def _check_host_sizes(sizes, num_rows: int, name: str) -> None:
