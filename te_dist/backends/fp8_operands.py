@@ -36,11 +36,12 @@ BLOCK = 128
 _FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
-def fp8_format(data: torch.Tensor) -> str:
-    """"e4m3" or "e5m2" for an FP8 data tensor (ValueError for anything else)."""
-    fmt = _FORMATS.get(data.dtype)
+def fp8_format(data) -> str:
+    """"e4m3" or "e5m2" for an FP8 data tensor or dtype (ValueError for anything else)."""
+    dtype = data if isinstance(data, torch.dtype) else data.dtype
+    fmt = _FORMATS.get(dtype)
     if fmt is None:
-        raise ValueError(f"FP8 grouped GEMMs take float8_e4m3fn or float8_e5m2 data, received {data.dtype}")
+        raise ValueError(f"FP8 grouped GEMMs take float8_e4m3fn or float8_e5m2 data, received {dtype}")
     return fmt
 
 
@@ -128,7 +129,7 @@ def copy_format(q: QuantizedTensor, usage: str) -> str:
         _check_block_copy(copy, usage, 0)
         return fp8_format(copy.data)
     if isinstance(q, Float8Tensor):
-        return fp8_format(torch.empty(0, dtype=q.fp8_dtype))
+        return fp8_format(q.fp8_dtype)
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
 
 
