@@ -435,3 +435,12 @@ def test_confirmation_stays_within_the_bucket():
     budget = Budget(bucket_ms=70, total_ms=2000)  # the probe (2 calls) and two runs of 2 calls: 60 ms
     measure([(c, (lambda c=c: c)) for c in slow], budget, timer)
     assert budget.spent_ms <= 70 and len(timer.calls) == 3  # the third run and any confirmation do not fit
+
+
+def test_ragged_answer_is_per_tuple():
+    """The one-entry memo of the ragged check answers by tuple identity, never for another tuple."""
+    ragged, even = (512, 0, 256), (256, 256, 256)
+    assert autotune._ragged(ragged) and autotune._ragged(ragged)  # asked again: the memo
+    assert not autotune._ragged(even) and not autotune._ragged(tuple(even))
+    assert autotune._ragged(list(ragged)) and not autotune._ragged(None)
+    assert bucket_key(_p(num_groups=3, num_rows=768), ragged) != bucket_key(_p(num_groups=3, num_rows=768), even)
