@@ -94,6 +94,25 @@ def _fuser_report(model) -> str:
     return "fusion plan: the model holds no OperationFuser"
 
 
+def _expert_path_report(model, recipe) -> str:
+    """The path the expert MLPs took in the first step: native grouped kernels, or the emulated /
+    split reference, and why (te_dist.support.explain_path; te-dist env shows the same per device)."""
+    from ..moe import MoELayer
+    from ..support import explain_path
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return "[te-dist] expert MLPs: the model holds no MoELayer"
+    fc1, fc2 = layers[0].fc1, layers[0].fc2
+    path, why = explain_path(recipe, fc1.weight.dtype, device=fc1.weight.device)
+    if recipe is not None and path == "native":
+        if not (fc1.native_shape_ok and fc2.native_shape_ok):
+            path, why = "emulated", "expert features are not multiples of 128 (the FP8 kernels' scale block)"
+        elif not all(layer.fc1.has_native_weight_copy for layer in layers):
+            path, why = "emulated", "the first step did not run the native kernels (see the warnings above)"
+    return f"[te-dist] expert MLPs: {path} ({why})"
+
+
 @dataclass
 class _Job:
     """Everything one rank builds before its first step."""
@@ -255,6 +274,7 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
                 tensorboard.write(row)
         if step == start_step + 1:
             _say(rt, _fuser_report(job.model))
+            _say(rt, _expert_path_report(job.model, job.recipe))
         if rt.is_main and (step % t.log_every == 0 or step == t.steps or step == start_step + 1):
             _say(rt, progress.line(row))
             if tensorboard is not None:

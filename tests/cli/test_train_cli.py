@@ -21,6 +21,8 @@ def test_two_ranks_three_steps(run_cli, tmp_path):
     assert "2 ranks (gloo, cpu) | ep=2" in out
     assert out.count("[te-dist] agreed recipe key:") == 1  # printed once, by rank 0
     assert out.count("fusion plan of") == 1 and "GroupedLinear" in out
+    # the default recipe (current scaling) on CPU: the float32 reference, said once by rank 0
+    assert out.count("[te-dist] expert MLPs: emulated (cpu: the float32 reference path)") == 1
     assert all(f"step {s:>5}/3" in out for s in (1, 2, 3))
     assert "te-dist train summary" in out and "tokens/s" in out
     losses = _losses(tmp_path / "te_dist_out")
@@ -32,6 +34,7 @@ def test_two_ranks_three_steps(run_cli, tmp_path):
 def test_loss_goes_down_with_a_recipe(run_cli, tmp_path):
     result = run_cli("train", "--steps", 20, "--recipe", "current").check()
     assert "agreed recipe key: Float8CurrentScaling(" in result.output
+    assert "[te-dist] expert MLPs: emulated (cpu: the float32 reference path)" in result.output
     losses = _losses(tmp_path / "te_dist_out")
     first, last = losses[1], losses[20]
     assert last < first - 1.5, losses  # real learning: from ~ln(64)=4.16 towards the chain entropy 0.68

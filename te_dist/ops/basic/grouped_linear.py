@@ -270,6 +270,12 @@ class GroupedLinear(BasicOperation):
         self._save(ctx, _wgrad_copy(xq) if need_wgrad else None, None, wq, groups)
         return y
 
+    @property
+    def has_native_weight_copy(self) -> bool:
+        """True once the native quantized path cast this weight (so that path ran under the
+        current recipe): what ``te-dist train`` reports after its first step."""
+        return self._weight_copy is not None
+
     def quantized_weight(self):
         """The weight quantized under the current recipe, in both GEMM layouts, built once per
         weight version: an optimizer step (an in-place update) bumps ``weight._version``."""
