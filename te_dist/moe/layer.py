@@ -5,8 +5,9 @@ El = E / R local experts, N rows this rank's experts receive.
 
     hidden_TH ─router─▶ probs_TK, indices_TK
               ─dispatcher.dispatch─▶ x_NH (rows by local expert), split_sizes_El, probs_N
-              (─pad_expert_rows─▶ each expert's rows on a block boundary, when the active FP8
-               recipe's native grouped path needs it; the outputs are unpadded after the MLP)
+              (each expert's rows on a block boundary, when the active FP8 recipe's native
+               grouped path needs it: the dispatcher's last row gather writes them padded, or
+               pad_expert_rows pads them here; the padding rows are dropped again at combine)
               (transport: "all_to_all" over ep_group, or "peer" memory on the GPUs of one host;
                "auto" picks peer where every rank can run it)
               ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
@@ -38,11 +39,10 @@ from torch import nn
 from ..autocast import get_active_recipe
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
-from ..ops.basic.grouped_linear import host_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 from .expert_mlp import ACTIVATIONS, build_expert_mlp
 from .init import draw_base_seed, init_experts_, uniform_fan_in
-from .padding import pad_expert_rows
+from .padding import needs_padding, pad_expert_rows
 from .router import TopKRouter
 from .state_dict import install_expert_state_dict_hooks
 from .transports import TransportSelector
@@ -202,19 +202,16 @@ class MoELayer(nn.Module):
         if hidden_states.device != weight.device:
             raise ValueError(f"MoELayer parameters are on {weight.device}, got input on {hidden_states.device}")
 
-    def _native_row_alignment(self, x_NH: torch.Tensor, sizes) -> Optional[int]:
-        """The row multiple to pad each local expert to, when the active recipe's native grouped
-        path needs one that the sizes lack and the op-fuser predicate says that path runs here."""
+    def _native_row_alignment(self, x_TH: torch.Tensor) -> Optional[int]:
+        """The row multiple each local expert's rows must start on, when the active recipe's native
+        grouped path needs one and the op-fuser predicate says that path runs here (at that alignment)."""
         recipe = get_active_recipe()
         alignment = native_split_alignment(recipe)
-        if alignment is None or x_NH.device.type != "cuda" or getattr(recipe, "backward_override", None) is not None:
+        if alignment is None or x_TH.device.type != "cuda" or getattr(recipe, "backward_override", None) is not None:
             return None
         if not (self.fc1.native_shape_ok and self.fc2.native_shape_ok):
             return None
-        have = host_split_alignment(sizes)
-        if have is not None and have % alignment == 0:
-            return None
-        if not is_op_fuser_grouped_tensor_supported(recipe, x_NH.dtype, split_alignment=alignment, device=x_NH.device):
+        if not is_op_fuser_grouped_tensor_supported(recipe, x_TH.dtype, split_alignment=alignment, device=x_TH.device):
             return None
         return alignment
 
@@ -227,8 +224,10 @@ class MoELayer(nn.Module):
         # Non-finite logits (NaN or inf) travel in-band with the count exchange so every EP rank raises together.
         invalid = ~torch.isfinite(routing.logits_TE).all()
         probs_in_expert = self.probs_position == "expert"
+        alignment = self._native_row_alignment(x_TH)
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
-            x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag
+            x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag,
+            row_alignment=alignment,
         )
         self._agreement.verify(state.peer_tags)  # every rank's tag: a change on some ranks raises on all
         # The experts get the split both ways: the offsets the dispatcher queued on the device before
@@ -236,9 +235,8 @@ class MoELayer(nn.Module):
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
         # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
         splits = state.group_splits()
-        alignment = self._native_row_alignment(x_NH, splits.sizes)
         padded = None
-        if alignment is not None:  # the native FP8 path needs every expert's rows on a block boundary
+        if needs_padding(splits.sizes, alignment):  # the dispatcher did not pad them: pad on their own
             padded = pad_expert_rows(x_NH, probs_N if probs_in_expert else None, splits.sizes, alignment)
             x_NH, probs_N, splits = padded.x_PH, padded.probs_P, padded.splits
         if probs_in_expert:

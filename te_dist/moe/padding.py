@@ -2,12 +2,18 @@
 
 Why: the native FP8 grouped GEMMs quantize their wgrad operands along the token dimension in
 blocks (128 rows for Float8BlockScaling, 16-row TMA alignment for per-tensor FP8), so every
-expert's first row must sit on a block boundary. The dispatcher hands the experts their rows
-grouped by local expert with the sizes on the host; this module spreads those rows into a
-buffer whose groups start on multiples of ``alignment`` (the zero rows contribute nothing to the
-weight gradients and their outputs are dropped), and gathers the outputs back. Both are
-differentiable (row gathers both ways, the padding zeroed), and no host sync is added: the row map is
-built on the device from the host sizes, which are copied once, asynchronously.
+expert's first row must sit on a block boundary. The rows reach the experts grouped by local
+expert with the sizes on the host; a :class:`PaddingPlan` maps them into a buffer whose groups
+start on multiples of ``alignment`` (the zero rows contribute nothing to the weight gradients and
+their outputs are dropped). No host sync: the maps are built on the device from the host sizes,
+copied once, asynchronously.
+
+Two ways to apply a plan:
+  * folded into a row gather the dispatcher runs anyway (:meth:`PaddingPlan.compose`: the
+    gather reads straight into the padded layout, so padding adds no pass over the rows; the
+    all-to-all dispatcher does this, te_dist.moe.transports.all_to_all);
+  * on its own (:func:`pad_expert_rows`): a gather in, a gather out, for transports whose rows
+    arrive without a final gather.
 
 Legend: N rows received, P padded rows, H hidden, El local experts.
 """
@@ -19,9 +25,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..ops import GroupSplits
-from ..ops.basic.grouped_linear import remember_split_alignment
+from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
 
-__all__ = ["PaddedRows", "pad_expert_rows", "padded_sizes"]
+__all__ = ["PaddedRows", "PaddingPlan", "needs_padding", "pad_expert_rows", "padded_sizes", "plan_padding"]
 
 
 def padded_sizes(sizes, alignment: int) -> tuple:
@@ -29,10 +35,72 @@ def padded_sizes(sizes, alignment: int) -> tuple:
     return tuple(-(-s // alignment) * alignment for s in sizes)
 
 
+def needs_padding(sizes, alignment: Optional[int]) -> bool:
+    """Whether some group of ``sizes`` (host ints) does not start on a multiple of ``alignment``
+    (all groups empty: no)."""
+    if alignment is None:
+        return False
+    have = host_split_alignment(sizes)
+    return have is not None and have % alignment != 0
+
+
+class PaddingPlan(NamedTuple):
+    """Where each received row goes in the padded buffer and back (all int64, on the rows' device)."""
+
+    splits: GroupSplits  # padded offsets (device) and sizes (host)
+    row_map_N: Optional[torch.Tensor]  # padded position of each received row (None: already aligned)
+    pad_rows: Optional[torch.Tensor] = None  # the padding positions (zeroed, and their gradients too)
+    src_P: Optional[torch.Tensor] = None  # the received row each padded position reads (padding: any)
+
+    def compose(self, gather_N: torch.Tensor, scatter: torch.Tensor):
+        """Fold the padding into a row reorder: ``gather_N`` gives the source row of each received
+        row, ``scatter`` the received position of each source row. Returns the same pair for the
+        padded buffer (padding positions read some valid row: zero them after the gather)."""
+        return gather_N.index_select(0, self.src_P), self.row_map_N.index_select(0, scatter)
+
+
+def plan_padding(sizes, alignment: int, device) -> PaddingPlan:
+    """The plan that spreads groups of ``sizes`` (host ints) to multiples of ``alignment``."""
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"alignment must be a positive int, received {alignment!r}")
+    sizes = tuple(int(s) for s in sizes)
+    padded = padded_sizes(sizes, alignment)
+    num_rows, num_padded = sum(sizes), sum(padded)
+    bits_or = 0
+    for p in padded:
+        bits_or |= p
+    remember_split_alignment(padded, bits_or)  # the GEMMs' predicate asks for this tuple next
+    # Per expert: padded end, shift of its rows, its rows, first padding row, padding rows, the
+    # padding rows before it, and its padded rows (host ints; one copy to the device).
+    table, start, pstart, pads_before = [[], [], [], [], [], [], []], 0, 0, 0
+    for s, p in zip(sizes, padded):
+        for column, value in zip(table, (pstart + p, pstart - start, s, pstart + s - pads_before, p - s, pads_before,
+                                         p)):
+            column.append(value)
+        start, pstart, pads_before = start + s, pstart + p, pads_before + p - s
+    host = torch.tensor(table, dtype=torch.int64)
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)
+    splits = GroupSplits(on_device[0].to(torch.int32), padded)
+    if padded == sizes:
+        return PaddingPlan(splits, None)
+    row_map_N = torch.arange(num_rows, device=device) + torch.repeat_interleave(on_device[1], on_device[2],
+                                                                                 output_size=num_rows)
+    # padding row j of expert e sits at (its first padding row) + j = base_e + (global padding index)
+    num_pad = num_padded - num_rows
+    pad_rows = torch.arange(num_pad, device=device) + torch.repeat_interleave(on_device[3], on_device[4],
+                                                                               output_size=num_pad)
+    # padded position p of expert e reads received row p - (shift of e); padding reads a neighbour, then zeroed
+    src_P = (torch.arange(num_padded, device=device)
+             - torch.repeat_interleave(on_device[1], on_device[6], output_size=num_padded)).clamp_(0, max(num_rows - 1, 0))
+    return PaddingPlan(splits, row_map_N, pad_rows, src_P)
+
+
 def _spread(rows, src_P, pad_rows):
-    """rows -> [P, ...]: a row gather (``src_P``: the received row each padded position reads,
-    any valid row for padding), then the padding rows zeroed. A gather, not an ``index_copy_``
-    scatter: the scatter moved 2-byte elements one by one (3x the gather's time on H200)."""
+    """rows -> [P, ...]: a row gather, then the padding rows zeroed. A gather, not an
+    ``index_copy_`` scatter: the scatter moved 2-byte elements one by one (3x the gather's time on H200)."""
     return rows.index_select(0, src_P).index_fill_(0, pad_rows, 0)
 
 
@@ -82,43 +150,15 @@ class PaddedRows(NamedTuple):
 
 def pad_expert_rows(x_NH: torch.Tensor, probs_N: Optional[torch.Tensor], sizes, alignment: int) -> PaddedRows:
     """Spread the rows of each local expert (``sizes``, host ints) to groups of multiples of
-    ``alignment``; returns the padded rows, probabilities (zeros on padding) and splits."""
+    ``alignment``, on their own; returns the padded rows, probabilities (zeros on padding) and splits."""
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"alignment must be a positive int, received {alignment!r}")
     sizes = tuple(int(s) for s in sizes)
     if sum(sizes) != x_NH.shape[0]:
         raise ValueError(f"sizes sum to {sum(sizes)} but there are {x_NH.shape[0]} rows")
-    padded = padded_sizes(sizes, alignment)
-    num_rows, num_padded = x_NH.shape[0], sum(padded)
-    bits_or = 0
-    for p in padded:
-        bits_or |= p
-    remember_split_alignment(padded, bits_or)  # the GEMMs' predicate asks for this tuple next
-    device = x_NH.device
-    # Per expert: padded end, shift of its rows, its rows, first padding row, padding rows, the
-    # padding rows before it, and its padded rows (host ints; one copy to the device).
-    table, start, pstart, pads_before = [[], [], [], [], [], [], []], 0, 0, 0
-    for s, p in zip(sizes, padded):
-        for column, value in zip(table, (pstart + p, pstart - start, s, pstart + s - pads_before, p - s, pads_before,
-                                         p)):
-            column.append(value)
-        start, pstart, pads_before = start + s, pstart + p, pads_before + p - s
-    host = torch.tensor(table, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    on_device = host.to(device, non_blocking=True)
-    offsets = on_device[0].to(torch.int32)
-    if padded == sizes:
-        return PaddedRows(x_NH, probs_N, GroupSplits(offsets, padded), None)
-    row_map_N = torch.arange(num_rows, device=device) + torch.repeat_interleave(on_device[1], on_device[2],
-                                                                                 output_size=num_rows)
-    # padding row j of expert e sits at (its first padding row) + j = base_e + (global padding index)
-    num_pad = num_padded - num_rows
-    pad_rows = torch.arange(num_pad, device=device) + torch.repeat_interleave(on_device[3], on_device[4],
-                                                                               output_size=num_pad)
-    # padded position p of expert e reads received row p - (shift of e); padding reads a neighbour, then zeroed
-    src_P = (torch.arange(num_padded, device=device)
-             - torch.repeat_interleave(on_device[1], on_device[6], output_size=num_padded)).clamp_(0, num_rows - 1)
-    x_PH = _Spread.apply(x_NH, src_P, row_map_N, pad_rows)
-    probs_P = None if probs_N is None else _Spread.apply(probs_N, src_P, row_map_N, pad_rows)
-    return PaddedRows(x_PH, probs_P, GroupSplits(offsets, padded), row_map_N, pad_rows, src_P)
+    plan = plan_padding(sizes, alignment, x_NH.device)
+    if plan.row_map_N is None:
+        return PaddedRows(x_NH, probs_N, plan.splits, None)
+    x_PH = _Spread.apply(x_NH, plan.src_P, plan.row_map_N, plan.pad_rows)
+    probs_P = None if probs_N is None else _Spread.apply(probs_N, plan.src_P, plan.row_map_N, plan.pad_rows)
+    return PaddedRows(x_PH, probs_P, plan.splits, plan.row_map_N, plan.pad_rows, plan.src_P)

@@ -69,14 +69,18 @@ class _PackExpand(torch.autograd.Function):
 
 class _UnpackRows(torch.autograd.Function):
     """``(x[idx], probs[idx])`` from a payload, each contiguous; backward packs the two gradients
-    into one payload, gathered through the inverse permutation (gathers both ways, no scatter)."""
+    into one payload, gathered through the inverse permutation (gathers both ways, no scatter).
+    ``pad_rows``: rows of the outputs that are padding (zeroed; te_dist.moe.padding)."""
 
     @staticmethod
-    def forward(ctx, payload, idx, inverse, hidden, probs_dtype):
+    def forward(ctx, payload, idx, inverse, hidden, probs_dtype, pad_rows=None):
         ctx.save_for_backward(inverse)
         ctx.hidden = hidden
         x = payload[:, :hidden].index_select(0, idx)
         probs = prob_view(payload, hidden, probs_dtype).index_select(0, idx)
+        if pad_rows is not None:
+            x.index_fill_(0, pad_rows, 0)
+            probs.index_fill_(0, pad_rows, 0)
         return x, probs
 
     @staticmethod
@@ -86,7 +90,7 @@ class _UnpackRows(torch.autograd.Function):
         grad = grad_x.new_empty(inverse.numel(), payload_columns(hidden, grad_x.dtype))
         torch.index_select(grad_x, 0, inverse, out=grad[:, :hidden])
         prob_view(grad, hidden, grad_probs.dtype).copy_(grad_probs.index_select(0, inverse))
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def pack_expand(x_TH: torch.Tensor, probs_S: torch.Tensor, state: PermutationState) -> torch.Tensor:
@@ -98,6 +102,7 @@ def pack_expand(x_TH: torch.Tensor, probs_S: torch.Tensor, state: PermutationSta
 
 
 def unpack_rows(payload: torch.Tensor, idx: torch.Tensor, inverse: torch.Tensor, hidden: int,
-                probs_dtype: torch.dtype):
-    """``(x_NH, probs_N)``: the payload's rows gathered by ``idx`` (``inverse``: its inverse permutation)."""
-    return _UnpackRows.apply(payload, idx, inverse, hidden, probs_dtype)
+                probs_dtype: torch.dtype, pad_rows=None):
+    """``(x_NH, probs_N)``: the payload's rows gathered by ``idx`` (``inverse``: its inverse
+    permutation; ``pad_rows``: output rows that are padding, zeroed)."""
+    return _UnpackRows.apply(payload, idx, inverse, hidden, probs_dtype, pad_rows)

@@ -10,6 +10,10 @@ Every step, forward and backward, is a row *gather* (scatters go through the inv
 permutation, computed once per step) plus a fixed-order sum over K, never an atomic
 ``index_add``: gradients are bitwise deterministic on GPU, and gathers are vectorised.
 
+A permutation may carry padding rows (``PermutationState.pad_rows``, te_dist.moe.padding): the
+permuted tensor then has more rows than routed slots, and every gather that writes the permuted
+side zeroes them, forward (rows, probabilities) and backward (the gradients of expert outputs).
+
 After the dispatch all-to-all, rows arrive grouped by (source rank, local expert); the grouped
 GEMM needs them grouped by (local expert, source rank). ``chunk_sort_index`` builds that row
 permutation (``chunk_unsort_index`` its inverse) from the received count matrix [R, El], on the
@@ -28,6 +32,7 @@ __all__ = [
     "PermutationState",
     "sort_by_expert",
     "permute_tokens",
+    "expand_tokens",
     "expert_counts_from_sorted",
     "permute_probs",
     "unpermute_tokens",
@@ -40,23 +45,29 @@ __all__ = [
 ]
 
 
+def _zero_rows(t: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``t`` with ``rows`` zeroed in place (padding rows; None: none)."""
+    return t if rows is None else t.index_fill_(0, rows, 0)
+
+
 class _PermuteRows(torch.autograd.Function):
     """``out = x[gather_idx]``; backward ``grad_x = grad_out[scatter_idx]``.
 
     ``scatter_idx`` is the inverse permutation of ``gather_idx``, so both directions are
     gathers: a row gather is vectorised on GPU, an ``index_copy_`` scatter of the same rows was
-    3x slower on H200 (benchmarks/moe_profile.py).
+    3x slower on H200 (benchmarks/moe_profile.py). ``zero_out`` / ``zero_grad``: padding rows of
+    the output (the gather writes the padded side) or of x's gradient (x is the padded side).
     """
 
     @staticmethod
-    def forward(ctx, x, gather_idx, scatter_idx):
-        ctx.save_for_backward(scatter_idx)
-        return x.index_select(0, gather_idx)
+    def forward(ctx, x, gather_idx, scatter_idx, zero_out=None, zero_grad=None):
+        ctx.save_for_backward(scatter_idx, zero_grad)
+        return _zero_rows(x.index_select(0, gather_idx), zero_out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (scatter_idx,) = ctx.saved_tensors
-        return grad_out.index_select(0, scatter_idx), None, None
+        scatter_idx, zero_grad = ctx.saved_tensors
+        return _zero_rows(grad_out.index_select(0, scatter_idx), zero_grad), None, None, None, None
 
 
 def inverse_permutation(idx: torch.Tensor) -> torch.Tensor:
@@ -64,14 +75,18 @@ def inverse_permutation(idx: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(idx).scatter_(0, idx, torch.arange(idx.numel(), device=idx.device, dtype=idx.dtype))
 
 
-def permute_rows(x: torch.Tensor, idx: torch.Tensor, inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x[idx]`` for a row permutation ``idx`` (``inverse``: its inverse, if already known)."""
-    return _PermuteRows.apply(x, idx, inverse_permutation(idx) if inverse is None else inverse)
+def permute_rows(x: torch.Tensor, idx: torch.Tensor, inverse: Optional[torch.Tensor] = None,
+                 pad_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x[idx]`` for a row permutation ``idx`` (``inverse``: its inverse, if already known);
+    ``pad_rows``: rows of the result that are padding (zeroed; ``inverse`` is then required)."""
+    return _PermuteRows.apply(x, idx, inverse_permutation(idx) if inverse is None else inverse, pad_rows)
 
 
-def unpermute_rows(y: torch.Tensor, idx: torch.Tensor, inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Inverse of :func:`permute_rows`: ``out[idx] = y``, computed as the gather ``y[inverse]``."""
-    return _PermuteRows.apply(y, inverse_permutation(idx) if inverse is None else inverse, idx)
+def unpermute_rows(y: torch.Tensor, idx: torch.Tensor, inverse: Optional[torch.Tensor] = None,
+                   pad_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`permute_rows`: ``out[idx] = y``, computed as the gather ``y[inverse]``
+    (``pad_rows``: padding rows of ``y``, dropped; their gradient is zero)."""
+    return _PermuteRows.apply(y, inverse_permutation(idx) if inverse is None else inverse, idx, None, pad_rows)
 
 
 def _gather_sum_kernel(y_SH: torch.Tensor, inverse_S: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -112,29 +127,29 @@ class _ExpandGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_TH, token_S, inverse_S, top_k):
+    def forward(ctx, x_TH, token_S, inverse_S, top_k, pad_rows=None):
         ctx.save_for_backward(inverse_S)
         ctx.top_k = top_k
-        return x_TH.index_select(0, token_S)
+        return _zero_rows(x_TH.index_select(0, token_S), pad_rows)
 
     @staticmethod
     def backward(ctx, grad_SH):
         (inverse_S,) = ctx.saved_tensors
-        return gather_sum(grad_SH, inverse_S, ctx.top_k), None, None, None
+        return gather_sum(grad_SH, inverse_S, ctx.top_k), None, None, None, None
 
 
 class _GatherSum(torch.autograd.Function):
     """Combine without probabilities: out[t] = sum_k y[row of (t, k)]; backward = expand gather."""
 
     @staticmethod
-    def forward(ctx, y_SH, token_S, inverse_S, top_k):
-        ctx.save_for_backward(token_S)
+    def forward(ctx, y_SH, token_S, inverse_S, top_k, pad_rows=None):
+        ctx.save_for_backward(token_S, pad_rows)
         return gather_sum(y_SH, inverse_S, top_k)
 
     @staticmethod
     def backward(ctx, grad_TH):
-        (token_S,) = ctx.saved_tensors
-        return grad_TH.index_select(0, token_S), None, None, None
+        token_S, pad_rows = ctx.saved_tensors
+        return _zero_rows(grad_TH.index_select(0, token_S), pad_rows), None, None, None, None
 
 
 @dataclass
@@ -147,6 +162,7 @@ class PermutationState:
     top_k: int
     inverse_S: Optional[torch.Tensor] = None  # flat slot j sits at permuted row inverse_S[j]
     token_S: Optional[torch.Tensor] = None  # permuted row i is a copy of token token_S[i] (sort_idx_S // K)
+    pad_rows: Optional[torch.Tensor] = None  # permuted rows that are padding (zero), when padded
 
 
 def expert_counts_from_sorted(sorted_S: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -179,13 +195,17 @@ def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: in
     ``indices_TK`` int64 global expert ids in ``[0, num_experts)``.
     """
     state = sort_by_expert(x_TH, indices_TK, num_experts)
-    x_SH = _ExpandGather.apply(x_TH, state.token_S, state.inverse_S, state.top_k)
-    return x_SH, state
+    return expand_tokens(x_TH, state), state
+
+
+def expand_tokens(x_TH: torch.Tensor, state: PermutationState) -> torch.Tensor:
+    """The permuted rows of ``state``: token copies by expert, padding rows zero (differentiable)."""
+    return _ExpandGather.apply(x_TH, state.token_S, state.inverse_S, state.top_k, state.pad_rows)
 
 
 def permute_probs(probs_TK: torch.Tensor, state: PermutationState) -> torch.Tensor:
     """Routing probabilities in permuted row order [S] (differentiable)."""
-    return permute_rows(probs_TK.reshape(-1), state.sort_idx_S, _inverse(state))
+    return permute_rows(probs_TK.reshape(-1), state.sort_idx_S, _inverse(state), state.pad_rows)
 
 
 def _inverse(state: PermutationState) -> torch.Tensor:
@@ -203,8 +223,8 @@ def unpermute_tokens(y_SH: torch.Tensor, state: PermutationState, probs_TK: Opti
     if probs_TK is None:
         if state.token_S is None:  # a state built by hand
             state.token_S = torch.div(state.sort_idx_S, state.top_k, rounding_mode="floor")
-        return _GatherSum.apply(y_SH, state.token_S, _inverse(state), state.top_k)
-    y_flat = unpermute_rows(y_SH, state.sort_idx_S, _inverse(state))
+        return _GatherSum.apply(y_SH, state.token_S, _inverse(state), state.top_k, state.pad_rows)
+    y_flat = unpermute_rows(y_SH, state.sort_idx_S, _inverse(state), state.pad_rows)
     y_TKH = y_flat.view(state.num_tokens, state.top_k, *y_SH.shape[1:])
     acc_dtype = torch.promote_types(y_SH.dtype, torch.float32)
     y_TKH = y_TKH.to(acc_dtype) * probs_TK.to(acc_dtype).unsqueeze(-1)

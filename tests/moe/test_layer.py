@@ -153,7 +153,8 @@ def test_experts_run_through_fused_grouped_mlp_plan_keyed_by_recipe():
     assert torch.isfinite(y).all() and not torch.equal(y, layer(x))  # quantized numerics differ
 
 
-def test_experts_get_the_host_split_sizes_of_the_count_exchange(monkeypatch):
+def _record_group_sizes(monkeypatch) -> list:
+    """The ``group_sizes`` every grouped-GEMM forward is given from now on (appended to the returned list)."""
     from te_dist import kernels
 
     seen = []
@@ -164,8 +165,41 @@ def test_experts_get_the_host_split_sizes_of_the_count_exchange(monkeypatch):
         return original(*args, **kw)
 
     monkeypatch.setattr(kernels, "grouped_mm_forward", recording)
+    return seen
+
+
+def test_experts_get_the_host_split_sizes_of_the_count_exchange(monkeypatch):
+    seen = _record_group_sizes(monkeypatch)
     layer = _layer()
     layer(_x(T=11))
     want = tuple(layer.tokens_per_local_expert.tolist())
     assert sum(want) == 11 * 2
     assert seen == [want, want]
+
+
+@pytest.mark.parametrize("probs_position", ["expert", "combine"])
+@pytest.mark.parametrize("where", ["dispatcher", "layer"])
+def test_expert_rows_padded_for_the_native_path_give_the_same_layer(monkeypatch, probs_position, where):
+    """Rows padded to a multiple (what the native FP8 path needs on a GPU, forced here): the dispatcher
+    folds the padding into its expand gather, or, for a transport that does not, the layer pads on
+    its own. The GEMMs see padded groups; outputs and every gradient match the unpadded layer
+    (biases included: the padding rows' output gradients must be zero)."""
+    x = _x(T=11).requires_grad_(True)
+    g = torch.randn(11, 8, generator=torch.Generator().manual_seed(3))
+    plain = _layer(probs_position=probs_position)
+    y_ref = plain(x)
+    ref = torch.autograd.grad(y_ref, [x, *plain.parameters()], g)
+
+    layer = _layer(probs_position=probs_position)
+    monkeypatch.setattr(layer, "_native_row_alignment", lambda x_TH: 8)
+    if where == "layer":  # a transport that hands out unpadded rows
+        dispatch = layer.dispatcher.dispatch
+        monkeypatch.setattr(layer.dispatcher, "dispatch", lambda *a, row_alignment=None, **kw: dispatch(*a, **kw))
+    seen = _record_group_sizes(monkeypatch)
+    y = layer(x)
+    received = layer.tokens_per_local_expert.tolist()
+    assert seen and all(s == tuple(-(-n // 8) * 8 for n in received) for s in seen), (seen, received)
+    assert sum(seen[0]) > 22  # 11 tokens x top-2 rows, padded
+    close(y, y_ref)
+    for got, want in zip(torch.autograd.grad(y, [x, *layer.parameters()], g), ref):
+        close(got, want)

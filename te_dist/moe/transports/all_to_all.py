@@ -21,6 +21,11 @@ Dispatch (combine runs the same steps backwards; autograd reverses every step):
       ▼ expert MLP with split_sizes_El (offsets on the device: state.local_expert_offsets,
                                          sizes on the host: state.local_expert_sizes)
 
+With ``row_alignment`` (the native FP8 GEMMs' padding, te_dist.moe.padding) and sizes that lack
+it, the last row gather writes the padded layout itself: the expand gather at EP size 1 (queued
+after the host read then, since it needs the sizes), the local-expert sort otherwise. A rank that
+receives one expert's rows (El = 1, no sort) leaves the padding to the layer.
+
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
 token all-to-all(s) and the row gathers come after it. Everything that needs the counts only on the
 device is queued before it and runs while the host waits (profiled on 2×H200, the ~20 small
@@ -46,10 +51,13 @@ import torch
 
 from ...distributed.all_to_all import all_to_all_tokens, exchange_counts
 from ...distributed.bounded import check_timeout_s
+from ..padding import needs_padding, plan_padding
 from ..payload import pack_expand, unpack_rows
 from ..permutation import (
+    PermutationState,
     chunk_sort_index,
     chunk_unsort_index,
+    expand_tokens,
     permute_probs,
     permute_rows,
     permute_tokens,
@@ -85,13 +93,16 @@ class AllToAllDispatcher(TokenDispatcher):
         self.timeout_s = check_timeout_s(timeout_s)
         super().__init__(num_experts, ep_group)
 
-    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None):  # TokenDispatcher's
+    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
+                 row_alignment=None):  # TokenDispatcher's
         R, El = self.ep_size, self.num_local_experts
         sort_rows = R > 1 and El > 1
         # With an all-to-all and a local sort, the probabilities ride in the token rows: one
         # all-to-all instead of two, each way (te_dist.moe.payload).
         packed = probs_in_expert and sort_rows
-        if packed:
+        # At EP size 1 the expand gather is the last one: it waits for the sizes where it may pad.
+        local_pad = R == 1 and row_alignment is not None
+        if packed or local_pad:
             perm = sort_by_expert(x_TH, indices_TK, self.num_experts)
         else:
             rows_S, perm = permute_tokens(x_TH, indices_TK, self.num_experts)
@@ -100,7 +111,7 @@ class AllToAllDispatcher(TokenDispatcher):
         sent = counts_send if tag is None else torch.cat([counts_send.view(R, El), tag.expand(R, 1)], 1).view(-1)
         counts_recv = exchange_counts(sent, self.ep_group, timeout_s=self.timeout_s)
         # Queued before the host read (module docstring): none of it needs the counts on the host.
-        probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
+        probs_S = permute_probs(probs_TK, perm) if probs_in_expert and not local_pad else None
         if packed:
             rows_S = pack_expand(x_TH, probs_S, perm)
         counts_recv_RL = counts_recv.view(R, width)[:, :El]
@@ -119,18 +130,31 @@ class AllToAllDispatcher(TokenDispatcher):
         input_splits = [sum(c) for c in sent_RL]
         output_splits = [sum(c) for c in recv_RL]
         local_expert_sizes = [sum(col) for col in zip(*recv_RL)] if recv_RL else []
+        plan = None  # the padding, where this dispatch folds it into its last gather
+        if row_alignment is not None and (R == 1 or sort_rows) and needs_padding(local_expert_sizes, row_alignment):
+            plan = plan_padding(local_expert_sizes, row_alignment, x_TH.device)
+        if local_pad:
+            if plan is not None:
+                perm = _padded_permutation(perm, plan)
+            rows_S = expand_tokens(x_TH, perm)
+            probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
+            output_splits = input_splits = [rows_S.shape[0]]
         rows_N = all_to_all_tokens(rows_S, output_splits, input_splits, self.ep_group,
                                    op="token dispatch (all_to_all)", timeout_s=self.timeout_s)
         probs_N = None
+        pad_rows = None
         if sort_rows:
             num_rows = rows_N.shape[0]
             if num_rows > bound:  # more rows than the bound (see _BOUND_FACTOR): build the exact indices now
                 chunk_idx, chunk_inv = _chunk_indices(counts_recv_RL, num_rows)
             chunk_idx, chunk_inv = chunk_idx[:num_rows], chunk_inv[:num_rows]
+            if plan is not None:
+                chunk_idx, chunk_inv = plan.compose(chunk_idx, chunk_inv)
+                pad_rows = plan.pad_rows
             if packed:
-                x_NH, probs_N = unpack_rows(rows_N, chunk_idx, chunk_inv, x_TH.shape[1], probs_S.dtype)
+                x_NH, probs_N = unpack_rows(rows_N, chunk_idx, chunk_inv, x_TH.shape[1], probs_S.dtype, pad_rows)
             else:
-                x_NH = permute_rows(rows_N, chunk_idx, chunk_inv)
+                x_NH = permute_rows(rows_N, chunk_idx, chunk_inv, pad_rows)
         else:
             x_NH, chunk_idx, chunk_inv = rows_N, None, None
             if probs_in_expert:
@@ -139,13 +163,21 @@ class AllToAllDispatcher(TokenDispatcher):
         state = DispatchState(
             perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK,
             local_expert_sizes, offsets_El, peer_tags=peer_tags, transport="all_to_all" if R > 1 else "local",
+            padded_splits=None if plan is None else plan.splits, pad_rows=pad_rows,
         )
         return x_NH, split_sizes_El, probs_N, state
 
     def combine(self, y_NH: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert outputs (rows by local expert) → [T, H] in the original token order."""
         if state.chunk_idx is not None:
-            y_NH = unpermute_rows(y_NH, state.chunk_idx, state.chunk_inv)
+            y_NH = unpermute_rows(y_NH, state.chunk_idx, state.chunk_inv, state.pad_rows)
         y_SH = all_to_all_tokens(y_NH, state.input_splits, state.output_splits, self.ep_group,
                                  op="token combine (all_to_all)", timeout_s=self.timeout_s)
         return unpermute_tokens(y_SH, state.permutation, state.probs_TK)
+
+
+def _padded_permutation(perm: PermutationState, plan) -> PermutationState:
+    """``perm`` writing the padded layout of ``plan`` (EP size 1: the permuted rows are the received ones)."""
+    sort_idx, inverse = plan.compose(perm.sort_idx_S, perm.inverse_S)
+    return PermutationState(sort_idx, perm.counts_E, perm.num_tokens, perm.top_k, inverse,
+                            perm.token_S.index_select(0, plan.src_P), plan.pad_rows)

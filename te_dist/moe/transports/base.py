@@ -49,10 +49,15 @@ class DispatchState:
     peer_plan: Any = None  # the peer transport's RowPlan (transports/peer) when the rows moved that way
     peer_tags: Optional[list] = None  # every EP rank's tag (index = EP rank), when a tag rode in the counts
     transport: str = "all_to_all"  # the transport that made this state: "local", "all_to_all" or "peer"
+    padded_splits: Optional[GroupSplits] = None  # the split of the rows handed out, when the dispatch padded them
+    pad_rows: Optional[torch.Tensor] = None  # the padding rows of the local reorder (chunk_idx), when padded
 
     def group_splits(self) -> GroupSplits:
-        """The agreed split of the received rows over the local experts, both ways: offsets on the
-        device (queued before the host read) and sizes on the host (that read's by-product)."""
+        """The split of the rows the dispatch handed out over the local experts, both ways: offsets
+        on the device (queued before the host read) and sizes on the host (that read's by-product);
+        with padding (``row_alignment``), the padded split."""
+        if self.padded_splits is not None:
+            return self.padded_splits
         return GroupSplits(self.local_expert_offsets, tuple(self.local_expert_sizes))
 
 
@@ -84,6 +89,7 @@ class TokenDispatcher:
         probs_in_expert: bool,
         invalid: Optional[torch.Tensor] = None,
         tag: Optional[torch.Tensor] = None,
+        row_alignment: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], DispatchState]:
         """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``; rows grouped by local expert.
 
@@ -92,6 +98,10 @@ class TokenDispatcher:
         rank's routing as bad (e.g. NaN or inf logits); it travels in-band with the counts. ``tag``:
         optional int64 [1] tensor (on x's device) sent to every rank with the counts; the all-to-all
         transport returns every rank's tag in ``state.peer_tags`` (the peer one does not).
+        ``row_alignment``: the row multiple each local expert's group should start on (the native
+        FP8 GEMMs' padding, te_dist.moe.padding); a transport that can fold the padding into its
+        last row gather does, and ``state.group_splits()`` is then the padded split (the returned
+        ``split_sizes_El`` stays the received counts). Others ignore it: check the split.
         """
         raise NotImplementedError
 

@@ -53,20 +53,35 @@ def run(scenario, args, device, dtype):
     transports = set()
     invalid = torch.tensor(scenario == "nan" and rank == 1, device=device)
     try:
-        for probs_in_expert in (True, False):
-            x_NH, splits, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=probs_in_expert, invalid=invalid)
+        for probs_in_expert, alignment in ((True, None), (False, None), (True, 8), (False, 8)):
+            x_NH, splits, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=probs_in_expert,
+                                                               invalid=invalid, row_alignment=alignment)
             transports.add(state.transport)
             assert dispatcher.transport == state.transport
             assert splits.numel() == dispatcher.num_local_experts
-            assert int(splits.sum()) == x_NH.shape[0]
-            # The host sizes and the device offsets handed to the experts agree with the split sizes.
+            # The host sizes and the device offsets of the received rows agree with the split sizes.
             assert state.local_expert_sizes == splits.tolist()
             assert state.local_expert_offsets.dtype == torch.int32 and state.local_expert_offsets.device == x.device
             assert state.local_expert_offsets.tolist() == splits.cumsum(0).tolist()
-            y_NH = stand_in_experts(x_NH, splits, dispatcher.first_expert)
+            handed = state.group_splits()  # the split of x_NH: padded where this transport folds the padding
+            folds = alignment is not None and state.transport != "peer" and (
+                dist.get_world_size() == 1 or dispatcher.num_local_experts > 1)
+            expected = [-(-s // alignment) * alignment for s in splits.tolist()] if folds else splits.tolist()
+            assert list(handed.sizes) == expected, (handed.sizes, expected)
+            assert handed.offsets.tolist() == torch.tensor(expected).cumsum(0).tolist()
+            assert x_NH.shape[0] == sum(expected)
+            is_pad = torch.cat([torch.arange(p) >= s for s, p in zip(splits.tolist(), expected)]).to(device)
+            assert not x_NH[is_pad].any(), "padding rows must be zero"
             if probs_in_expert:
+                assert not probs_N[is_pad].any(), "padding rows' probabilities must be zero"
+            y_NH = stand_in_experts(x_NH, torch.tensor(expected, device=device), dispatcher.first_expert)
+            if not probs_in_expert:
+                y_NH = y_NH + is_pad[:, None].to(dtype)  # padding outputs are dropped, whatever they hold
+            else:
                 y_NH = y_NH * probs_N[:, None]
             out = dispatcher.combine(y_NH, state)
+            g_y, = torch.autograd.grad(out, y_NH, torch.ones_like(out), retain_graph=True)
+            assert not g_y[is_pad].any(), "padding rows must get zero gradient"
             ref_x = x.detach().clone().requires_grad_(True)
             ref_p = probs.detach().clone().requires_grad_(True)
             ref = ((ref_p * (indices + 1).to(dtype)).sum(-1, keepdim=True)) * ref_x

@@ -48,7 +48,8 @@ class PeerDispatcher(TokenDispatcher):
             use_peer_rows(self.ep_group, device, row_bytes, required=True, source=source)
             self._checked.add((device, row_bytes))
 
-    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None):  # TokenDispatcher's
+    def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
+                 row_alignment=None):  # TokenDispatcher's (rows arrive unpadded: the layer pads them)
         self.check(x_TH.device, x_TH.shape[1] * x_TH.element_size())
         E, R, El = self.num_experts, self.ep_size, self.num_local_experts
         perm = sort_by_expert(x_TH, indices_TK, E)
