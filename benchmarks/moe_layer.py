@@ -82,7 +82,7 @@ class LoopMoE(nn.Module):
         self.fc2 = nn.ModuleList(nn.Linear(ffn, hidden, bias=False, dtype=dtype, device=device) for _ in range(El))
 
     def forward(self, x):
-        routing = self.router(x, check_nan=False)
+        routing = self.router(x, check_finite=False)
         x_NH, splits, probs_N, state = self.dispatcher.dispatch(x, routing.probs_TK, routing.indices_TK, probs_in_expert=True)
         sizes = splits.tolist()
         outs = []
@@ -284,7 +284,7 @@ def in_step_dispatch(layer, x, args, device):
     """(dispatch, oracle) seconds: ``dispatcher.dispatch`` as the layer calls it, and the same
     permutation, all-to-alls and local-expert sort with the split sizes known in advance."""
     group, disp = layer.ep_group, layer.dispatcher
-    routing = layer.router(x, check_nan=False)
+    routing = layer.router(x, check_finite=False)
     probs, indices = routing.probs_TK, routing.indices_TK
     _, perm = permute_tokens(x, indices, layer.num_experts)
     recv = exchange_counts(perm.counts_E, group)

@@ -48,10 +48,17 @@ __all__ = [
     "DEFAULT_RECIPE",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 DEVICES = ("auto", "cpu", "cuda")
 LOGS = ("jsonl", "tensorboard")
+
+
+def model_dtype(dtype: str, device_type: str) -> str:
+    """The torch dtype name ``model.dtype`` means on a ``device_type`` ("cpu" or "cuda") run."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device_type == "cuda" else "float32"
 TRANSPORTS = ("auto", "all_to_all", "peer")  # te_dist.moe.TRANSPORTS, spelled here so the check imports no torch
 DEFAULT_RECIPE = "current"  # Float8CurrentScaling: stateless FP8 (emulated on CPU), a real recipe key to agree on
 
@@ -79,7 +86,8 @@ class ModelConfig:
     activation: str = _f("swiglu", f"expert activation, one of {list(ACTIVATIONS)}")
     expert_bias: bool = _f(False, "per-expert biases in both expert GEMMs")
     aux_loss_coeff: float = _f(0.01, "router load-balancing loss weight")
-    dtype: str = _f("float32", f"parameter and activation dtype, one of {list(DTYPES)}")
+    dtype: str = _f("auto", f"parameter and activation dtype, one of {list(DTYPES)}; auto: bfloat16 on GPUs "
+                            "(what the native FP8 expert kernels take), float32 on CPU")
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import ConfigError, JobConfig, ModelConfig
+from .config import ConfigError, JobConfig, ModelConfig, model_dtype
 
 __all__ = ["ModelSize", "model_size", "flops_per_token", "MemoryEstimate", "memory_estimate", "available_memory",
            "check_fits", "peak_flops", "GiB"]
@@ -102,9 +102,9 @@ def _size(n: float) -> str:
     return f"{n / 1024**2:.1f} MiB"
 
 
-def _activation_bytes(cfg: JobConfig, tokens: int) -> int:
-    """Tensors saved for the backward of one rank's micro-batch (T tokens), at their peak."""
-    m, b = cfg.model, _DTYPE_BYTES[cfg.model.dtype]
+def _activation_bytes(cfg: JobConfig, tokens: int, b: int) -> int:
+    """Tensors saved for the backward of one rank's micro-batch (T tokens), at their peak (``b`` bytes per element)."""
+    m = cfg.model
     H, k, T = m.hidden_size, m.top_k, tokens
     attention = 7 * T * H * b  # norm in/out, q, k, v, attention out, projection in
     routed = T * k * (3 * H + _fc1_out(m) + m.ffn_hidden_size) * b  # dispatch, fc1 out, act out, fc2 out, combine
@@ -117,12 +117,12 @@ def _activation_bytes(cfg: JobConfig, tokens: int) -> int:
 def memory_estimate(cfg: JobConfig, world_size: int, *, device_type: str) -> MemoryEstimate:
     """Peak bytes per rank of ``cfg`` on ``world_size`` ranks; ``device_type`` 'cpu' or 'cuda'."""
     ep, per_rank_batch = cfg.layout(world_size)
-    size, b = model_size(cfg.model), _DTYPE_BYTES[cfg.model.dtype]
+    size, b = model_size(cfg.model), _DTYPE_BYTES[model_dtype(cfg.model.dtype, device_type)]
     params = (size.dense + size.expert // ep) * b + size.router * _ROUTER_BYTES
     # .grad, plus (with peers) the flat buffer each gradient all-reduce concatenates into
     grads = params * (2 if world_size > 1 else 1)
     optimizer = 2 * params  # AdamW exp_avg and exp_avg_sq, in the parameters' dtype
-    activations = _activation_bytes(cfg, per_rank_batch * cfg.data.seq_len)
+    activations = _activation_bytes(cfg, per_rank_batch * cfg.data.seq_len, b)
     runtime = CPU_RANK_BASE if device_type == "cpu" else GPU_RANK_BASE
     return MemoryEstimate(params, grads, optimizer, activations, runtime)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, model_dtype
 
 __all__ = ["CausalSelfAttention", "MoEBlock", "MoETransformer", "build_model"]
 
@@ -85,7 +85,7 @@ class MoEBlock(nn.Module):
 class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, seed: int = 0, ep_group=None, device=None, transport: str = "auto"):
         super().__init__()
-        dtype = getattr(torch, cfg.dtype)
+        dtype = getattr(torch, model_dtype(cfg.dtype, torch.device(device).type if device is not None else "cpu"))
         self.cfg = cfg
         with _seeded(seed):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)

@@ -122,3 +122,18 @@ def test_autotune_switch_is_a_checked_bool():
     assert JobConfig().train.autotune is True  # measured grouped-GEMM choices are on by default
     with pytest.raises(ConfigError, match="train.autotune must be true or false"):
         config_from_dict({"train": {"autotune": "yes"}}).validate()
+
+
+def test_model_dtype_auto_is_bf16_on_gpus_and_fp32_on_cpu():
+    """The default dtype: bfloat16 where the native FP8 expert kernels run (they take bf16), float32 on CPU;
+    an explicit dtype wins everywhere, and the model is built in what it resolves to."""
+    import torch
+
+    from te_dist.train.config import ModelConfig, model_dtype
+    from te_dist.train.model import build_model
+
+    assert JobConfig().model.dtype == "auto"
+    assert model_dtype("auto", "cuda") == "bfloat16" and model_dtype("auto", "cpu") == "float32"
+    assert model_dtype("float16", "cuda") == "float16" and model_dtype("bfloat16", "cpu") == "bfloat16"
+    assert build_model(ModelConfig(num_layers=1), seed=0).head.weight.dtype == torch.float32
+    assert build_model(ModelConfig(num_layers=1, dtype="bfloat16"), seed=0).head.weight.dtype == torch.bfloat16
