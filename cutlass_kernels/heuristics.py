@@ -103,7 +103,10 @@ RULES = (
 def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132,
                   group_sizes: Optional[Sequence[int]] = None) -> int:
     """Config id for one call. ``n``/``k`` are the user-level out/in features; ``group_sizes`` the
-    rows of each group when the caller has them on the host (the MoE layer does), else None."""
+    rows of each group when the caller has them on the host (the MoE layer does), else None.
+    No rows at all (every expert empty): nothing runs, and the answer is the catch-all row's tile."""
+    if num_rows <= 0:
+        return RULES[-1].config
     m_avg = num_rows / max(num_groups, 1)
     ragged = group_sizes is not None and len(set(group_sizes)) > 1
     contraction = k if direction == "fwd" else n if direction == "dgrad" else m_avg
