@@ -21,7 +21,16 @@ import dataclasses
 import enum
 from typing import Any, Callable, Iterable, Optional
 
-from .recipe_values import CallablePolicy, FrozenDict, FrozenList, freeze, from_plain, near_miss, to_plain
+from .recipe_values import (
+    CallablePolicy,
+    FrozenDict,
+    FrozenList,
+    freeze,
+    from_plain,
+    near_miss,
+    register_tagged_enum,
+    to_plain,
+)
 
 __all__ = [
     "Format",
@@ -71,6 +80,7 @@ class Format(enum.Enum):
 
 
 _FORMAT_MAX = {Format.E4M3: 448.0, Format.E5M2: 57344.0, Format.E2M1: 6.0}
+register_tagged_enum("format", Format)  # to_dict writes {"format": "E4M3"}; from_dict reads it back
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 

@@ -133,12 +133,21 @@ def qualified_name(fn) -> str:
     return f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', '')}"
 
 
+# Enums written as a one-key dict {tag: member name} and read back by that tag (te_dist.recipe
+# registers its Format as "format"): this module never imports the recipe module, which imports it.
+_TAGGED_ENUMS: dict = {}
+
+
+def register_tagged_enum(tag: str, enum_type) -> None:
+    """Write members of ``enum_type`` as ``{tag: name}`` and read that form back as the member."""
+    _TAGGED_ENUMS[tag] = enum_type
+
+
 def to_plain(value):
     """A JSON/YAML-friendly form of an attached value (read back by :func:`from_plain`)."""
-    from .recipe import Format  # the recipe module imports this one
-
-    if isinstance(value, Format):
-        return {"format": value.name}
+    for tag, enum_type in _TAGGED_ENUMS.items():
+        if isinstance(value, enum_type):
+            return {tag: value.name}
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, dict):
@@ -190,17 +199,16 @@ class CallablePolicy:
 
 
 def from_plain(value, key: str, policy: CallablePolicy):
-    """Inverse of :func:`to_plain`: tagged dicts become callables and formats, containers recurse."""
-    from .recipe import Format
-
+    """Inverse of :func:`to_plain`: tagged dicts become callables and enum members (formats), containers recurse."""
     if isinstance(value, dict):
         if set(value) == {"callable"}:
             return policy.resolve(value["callable"], key)
-        if set(value) == {"format"}:
-            name = value["format"]
-            if name not in Format.__members__:
-                raise ValueError(f"{key}: unknown format {name!r}; expected one of {list(Format.__members__)}")
-            return Format[name]
+        if len(value) == 1 and next(iter(value)) in _TAGGED_ENUMS:
+            tag, name = next(iter(value.items()))
+            enum_type = _TAGGED_ENUMS[tag]
+            if name not in enum_type.__members__:
+                raise ValueError(f"{key}: unknown {tag} {name!r}; expected one of {list(enum_type.__members__)}")
+            return enum_type[name]
         return {k: from_plain(v, f"{key}.{k}", policy) for k, v in value.items()}
     if isinstance(value, list):
         return [from_plain(v, key, policy) for v in value]

@@ -33,7 +33,6 @@ from typing import Optional
 
 import torch
 
-from ..autocast import get_active_recipe, get_recipe_key
 from .consensus import MismatchError, _rank_name, _setting_diff, agree_key, mismatch_groups, recipe_digest, recipe_payload
 from .groups import group_size
 
@@ -103,6 +102,7 @@ class LayerAgreement:
         self._prefix = f"{layer}(" + ", ".join(f"{k}={v}" for k, v in self.fields.items())
         self._agreed_digest = None  # identical on every rank once set
         self._recipe_key = None  # the recipe key the local key was built from
+        self._recipe = None  # the recipe of that key (its settings go into a mismatch report)
         self._key = self._digest = None
         self._tags = {}  # device -> int64 [1] tag tensor of the current key
 
@@ -114,7 +114,7 @@ class LayerAgreement:
             self._tags = {}
 
     def _payload(self, recipe_key: Optional[str]) -> dict:
-        recipe = recipe_payload(get_active_recipe() if recipe_key is not None else None)
+        recipe = recipe_payload(self._recipe if recipe_key is not None else None)
         recipe["key"] = _NO_RECIPE if recipe_key is None else recipe_key  # the key in effect (agreed, under a group)
         return {"key": self._key, "layer": self.layer, "fields": self.fields, "recipe": recipe}
 
@@ -123,15 +123,18 @@ class LayerAgreement:
                   what=f"{self.layer} agreement")
         self._agreed_digest = self._digest
 
-    def check(self, device: torch.device) -> Optional[torch.Tensor]:
+    def check(self, device: torch.device, recipe=None, recipe_key: Optional[str] = None) -> Optional[torch.Tensor]:
         """At each forward, before dispatch: the tag for the count exchange (None: no EP group).
+        ``recipe``, ``recipe_key``: the active recipe and its (agreed) key, None outside autocast;
+        the layer passes them, so this module does not read the autocast state itself.
 
         The first call agrees over the group (a collective: every rank's first forward calls it).
         """
         if not self.active:
             return None
-        recipe_key = get_recipe_key() if get_active_recipe() is not None else None
-        self._local(recipe_key)
+        self._recipe = recipe
+        self._local(recipe_key if recipe is not None else None)
+        recipe_key = self._recipe_key
         if self._agreed_digest is None:
             self._agree(recipe_key)
         tag = self._tags.get(device)

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..autocast import get_active_recipe
+from ..autocast import get_active_recipe, get_recipe_key
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
@@ -202,10 +202,9 @@ class MoELayer(nn.Module):
         if hidden_states.device != weight.device:
             raise ValueError(f"MoELayer parameters are on {weight.device}, got input on {hidden_states.device}")
 
-    def _native_row_alignment(self, x_TH: torch.Tensor) -> Optional[int]:
-        """The row multiple each local expert's rows must start on, when the active recipe's native
+    def _native_row_alignment(self, x_TH: torch.Tensor, recipe) -> Optional[int]:
+        """The row multiple each local expert's rows must start on, when the active ``recipe``'s native
         grouped path needs one and the op-fuser predicate says that path runs here (at that alignment)."""
-        recipe = get_active_recipe()
         alignment = native_split_alignment(recipe)
         if alignment is None or x_TH.device.type != "cuda" or getattr(recipe, "backward_override", None) is not None:
             return None
@@ -217,14 +216,17 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self._check_input(hidden_states)
-        tag = self._agreement.check(hidden_states.device)  # the first forward agrees over the EP group
+        recipe = get_active_recipe()
+        tag = None
+        if self._agreement.active:  # the first forward agrees over the EP group
+            tag = self._agreement.check(hidden_states.device, recipe, None if recipe is None else get_recipe_key())
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size)
         routing = self.router(x_TH, check_finite=False)
         # Non-finite logits (NaN or inf) travel in-band with the count exchange so every EP rank raises together.
         invalid = ~torch.isfinite(routing.logits_TE).all()
         probs_in_expert = self.probs_position == "expert"
-        alignment = self._native_row_alignment(x_TH)
+        alignment = self._native_row_alignment(x_TH, recipe)
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag,
             row_alignment=alignment,

@@ -320,6 +320,9 @@ class OperationFuser(torch.nn.Module):
         return f"num_extra_inputs={self._num_extra_inputs}, cached_plans={len(self._plans)}"
 
 
+BasicOperation.fuser_type = OperationFuser  # what a standalone op runs through (te_dist.ops.op)
+
+
 @contextlib.contextmanager
 def fusion_rules_scope(*rules: FusionRule, disable=(), fuser_cls=OperationFuser):
     """Temporarily add (or ``disable`` by name) fusion rules of ``fuser_cls``; undone on exit."""

@@ -99,13 +99,15 @@ class BasicOperation(FusibleOperation):
         dx, grad_params, grad_extra = self.op_backward(ctxs[0], dy, grad_extra_outputs[0])
         return dx, [grad_params], [grad_extra]
 
+    # The fuser type standalone ops run through: te_dist.ops.fuser sets it when imported (it imports
+    # this module, so this module does not import it back); importing te_dist.ops imports both.
+    fuser_type = None
+
     def forward(self, x, *extra_inputs):
         """Standalone use: run this op through a private single-op fuser (plans and autograd included)."""
         fuser = self.__dict__.get("_standalone_fuser")
         if fuser is None:
-            from .fuser import OperationFuser  # late: fuser imports this module
-
-            fuser = OperationFuser([self])
+            fuser = BasicOperation.fuser_type([self])
             self.__dict__["_standalone_fuser"] = fuser  # not a submodule: avoids a module cycle
         return fuser(x, *extra_inputs)
 

@@ -191,7 +191,7 @@ def test_expert_rows_padded_for_the_native_path_give_the_same_layer(monkeypatch,
     ref = torch.autograd.grad(y_ref, [x, *plain.parameters()], g)
 
     layer = _layer(probs_position=probs_position)
-    monkeypatch.setattr(layer, "_native_row_alignment", lambda x_TH: 8)
+    monkeypatch.setattr(layer, "_native_row_alignment", lambda x_TH, recipe: 8)
     if where == "layer":  # a transport that hands out unpadded rows
         dispatch = layer.dispatcher.dispatch
         monkeypatch.setattr(layer.dispatcher, "dispatch", lambda *a, row_alignment=None, **kw: dispatch(*a, **kw))
