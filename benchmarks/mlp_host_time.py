@@ -1,6 +1,6 @@
 """Host time of one fused expert-MLP forward+backward under each FP8 recipe against bf16 (one GPU).
 
-    python benchmarks/mlp_host_time.py [--recipes current,delayed,block] [--experts 8] [--rows 256]
+    python benchmarks/mlp_host_time.py [--recipes current,delayed,block] [--experts 8] [--rows 256] [--profile delayed]
 
 Why: issue 26's bound — the quantized grouped MLP may cost at most 1.5x bf16's host time per
 forward+backward (its casts are queued like the GEMMs; nothing may sync). The shapes are small
@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--profile", default=None, metavar="RECIPE",
+                   help="after the table, cProfile --calls steps of RECIPE and print the top 25 functions by own time")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU: the host time of queued GPU work is what this measures")
@@ -82,6 +84,18 @@ def main(argv=None) -> int:
         us = statistics.median(times[name])
         path = "-" if name == "none" else ("native" if mlps[name].basic_ops[0].has_native_weight_copy else "emulated")
         print(f"| {name} | {us:.1f} | {us / base:.2f}x | {path} |")
+    if args.profile:  # where the host time goes (what the table cannot say)
+        import cProfile
+        import pstats
+
+        step = make_step(mlps[args.profile], x, probs, splits, grad, recipe_from_name(args.profile))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return 0
 
 
