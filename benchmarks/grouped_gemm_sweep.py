@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 from typing import List, NamedTuple
 
@@ -199,15 +200,28 @@ def run_sweep(args, bench_interleaved) -> None:
                 print(f"{g.name:<28}{direction:<6}{routing:<7}{t['auto']:9.4f}{t['static']:9.4f}{t[best]:9.4f} "
                       f"{best:<8}{t['torch']:9.4f}{row['auto_over_best']:10.3f}{row['auto_over_torch']:11.3f}  {pick}",
                       flush=True)
+                _write_json(args, settings, rows, complete=False)
             del x, w, dy
             torch.cuda.empty_cache()
-    geo = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
-    print(f"\ngeomean auto/torch over {len(ratios)} GEMMs: {geo(ratios):.3f}   (static/torch: {geo(static_ratios):.3f}); "
-          f"auto slower than torch in {sum(r > 1 for r in ratios)} rows")
-    if args.json:
-        meta = {"hardware": f"1 x {torch.cuda.get_device_name()}", "torch": torch.__version__, "dtype": "bfloat16",
-                "tokens_per_rank": args.tokens, "bucket_ms": settings.bucket_ms, "iters": args.iters,
-                "rounds": args.rounds, "warmup": args.warmup}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "sweep": rows, "geomean_auto_over_torch": geo(ratios),
-                       "geomean_static_over_torch": geo(static_ratios)}, f, indent=1)
+    _write_json(args, settings, rows, complete=True)
+    print(f"\ngeomean auto/torch over {len(ratios)} GEMMs: {_geomean(ratios):.3f}   "
+          f"(static/torch: {_geomean(static_ratios):.3f}); auto slower than torch in {sum(r > 1 for r in ratios)} rows")
+
+
+def _geomean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def _write_json(args, settings, rows, *, complete: bool) -> None:
+    """The rows so far (``--json``), rewritten after every row: a sweep cut short keeps what it measured."""
+    if not args.json:
+        return
+    meta = {"hardware": f"1 x {torch.cuda.get_device_name()}", "torch": torch.__version__, "dtype": "bfloat16",
+            "tokens_per_rank": args.tokens, "bucket_ms": settings.bucket_ms, "iters": args.iters,
+            "rounds": args.rounds, "warmup": args.warmup, "complete": complete}
+    tmp = f"{args.json}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "sweep": rows,
+                   "geomean_auto_over_torch": _geomean([r["auto_over_torch"] for r in rows]),
+                   "geomean_static_over_torch": _geomean([r["static_over_torch"] for r in rows])}, f, indent=1)
+    os.replace(tmp, args.json)
