@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-UPSTREAM = HERE / "upstream"
 
 
-def test_pinned_files_are_megatrons_unmodified():
-    table = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{64})` \|$", (UPSTREAM / "README.md").read_text(), re.M))
-    on_disk = {str(p.relative_to(UPSTREAM)) for p in UPSTREAM.rglob("*")
+@pytest.mark.parametrize("pinned", ["upstream", "upstream_0_19"])
+def test_pinned_files_are_megatrons_unmodified(pinned):
+    pinned = HERE / pinned
+    table = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{64})` \|$", (pinned / "README.md").read_text(), re.M))
+    on_disk = {str(p.relative_to(pinned)) for p in pinned.rglob("*")
                if p.is_file() and "__pycache__" not in p.parts and p.name not in ("README.md", "pytest.ini")}
     assert set(table) == on_disk
     for name, digest in table.items():
-        assert hashlib.sha256((UPSTREAM / name).read_bytes()).hexdigest() == digest, name
+        assert hashlib.sha256((pinned / name).read_bytes()).hexdigest() == digest, name
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,4 @@
-"""pytest plugin: Megatron-Core's own MoE unit tests (pinned in ``upstream/``) with a chosen experts module.
+"""pytest plugin: Megatron-Core's own MoE unit tests (pinned in ``upstream*/``) with a chosen experts module.
 
 ``upstream_suite.py`` loads it (``-p upstream_plugin``) under torchrun; ``TE_DIST_MCORE_EXPERTS`` picks the arm:
 
@@ -27,12 +27,16 @@ What a CPU run with the megatron-core wheel needs (each applied only where it is
     ``skipif(not torch.cuda.is_available())`` on the CPU; the control shows which of them a CPU
     cannot run.
   * ``TOO_LARGE_FOR_CPU``: tests skipped for their size (the reason names it).
+  * megatron-core 0.19 is a Python 3.12 wheel whose ``megatron.training`` (which its tests import)
+    takes ``typing.override``: on Python 3.11 it is ``typing_extensions.override`` (the wheel's pure
+    Python unpacked on the path, with triton importable, serves the CPU run of its pinned tests).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import dataclasses
 import gc
 import importlib
@@ -44,6 +48,14 @@ from datetime import timedelta
 
 import pytest
 import torch
+
+if sys.version_info < (3, 12):  # before anything imports megatron.training (module docstring)
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
 
 ARMS = ("te_dist", "sequential")
 ARM = os.environ.get("TE_DIST_MCORE_EXPERTS", "te_dist")
@@ -71,7 +83,10 @@ def _arm_experts_spec():
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
-    return get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=1).submodules.experts
+    spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=1)
+    # megatron-core 0.19 returns functools.partial(MoELayer, submodules=...), earlier releases a ModuleSpec
+    submodules = spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+    return submodules.experts
 
 
 def _arm_grouped_class():

@@ -7,8 +7,9 @@ a test that passes with SequentialMLP and fails with te_dist's experts is a te_d
     python tests/megatron/upstream_suite.py --world-sizes 1 --files test_routers.py -k fp64
     python tests/megatron/upstream_suite.py --markdown          # the per-file table of docs/megatron.md
 
-Every arm and world size is one ``torchrun`` of pytest over the pinned files in ``upstream/``
-(``upstream_plugin.py`` does the setup); each rank writes a JUnit report. A test passes when it
+Every arm and world size is one ``torchrun`` of pytest over the pinned files of the installed
+megatron-core release (``upstream/``: core_v0.16.1, ``upstream_0_19/``: core_v0.19.0; ``--release`` to
+choose; ``upstream_plugin.py`` does the setup); each rank writes a JUnit report. A test passes when it
 passes on every rank, fails when it fails (or errors) on any. Exit status 1 when a test passes with
 the control and fails with te_dist, or when a run ends without its reports.
 """
@@ -25,7 +26,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-UPSTREAM = HERE / "upstream"
+# The pinned test files per megatron-core release (major.minor): each run takes the installed release's.
+PINNED = {"0.16": HERE / "upstream", "0.19": HERE / "upstream_0_19"}
+PINNED_ENV = "TE_DIST_MCORE_PINNED"  # the chosen directory, handed to the torchrun workers
 MOE = "tests/unit_tests/transformer/moe"
 FILES = (  # the issue's list: router, dispatchers, MoE layer, grouped/sequential MLP, shared experts,
     f"{MOE}/test_routers.py",  # dispatcher discrepancy, aux losses, and the experts checkpoint tests
@@ -48,11 +51,28 @@ def _worker(argv) -> int:
 
     report_dir, *pytest_args = argv
     rank = os.environ.get("RANK", "0")
-    os.chdir(UPSTREAM)
+    pinned = Path(os.environ[PINNED_ENV])
+    os.chdir(pinned)
     return pytest.main([
-        "-p", "upstream_plugin", "-p", "no:cacheprovider", "-c", str(UPSTREAM / "pytest.ini"),
-        "--rootdir", str(UPSTREAM), "-q", "-rfEs", f"--junitxml={report_dir}/rank{rank}.xml", *pytest_args,
+        "-p", "upstream_plugin", "-p", "no:cacheprovider", "-c", str(pinned / "pytest.ini"),
+        "--rootdir", str(pinned), "-q", "-rfEs", f"--junitxml={report_dir}/rank{rank}.xml", *pytest_args,
     ])
+
+
+def installed_release() -> str:
+    """major.minor of the installed megatron-core (from its package metadata: nothing is imported)."""
+    from importlib.metadata import version
+
+    return ".".join(version("megatron-core").split(".")[:2])
+
+
+def pinned_dir(release=None) -> Path:
+    """The pinned tests of ``release`` (default: the installed one); a release without a pinned copy raises."""
+    release = installed_release() if release is None else release
+    if release not in PINNED:
+        raise SystemExit(f"no pinned Megatron-Core tests for megatron-core {release}; pinned: {sorted(PINNED)} "
+                         f"(tests/megatron/upstream*/README.md says how a release is pinned)")
+    return PINNED[release]
 
 
 def _outcome(case) -> tuple:
@@ -89,14 +109,17 @@ def read_reports(report_dir: Path, nproc: int) -> dict:
     return merged
 
 
-def run_arm(arm: str, nproc: int, files, extra, timeout: float) -> dict:
+def run_arm(arm: str, nproc: int, files, extra, timeout: float, pinned=None) -> dict:
+    """One arm at one world size over ``pinned`` (default: the installed release's pinned tests)."""
     from harness import REPO_ROOT, run_torchrun
 
+    pinned = pinned_dir() if pinned is None else pinned
     with tempfile.TemporaryDirectory(prefix="te_dist_mcore_") as tmp:
         env = {
             "TE_DIST_MCORE_EXPERTS": arm,
+            PINNED_ENV: str(pinned),
             "PYTHONPATH": os.pathsep.join(
-                [str(UPSTREAM), str(HERE), str(REPO_ROOT), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+                [str(pinned), str(HERE), str(REPO_ROOT), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
             ),
         }
         result = run_torchrun(Path(__file__), nproc, args=("--worker", tmp, *files, *extra), timeout=timeout, env=env)
@@ -160,7 +183,11 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per arm and world size")
     parser.add_argument("--json", type=Path, default=None, help="write every outcome here")
     parser.add_argument("--markdown", action="store_true", help="print the per-file table")
+    parser.add_argument("--release", default=None, choices=sorted(PINNED),
+                        help="whose pinned tests to run (default: the installed megatron-core's major.minor)")
     args = parser.parse_args(argv)
+    pinned = pinned_dir(args.release)
+    print(f"megatron-core {installed_release()} installed; pinned tests: {pinned.name}/", flush=True)
     files = list(FILES)
     if args.files:
         unknown = [f for f in args.files if not any(p.endswith("/" + f) for p in FILES)]
@@ -172,7 +199,7 @@ def main(argv=None) -> int:
     results = {}
     for world in args.world_sizes:
         for arm in args.arms:
-            results[(arm, world)] = run_arm(arm, world, files, extra, args.timeout)
+            results[(arm, world)] = run_arm(arm, world, files, extra, args.timeout, pinned)
             run = results[(arm, world)]
             counts = Counter(o for o, _ in run.get("tests", {}).values())
             print(f"{arm} world={world}: " + ("CRASHED" if "crashed" in run else str(dict(counts))), flush=True)
