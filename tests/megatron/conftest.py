@@ -31,4 +31,4 @@ def megatron_world1():
         mcore_helpers.undo_cpu_workarounds()
 
 # Megatron's own tests run through upstream_suite.py (their own plugin and process), never in this pytest process.
-collect_ignore = ["upstream"]
+collect_ignore = ["upstream", "upstream_0_19"]
