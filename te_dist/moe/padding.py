@@ -136,16 +136,24 @@ class _Gather(torch.autograd.Function):
 class PaddedRows(NamedTuple):
     x_PH: torch.Tensor
     probs_P: Optional[torch.Tensor]
-    splits: GroupSplits  # padded offsets (device) and sizes (host)
-    row_map_N: Optional[torch.Tensor]  # padded position of each received row (None: already aligned)
-    pad_rows: Optional[torch.Tensor] = None  # the padding positions
-    src_P: Optional[torch.Tensor] = None  # the received row each padded position reads (padding: any)
+    plan: PaddingPlan
+
+    @property
+    def splits(self) -> GroupSplits:
+        """The padded offsets (device) and sizes (host)."""
+        return self.plan.splits
+
+    @property
+    def row_map_N(self) -> Optional[torch.Tensor]:
+        """The padded position of each received row (None: the rows were aligned already)."""
+        return self.plan.row_map_N
 
     def unpad(self, y_PH: torch.Tensor) -> torch.Tensor:
         """The rows of the received order (differentiable)."""
-        if self.row_map_N is None:
+        plan = self.plan
+        if plan.row_map_N is None:
             return y_PH
-        return _Gather.apply(y_PH, self.src_P, self.row_map_N, self.pad_rows)
+        return _Gather.apply(y_PH, plan.src_P, plan.row_map_N, plan.pad_rows)
 
 
 def pad_expert_rows(x_NH: torch.Tensor, probs_N: Optional[torch.Tensor], sizes, alignment: int) -> PaddedRows:
@@ -158,7 +166,7 @@ def pad_expert_rows(x_NH: torch.Tensor, probs_N: Optional[torch.Tensor], sizes, 
         raise ValueError(f"sizes sum to {sum(sizes)} but there are {x_NH.shape[0]} rows")
     plan = plan_padding(sizes, alignment, x_NH.device)
     if plan.row_map_N is None:
-        return PaddedRows(x_NH, probs_N, plan.splits, None)
+        return PaddedRows(x_NH, probs_N, plan)
     x_PH = _Spread.apply(x_NH, plan.src_P, plan.row_map_N, plan.pad_rows)
     probs_P = None if probs_N is None else _Spread.apply(probs_N, plan.src_P, plan.row_map_N, plan.pad_rows)
-    return PaddedRows(x_PH, probs_P, plan.splits, plan.row_map_N, plan.pad_rows, plan.src_P)
+    return PaddedRows(x_PH, probs_P, plan)
