@@ -16,7 +16,7 @@ What a CPU run with the megatron-core wheel needs (each applied only where it is
   * ``Utils.destroy_model_parallel`` also destroys the groups Megatron forgets: each gloo group keeps
     its threads, and at 2 ranks thousands of them piled up over the run and slowed every test.
   * ``is_te_min_version`` answers False without TransformerEngine (0.16.1 raises TypeError);
-    ``get_gpt_layer_with_transformer_engine_spec`` answers the local spec of the same arguments;
+    ``get_gpt_layer_with_transformer_engine_spec`` (and 0.19's ``..._submodules``) answers the local one of the same arguments;
     ``transformer_engine.pytorch.fp8`` exists only while ``test_moe_experts.py`` is imported,
     and reports FP8 unavailable.
   * ``megatron.training`` (not in the wheel): ``_set_random_seed`` as in the pinned commit,
@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -252,17 +253,23 @@ def _without_te():
         moe_utils.te_general_gemm = None
 
 
-def _local_for_te_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
-                       multi_latent_attention=False, fp8=None, moe_use_legacy_grouped_gemm=False,
-                       qk_l2_norm=False, **te_only):
-    """Megatron's local layer spec with the arguments the TransformerEngine spec was given."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _local_for_te(local_name):
+    """Megatron's local layer spec (or 0.19's local submodules) given the arguments a TransformerEngine
+    one was given, less those the local builder has no parameter for (TE-only switches)."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
-    return get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
-        multi_latent_attention=multi_latent_attention, moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm,
-        qk_l2_norm=qk_l2_norm,
-    )
+    local = getattr(gpt_layer_specs, local_name)
+    accepted = inspect.signature(local).parameters
+
+    def build(*args, **kwargs):
+        return local(*args, **{name: value for name, value in kwargs.items() if name in accepted})
+
+    return build
+
+
+# TransformerEngine builder -> its local counterpart (0.19 adds the *_submodules pair)
+_TE_TO_LOCAL = {"get_gpt_layer_with_transformer_engine_spec": "get_gpt_layer_local_spec",
+                "get_gpt_layer_with_transformer_engine_submodules": "get_gpt_layer_local_submodules"}
 
 
 def _set_random_seed(seed_, data_parallel_random_init=False, te_rng_tracker=False,
@@ -416,5 +423,7 @@ def _arm_module_globals(request, monkeypatch):
         return
     if "GroupedMLP" in vars(module):
         monkeypatch.setattr(module, "GroupedMLP", _arm_grouped_class())
-    if not HAVE_TE and "get_gpt_layer_with_transformer_engine_spec" in vars(module):
-        monkeypatch.setattr(module, "get_gpt_layer_with_transformer_engine_spec", _local_for_te_spec)
+    if not HAVE_TE:
+        for te_name, local_name in _TE_TO_LOCAL.items():
+            if te_name in vars(module):
+                monkeypatch.setattr(module, te_name, _local_for_te(local_name))
