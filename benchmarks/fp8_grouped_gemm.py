@@ -132,6 +132,8 @@ def run_shape(name, split, args, gen):
                 from cutlass_kernels import fp8_block
 
                 for config in (int(c) for c in args.sweep.split(",")):
+                    if not fp8_block.config_fits(direction, config):
+                        continue
                     fp8_block.CONFIG_OVERRIDE = config
                     try:
                         quant_call(q)
@@ -144,6 +146,8 @@ def run_shape(name, split, args, gen):
         if direction in torch_fp8:
             row["torch_fp8"] = flops / bench(torch_fp8[direction]) / 1e9
         out.append(row)
+        print("row " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)  # a run cut by a time limit keeps what it measured
     return out
 
 

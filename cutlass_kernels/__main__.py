@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .build import BuildError, Instance, all_instances, build_instance, cache_dir
-from .fp8_block import all_fp8_instances, build_fp8_instance
+from .fp8_block import all_fp8_instances, build_fp8_instance, fp8_candidate_instances
 from .heuristics import CANDIDATES
 
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
         insts = all_instances() + all_fp8_instances()
     else:  # names may also pick candidate tiles (heuristics.CANDIDATES) for a sweep
         known = all_instances() + [Instance(d, c, f) for d in ("fwd", "dgrad", "wgrad") for c in sorted(CANDIDATES)
-                                   for f in (False, True)] + all_fp8_instances()
+                                   for f in (False, True)] + all_fp8_instances() + fp8_candidate_instances()
         insts = [i for i in known if i.name in args.only]
     print(f"building {len(insts)} instances into {cache_dir()} with {args.jobs} jobs", flush=True)
     t0 = time.time()

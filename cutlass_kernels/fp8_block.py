@@ -9,6 +9,11 @@ Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 |----|-------------|------------|---------|-----------|
 | 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: two consumer warpgroups on one tile, A multicast along N |
 | 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= 192 on average): 64-row padding, epilogue overlapped |
+| 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
+| 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only: a wider tile (B's scales are per column there, not 128-blocks) |
+
+A tile's N must be a multiple of B's scale block along N: 128 for the weights of fwd and dgrad, 1 for
+wgrad (``config_fits``).
 
 ``CONFIG_OVERRIDE`` (None in use) forces one config for every call: benchmarks/fp8_grouped_gemm.py
 ``--sweep`` times each config this way, and a config that wins moves into ``choose_fp8_config``.
@@ -24,7 +29,8 @@ from typing import Optional, Sequence
 
 from .build import BuildError, GemmLibrary, build_cutlass_source, open_cutlass_source
 
-__all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "load_fp8", "build_fp8_instance"]
+__all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config_fits", "load_fp8",
+           "build_fp8_instance"]
 
 SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
@@ -34,9 +40,17 @@ FORMATS = ("e4m3", "e5m2")
 FP8_CONFIGS = {
     0: ("cooperative", 128, 128, (1, 2)),
     1: ("pingpong", 64, 128, (1, 1)),
+    2: ("cooperative", 128, 128, (2, 1)),
+    3: ("cooperative", 128, 192, (1, 1)),
 }
 CONFIG_OVERRIDE = None
 SMALL_M_ROWS = 192  # average rows per expert at or below which the 64-row ping-pong tile runs
+
+
+def config_fits(direction: str, config: int) -> bool:
+    """The tile's N covers whole scale blocks of B: 128-column weight blocks in fwd/dgrad."""
+    tile_n = FP8_CONFIGS[config][2]
+    return direction == "wgrad" or tile_n % 128 == 0
 
 
 def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None) -> int:
@@ -65,6 +79,9 @@ class Fp8Instance:
         for name in ("a_format", "b_format"):
             if getattr(self, name) not in FORMATS:
                 raise ValueError(f"{name} must be one of {FORMATS}, received {getattr(self, name)!r}")
+        if not config_fits(self.direction, self.config):
+            raise ValueError(f"config {self.config} (tile N {FP8_CONFIGS[self.config][2]}) does not fit {self.direction}: "
+                             f"its N must be a multiple of the weights' 128-column scale blocks")
 
     @property
     def name(self) -> str:
@@ -129,6 +146,11 @@ def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32:
                     _failed[key] = f"{inst.name}: {exc}"
                     raise
     return lib
+
+
+def fp8_candidate_instances():
+    """Every config that fits each direction, E4M3 operands: what a tile sweep may build."""
+    return [Fp8Instance(d, c) for d in KINDS for c in sorted(FP8_CONFIGS) if config_fits(d, c)]
 
 
 def all_fp8_instances():

@@ -84,6 +84,9 @@ def test_fp8_instance_names_and_validation():
         Fp8Instance("fwd", 0, a_format="e2m1")
     with pytest.raises(ValueError, match="config"):
         Fp8Instance("fwd", 7)
+    with pytest.raises(ValueError, match="128-column scale blocks"):  # a 192-wide tile splits weight blocks
+        Fp8Instance("fwd", 3)
+    assert Fp8Instance("wgrad", 3).name == "te_fb_wgrad_c3_e4m3xe4m3_bf16"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and build.find_nvcc() is None,
