@@ -1,6 +1,7 @@
 """Host time of one fused expert-MLP forward+backward under each FP8 recipe against bf16 (one GPU).
 
-    python benchmarks/mlp_host_time.py [--recipes current,delayed,block] [--experts 8] [--rows 256] [--profile delayed]
+    python benchmarks/mlp_host_time.py [--recipes current,delayed,block] [--experts 8] [--rows 256]
+        [--profile delayed [--profile-dump PATH]]
 
 Why: issue 26's bound — the quantized grouped MLP may cost at most 1.5x bf16's host time per
 forward+backward (its casts are queued like the GEMMs; nothing may sync). The shapes are small
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--profile", default=None, metavar="RECIPE",
                    help="after the table, cProfile --calls steps of RECIPE and print the top 25 functions by own time")
+    p.add_argument("--profile-dump", default=None, metavar="PATH",
+                   help="with --profile: also write the raw profile here (read it with pstats)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU: the host time of queued GPU work is what this measures")
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        if args.profile_dump:
+            profiler.dump_stats(args.profile_dump)
     return 0
 
 
