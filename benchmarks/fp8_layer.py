@@ -2,6 +2,9 @@
 
     python benchmarks/fp8_layer.py [--configs mixtral,deepseek,qwen3] [--recipes current,delayed,block]
 
+A recipe name with the suffix ``:bf16h`` (e.g. ``block:bf16h``) runs that recipe with
+``fp8_swiglu_input = False``: the grouped MLP keeps the SwiGLU input in bf16 instead of its FP8 copy.
+
 Rows: one per (config, recipe). Columns: step time (mean of --iters steps after --warmup, one
 forward+backward each, CUDA events), speed against bf16 in the same run (bf16 time / recipe
 time), memory held for backward (allocated after the forward minus before it) against bf16's,
@@ -79,18 +82,24 @@ def main():
         rows.append(dict(config=name, recipe="bf16", ms=base_ms, speed=1.0, held_gb=base_held / 1e9, mem=1.0,
                          path="-", diff=0.0))
         for rname in args.recipes.split(","):
-            recipe = recipe_from_name(rname)
+            base_name, _, option = rname.partition(":")
+            recipe = recipe_from_name(base_name)
+            if option == "bf16h":
+                recipe.fp8_swiglu_input = False
+            elif option:
+                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
             ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, speed=base_ms / ms, held_gb=held / 1e9,
                              mem=held / max(base_held, 1), path="native" if native else "emulated", diff=diff))
+            print(f"row {name} {rname} {base_ms / ms:.3f}x mem {held / max(base_held, 1):.3f}", flush=True)
         del layer, x
         torch.cuda.empty_cache()
     print(f"\nMoELayer fwd+bwd, EP=1, {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'config':<9} {'recipe':<8} {'ms':>8} {'vs bf16':>8} {'held GB':>8} {'mem/bf16':>8} {'path':>9} {'diff':>8}")
+    print(f"{'config':<9} {'recipe':<12} {'ms':>8} {'vs bf16':>8} {'held GB':>8} {'mem/bf16':>8} {'path':>9} {'diff':>8}")
     for r in rows:
-        print(f"{r['config']:<9} {r['recipe']:<8} {r['ms']:8.2f} {r['speed']:7.2f}x {r['held_gb']:8.2f} {r['mem']:8.2f} "
+        print(f"{r['config']:<9} {r['recipe']:<12} {r['ms']:8.2f} {r['speed']:7.2f}x {r['held_gb']:8.2f} {r['mem']:8.2f} "
               f"{r['path']:>9} {r['diff']:8.1e}")
     if args.json:
         with open(args.json, "w") as f:

@@ -158,3 +158,35 @@ def test_weight_copy_follows_the_weight_version(cuda_device):
         layer.fc1.weight.mul_(2.0)  # an optimizer-like in-place update
         layer(x)
         assert layer.fc1._weight_copy[1] is not first
+
+
+@pytest.mark.parametrize("name", ["block", "current"])
+def test_layer_keeps_the_swiglu_input_in_fp8(cuda_device, name):
+    """On the native path the SwiGLU input is held as E4M3 (one byte per element, not two) unless the
+    recipe says fp8_swiglu_input = False; against the bf16 layer, the gradients then move by little
+    more than the FP8 GEMMs already move them."""
+    torch.manual_seed(0)
+    layer = td.moe.MoELayer(512, 384, 8, 2, dtype=torch.bfloat16, device=cuda_device)
+    x = torch.randn(1000, 512, device=cuda_device, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(recipe):
+        x.grad = layer.fc1.weight.grad = layer.fc2.weight.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(cuda_device)
+        with td.autocast(recipe=recipe):
+            y = layer(x)
+        held = torch.cuda.memory_allocated(cuda_device) - base
+        y.float().square().mean().backward()
+        return held, [x.grad.clone(), layer.fc1.weight.grad.clone(), layer.fc2.weight.grad.clone()]
+
+    _, grads_ref = step(None)
+    fp8_kept, bf16_kept = RECIPES[name](), RECIPES[name]()
+    bf16_kept.fp8_swiglu_input = False
+    step(fp8_kept), step(bf16_kept)  # weight copies cast, kernels loaded
+    held_fp8, grads_fp8 = step(fp8_kept)
+    held_bf16, grads_bf16 = step(bf16_kept)
+    rows_by_width = 1000 * 2 * 384 * 2  # at least T * top-k rows of h [*, 2F]
+    assert held_bf16 - held_fp8 >= 0.9 * rows_by_width, (held_fp8, held_bf16)
+    for got, kept_bf16, ref in zip(grads_fp8, grads_bf16, grads_ref):
+        assert torch.isfinite(got).all() and _rel(got, kept_bf16) < 0.1
+        assert _rel(got, ref) <= 1.5 * _rel(kept_bf16, ref) + 0.02, (_rel(got, ref), _rel(kept_bf16, ref))

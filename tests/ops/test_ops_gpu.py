@@ -89,6 +89,7 @@ def test_fused_matches_unfused_under_recipe_cuda(cuda_device, name):
     x = torch.randn(T, H, device=cuda_device, dtype=torch.bfloat16)
     probs, dy = torch.rand(T, device=cuda_device), torch.randn(T, H, device=cuda_device, dtype=torch.bfloat16)
     recipe = recipe_from_name(name)
+    recipe.fp8_swiglu_input = False  # the fused MLP keeps h in bf16 as the unfused ops do (see the test below)
     fused = _run(copy.deepcopy(base), x, splits, probs, dy, recipe)
     with ops.fusion_rules_scope(disable=("forward_grouped_mlp", "backward_grouped_mlp")):
         unfused = _run(copy.deepcopy(base), x, splits, probs, dy, recipe)
@@ -130,3 +131,37 @@ def test_scaled_swiglu_backward_triton_kernel_matches_the_fp32_function(cuda_dev
     finally:
         swiglu_triton.scaled_swiglu_backward = original
     assert seen == [1]
+
+
+@pytest.mark.parametrize("rows,ffn,limit,dtype", [
+    (512, 1792, None, torch.bfloat16),  # 14 blocks per half: a partial step of 4 blocks
+    (300, 128, 7.0, torch.bfloat16),    # one block per half, the limit clamps
+    (64, 384, None, torch.float32),
+    (0, 256, None, torch.bfloat16),     # an empty step
+])
+def test_scaled_swiglu_forward_keeping_fp8_input(cuda_device, rows, ffn, limit, dtype):
+    """One pass gives swiglu(h) * p and h's FP8 copy: the copy has the bytes and scales of the 1x128
+    E4M3 block cast (power-of-two scales), and the backward from the copy equals the backward from
+    the dequantized copy."""
+    pytest.importorskip("triton")
+    from te_dist.ops.basic import swiglu, swiglu_triton
+    from te_dist.quantization import triton_casts
+
+    g = torch.Generator(device=cuda_device).manual_seed(rows + ffn)
+    h = (3 * torch.randn(rows, 2 * ffn, device=cuda_device, generator=g)).to(dtype)
+    if rows:
+        h[0, :128] = 0  # an all-zero block: scale 1
+        h[1, 5] = 2.0e4  # a block with a large value
+    probs = torch.rand(rows, device=cuda_device, generator=g)
+    scaled, kept = swiglu.scaled_swiglu_forward_keeping_fp8(h, probs, limit)
+    ref_data, ref_scale_inv, _, _ = triton_casts.cast_fp8_blocks(h, 1, 128, torch.float8_e4m3fn, 448.0, True)
+    assert torch.equal(kept.data.view(torch.uint8), ref_data.view(torch.uint8))
+    assert torch.equal(kept.scale_inv, ref_scale_inv) and kept.dtype == dtype
+    want = swiglu._scaled_swiglu_forward_kernel(h.double(), probs.double(), limit)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(scaled.double(), want.to(dtype).double(), rtol=tol, atol=tol)
+    da = torch.randn(rows, ffn, device=cuda_device, generator=g).to(dtype)
+    got = swiglu.scaled_swiglu_backward(da, kept, probs, limit)
+    from_dequantized = swiglu_triton.scaled_swiglu_backward(da, kept.dequantize(), probs, limit)
+    for name, a, b in zip(("dh", "dprobs", "scaled"), got, from_dequantized):
+        assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -45,3 +45,26 @@ def test_cpu_call_takes_the_eager_path(monkeypatch):
     monkeypatch.setattr(swiglu, "_scaled_swiglu_backward_eager", lambda *a: calls.append(a) or (None, None, None))
     swiglu.scaled_swiglu_backward(torch.randn(2, 4), torch.randn(2, 8), torch.rand(2), None)
     assert len(calls) == 1
+
+
+def test_fp8_kept_input_off_cuda_is_dequantized_first():
+    """The FP8 copy of the SwiGLU input (kept by the grouped MLP under FP8 recipes on CUDA) is read
+    through its dequantized values where the Triton kernel cannot run; the forward that would write
+    it answers None there, so the caller keeps h itself."""
+    from te_dist.quantization import cast
+
+    torch.manual_seed(0)
+    T, F = 5, 128
+    h = (4 * torch.randn(T, 2 * F)).to(torch.bfloat16)
+    data, scale_inv = cast.cast_fp8_blocks(h, 1, 128, torch.float8_e4m3fn, 448.0, True)
+    kept = swiglu.Fp8Input(data, scale_inv.reshape(T, 2), torch.bfloat16)
+    dequantized = kept.dequantize()
+    assert dequantized.dtype == torch.bfloat16 and dequantized.shape == h.shape
+    assert torch.equal(dequantized, (data.float() * scale_inv.reshape(T, 2).repeat_interleave(128, 1)).bfloat16())
+    assert 0 < (dequantized.float() - h.float()).abs().max() <= h.float().abs().max() / 8  # E4M3 rounding
+    da, probs = torch.randn(T, F).to(torch.bfloat16), torch.rand(T)
+    got = swiglu.scaled_swiglu_backward(da, kept, probs, None)
+    want = swiglu.scaled_swiglu_backward(da, dequantized, probs, None)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert swiglu.scaled_swiglu_forward_keeping_fp8(h, probs, None) is None

@@ -9,14 +9,14 @@ returns the gradient of the scales too.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..op import BasicOperation
 
 __all__ = ["SwiGLU", "ScaledSwiGLU", "swiglu_forward", "swiglu_backward", "scaled_swiglu_forward",
-           "scaled_swiglu_backward"]
+           "scaled_swiglu_backward", "Fp8Input", "scaled_swiglu_forward_keeping_fp8"]
 
 _aten = torch.ops.aten
 
@@ -73,6 +73,33 @@ def scaled_swiglu_forward(x: torch.Tensor, probs: torch.Tensor, limit: Optional[
     return _fused(_scaled_swiglu_forward_kernel, x, probs, limit)
 
 
+class Fp8Input(NamedTuple):
+    """The SwiGLU input kept for the backward as E4M3 with one power-of-two scale per 1x128 block
+    of a row (``h ~ data * scale_inv``): half of h's bytes (the grouped MLP under FP8 recipes)."""
+
+    data: torch.Tensor  # [T, 2F] float8_e4m3fn
+    scale_inv: torch.Tensor  # [T, 2F / 128] float32
+    dtype: torch.dtype  # h's dtype: what dh is returned in
+
+    def dequantize(self) -> torch.Tensor:
+        rows, width = self.data.shape
+        blocks = self.data.float().view(rows, width // 128, 128) * self.scale_inv.unsqueeze(-1)
+        return blocks.view(rows, width).to(self.dtype)
+
+
+def scaled_swiglu_forward_keeping_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+    """``(swiglu(h) * probs[:, None], Fp8Input)`` from one pass over h (the Triton kernel of
+    :mod:`.swiglu_triton`), or None where that kernel cannot run (not CUDA, no Triton, compilation
+    off, F not a multiple of 128): the caller then keeps h itself."""
+    if not (h.is_cuda and h.dim() == 2 and (h.shape[1] // 2) % 128 == 0 and _compile_module().compile_enabled(h.device)):
+        return None
+    triton_module = _triton_module()
+    if triton_module is None:
+        return None
+    scaled, data, scale_inv = triton_module.scaled_swiglu_forward_fp8(h, probs, limit)
+    return scaled, Fp8Input(data, scale_inv, h.dtype)
+
+
 def _scaled_swiglu_backward_kernel(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
     """Pure function behind :func:`scaled_swiglu_backward`, computed in fp32, rounded once."""
     gate_in, up_in = h.float().chunk(2, dim=-1)
@@ -95,9 +122,11 @@ def _scaled_swiglu_backward_kernel(da: torch.Tensor, h: torch.Tensor, probs: tor
     return torch.cat((dgate, dup), dim=-1).to(h.dtype), dprobs, (s * p).to(h.dtype)
 
 
-def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
+def scaled_swiglu_backward(da: torch.Tensor, h, probs: torch.Tensor, limit: Optional[float],
                            want_scaled: bool = True):
-    """Backward of ``y = swiglu(h) * probs[:, None]`` given ``da = dL/dy``, in one pass over h and da.
+    """Backward of ``y = swiglu(h) * probs[:, None]`` given ``da = dL/dy``, in one pass over h and da
+    (h a tensor, or the :class:`Fp8Input` the forward kept: read as FP8 by the Triton kernel,
+    dequantized first elsewhere).
 
     Returns ``(dh, dprobs_fp32, swiglu(h) * probs)``: the last one is what the grouped MLP's second
     GEMM needs for its weight gradient, formed here so it costs one write instead of another pass
@@ -105,6 +134,12 @@ def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tenso
     On CUDA it runs the Triton kernel of :mod:`.swiglu_triton` when compilation is enabled (one
     kernel instead of Inductor's two), else the compiled function, else eager ops.
     """
+    if isinstance(h, Fp8Input):
+        triton_module = _triton_module() if _compile_module().compile_enabled(h.data.device) else None
+        if h.data.is_cuda and triton_module is not None:
+            return triton_module.scaled_swiglu_backward(da, h.data, probs, limit, want_scaled, h_scale_inv=h.scale_inv,
+                                                        out_dtype=h.dtype)
+        h = h.dequantize()
     if _compile_module().compile_enabled(h.device):
         if h.is_cuda and h.dim() == 2:
             triton_module = _triton_module()

@@ -9,6 +9,12 @@ region's guards (~0.1 ms of host time per call on the H200 host).
 
 Same fp32 math as :func:`te_dist.ops.basic.swiglu._scaled_swiglu_backward_kernel` (the sum's
 order differs). The library imports it only through :mod:`.swiglu`, on CUDA: CI has no Triton.
+
+Under an FP8 recipe the grouped MLP keeps the SwiGLU input for the backward in FP8 (E4M3, one
+power-of-two scale per 1x128 block of a row, as DeepSeek-V3 stores it): the input is the largest
+tensor the expert MLP saves (``[T, 2F]``). ``scaled_swiglu_forward_fp8`` writes that copy in the
+same pass that forms ``swiglu(h) * probs`` (h is read once, as before), and the backward reads the
+FP8 copy instead of h, so the bytes moved per step stay the same while the saved input halves.
 """
 
 from __future__ import annotations
@@ -19,16 +25,36 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["scaled_swiglu_backward"]
+from ...quantization.triton_casts import _abs_bits, _block_scale, _saturate
+
+__all__ = ["scaled_swiglu_backward", "scaled_swiglu_forward_fp8", "FP8_BLOCK"]
+
+FP8_BLOCK = 128  # columns per scale block of the FP8 copy of h; F must be a multiple
+_E4M3_MAX = tl.constexpr(448.0)  # a global a jit function reads must be a constexpr
 
 _MAX_BLOCK = 1024  # columns per loop step: 8 bf16 (16 bytes) per thread with 4 warps
 
 
 @triton.jit
-def _scaled_swiglu_backward_rows(da_ptr, h_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F, limit,
-                                 HAS_LIMIT: tl.constexpr, WRITE_S: tl.constexpr, BLOCK: tl.constexpr):
+def _clamp(gate_in, up_in, limit, HAS_LIMIT: tl.constexpr):
+    """GPT-OSS's clamp before the product: gate <= limit, -limit <= up <= limit."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate_in, limit)
+        up = tl.minimum(tl.maximum(up_in, -limit), limit)
+    else:
+        gate = gate_in
+        up = up_in
+    return gate, up
+
+
+@triton.jit
+def _scaled_swiglu_backward_rows(da_ptr, h_ptr, hs_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F, limit,
+                                 HAS_LIMIT: tl.constexpr, WRITE_S: tl.constexpr, H_FP8: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    """H_FP8: h is the FP8 copy, dequantized on load with its 1x128 block scales hs [T, 2F/128]."""
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * 2 * F
+    hs_row = hs_ptr + row * (F // 64)  # 2F / 128 block scales per row
     dh_row = dh_ptr + row * 2 * F
     da_row = da_ptr + row * F
     s_row = s_ptr + row * F
@@ -39,13 +65,11 @@ def _scaled_swiglu_backward_rows(da_ptr, h_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F,
         mask = cols < F
         gate_in = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
         up_in = tl.load(h_row + F + cols, mask=mask, other=0.0).to(tl.float32)
+        if H_FP8:
+            gate_in = gate_in * tl.load(hs_row + cols // 128, mask=mask, other=0.0)
+            up_in = up_in * tl.load(hs_row + (F + cols) // 128, mask=mask, other=0.0)
         d = tl.load(da_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_LIMIT:
-            gate = tl.minimum(gate_in, limit)
-            up = tl.minimum(tl.maximum(up_in, -limit), limit)
-        else:
-            gate = gate_in
-            up = up_in
+        gate, up = _clamp(gate_in, up_in, limit, HAS_LIMIT)
         sig = tl.sigmoid(gate)
         silu = gate * sig
         s = silu * up
@@ -64,21 +88,78 @@ def _scaled_swiglu_backward_rows(da_ptr, h_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F,
 
 
 def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
-                           want_scaled: bool = True):
+                           want_scaled: bool = True, h_scale_inv: Optional[torch.Tensor] = None,
+                           out_dtype: Optional[torch.dtype] = None):
     """``(dh, dprobs_fp32, swiglu(h) * probs)`` for ``h [T, 2F]``, ``da [T, F]``, ``probs [T]`` (CUDA);
-    the last is None when not ``want_scaled`` (a quantized fc2 saved its own FP8 copy of it)."""
+    the last is None when not ``want_scaled`` (a quantized fc2 saved its own FP8 copy of it).
+    With ``h_scale_inv`` [T, 2F/128], h is the FP8 copy from :func:`scaled_swiglu_forward_fp8` and
+    ``out_dtype`` the dtype of dh (and of the scaled output)."""
     rows, width = h.shape
     half = width // 2
     h, da, probs = h.contiguous(), da.contiguous(), probs.contiguous()
-    dh = torch.empty_like(h)
-    scaled = torch.empty(rows, half, dtype=h.dtype, device=h.device) if want_scaled else None
+    out_dtype = out_dtype or h.dtype
+    dh = torch.empty(rows, width, dtype=out_dtype, device=h.device)
+    scaled = torch.empty(rows, half, dtype=out_dtype, device=h.device) if want_scaled else None
     dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
     if rows and half:
         block = min(_MAX_BLOCK, max(16, triton.next_power_of_2(half)))
+        fp8 = h_scale_inv is not None
         _scaled_swiglu_backward_rows[(rows,)](
-            da, h, probs, dh, dh if scaled is None else scaled, dprobs, half, 0.0 if limit is None else float(limit),
-            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, BLOCK=block, num_warps=4,
+            da, h, h_scale_inv.contiguous() if fp8 else probs, probs, dh, dh if scaled is None else scaled, dprobs,
+            half, 0.0 if limit is None else float(limit),
+            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, H_FP8=fp8, BLOCK=block, num_warps=4,
         )
     elif rows:
         dprobs.zero_()
     return dh, dprobs, scaled
+
+
+@triton.jit
+def _scaled_swiglu_forward_fp8_rows(h_ptr, p_ptr, s_ptr, hq_ptr, hs_ptr, F, nblk, limit, HAS_LIMIT: tl.constexpr,
+                                    NB: tl.constexpr):
+    """One row: s = swiglu(h) * p, and h's FP8 copy with one scale per 128 columns (nblk = F / 128
+    blocks per half); NB blocks of the gate half and NB of the up half per step."""
+    row = tl.program_id(0).to(tl.int64)
+    h_row = h_ptr + row * 2 * F
+    hq_row = hq_ptr + row * 2 * F
+    hs_row = hs_ptr + row * 2 * nblk
+    s_row = s_ptr + row * F
+    p = tl.load(p_ptr + row).to(tl.float32)
+    k = tl.arange(0, 128)
+    for c0 in range(0, F, 128 * NB):
+        blk = c0 // 128 + tl.arange(0, NB)
+        cols = blk[:, None] * 128 + k[None, :]  # [NB, 128]
+        mask = blk[:, None] < nblk
+        gate_in = tl.load(h_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up_in = tl.load(h_row + F + cols, mask=mask, other=0.0).to(tl.float32)
+        g_mult, g_inv = _block_scale(tl.max(_abs_bits(gate_in), axis=1), _E4M3_MAX, True, False, 0, 0)
+        u_mult, u_inv = _block_scale(tl.max(_abs_bits(up_in), axis=1), _E4M3_MAX, True, False, 0, 0)
+        tl.store(hq_row + cols, _saturate(gate_in * g_mult[:, None], _E4M3_MAX).to(hq_ptr.dtype.element_ty), mask=mask)
+        tl.store(hq_row + F + cols, _saturate(up_in * u_mult[:, None], _E4M3_MAX).to(hq_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(hs_row + blk, g_inv, mask=blk < nblk)
+        tl.store(hs_row + nblk + blk, u_inv, mask=blk < nblk)
+        gate, up = _clamp(gate_in, up_in, limit, HAS_LIMIT)
+        s = gate * tl.sigmoid(gate) * up * p
+        tl.store(s_row + cols, s.to(s_ptr.dtype.element_ty), mask=mask)
+
+
+def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+    """``(swiglu(h) * probs[:, None], h_fp8, h_scale_inv)`` for ``h [T, 2F]`` (F a multiple of 128)
+    in one pass over h: h_fp8 is E4M3 ``[T, 2F]``, h_scale_inv float32 ``[T, 2F/128]`` (powers of two,
+    one per 1x128 block, ``h ~ h_fp8 * h_scale_inv``)."""
+    rows, width = h.shape
+    half = width // 2
+    if half % FP8_BLOCK:
+        raise ValueError(f"the FP8 copy of the SwiGLU input needs F a multiple of {FP8_BLOCK}, received F={half}")
+    h, probs = h.contiguous(), probs.contiguous()
+    scaled = torch.empty(rows, half, dtype=h.dtype, device=h.device)
+    h_fp8 = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=h.device)
+    h_scale_inv = torch.empty(rows, width // FP8_BLOCK, dtype=torch.float32, device=h.device)
+    if rows and half:
+        nb = min(4, triton.next_power_of_2(half // FP8_BLOCK))
+        _scaled_swiglu_forward_fp8_rows[(rows,)](
+            h, probs, scaled, h_fp8, h_scale_inv, half, half // FP8_BLOCK, 0.0 if limit is None else float(limit),
+            HAS_LIMIT=limit is not None, NB=nb, num_warps=4,
+        )
+    return scaled, h_fp8, h_scale_inv

@@ -9,10 +9,14 @@ runs one pass over h and dgrad's output for dh and the probability gradient eith
 
 Under an FP8 recipe the fused forward asks ``is_op_fuser_grouped_tensor_supported`` once (input
 dtype and device, the host sizes' alignment) and both GEMMs follow that answer: the native
-quantized path or the emulated one (see GroupedLinear).
+quantized path or the emulated one (see GroupedLinear). On the native path the SwiGLU input h
+``[T, 2F]``, the largest tensor the MLP keeps for the backward, is kept as E4M3 with 1x128 block
+scales (:class:`~te_dist.ops.basic.swiglu.Fp8Input`, written by the pass that forms fc2's input),
+so the FP8 recipes hold less than bf16 for the whole MLP, not only for the GEMM operands.
 
 The rule honours ``recipe.enable_fused_grouped_mlp`` (absent means enabled), a public attribute a
-user may attach at runtime; it is part of ``str(recipe)`` and therefore of the plan key.
+user may attach at runtime; it is part of ``str(recipe)`` and therefore of the plan key. Likewise
+``recipe.fp8_swiglu_input = False`` keeps h in its own dtype (the backward then reads h exactly).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
 from ..basic.grouped_linear import host_split_alignment, support
-from ..basic.swiglu import scaled_swiglu_backward, scaled_swiglu_forward, swiglu_forward
+from ..basic.swiglu import (scaled_swiglu_backward, scaled_swiglu_forward, scaled_swiglu_forward_keeping_fp8,
+                             swiglu_forward)
 from ..op import FusedOperation
 from ..rules import FusionRule
 
@@ -43,12 +48,20 @@ class GroupedMLP(FusedOperation):
         if isinstance(act, ScaledSwiGLU):
             probs_in = extra_inputs[1][0]
             probs = act.check_scales(h, probs_in)
-            if c2.requires_grad:
-                c2.saved = (h, probs, probs_in.shape, probs_in.requires_grad)
+            kept = h
             if fc2.quantizers.active:
-                y = fc2.grouped_forward(c3, scaled_swiglu_forward(h, probs, act.limit), groups2, native=native)
+                fused = None
+                if native and c2.requires_grad and getattr(recipe, "fp8_swiglu_input", True):
+                    fused = scaled_swiglu_forward_keeping_fp8(h, probs, act.limit)
+                if fused is None:
+                    a = scaled_swiglu_forward(h, probs, act.limit)
+                else:
+                    a, kept = fused
+                y = fc2.grouped_forward(c3, a, groups2, native=native)
             else:
                 y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, row_scale=probs)
+            if c2.requires_grad:
+                c2.saved = (kept, probs, probs_in.shape, probs_in.requires_grad)
         else:
             if c2.requires_grad:
                 c2.saved = (h,)
@@ -69,7 +82,8 @@ class GroupedMLP(FusedOperation):
             act_extra = (dprobs.to(probs.dtype).reshape(probs_shape) if probs_rg else None,)
         elif isinstance(act, ScaledSwiGLU):
             # Quantized fc2 (its input was formed and saved in the forward): the same one pass over
-            # h and da for dh and the probability gradient, without re-forming swiglu(h) * probs.
+            # h (or its FP8 copy) and da for dh and the probability gradient, without re-forming
+            # swiglu(h) * probs.
             h, probs, probs_shape, probs_rg = c2.saved
             c2.saved = ()
             da, dw2, db2 = fc2.grouped_backward(c3, dy)
