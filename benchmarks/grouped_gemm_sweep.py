@@ -15,7 +15,8 @@ Columns (ms per call, median over interleaved rounds, as in the rest of grouped_
   static  te_dist.kernels with measuring off (the static table)
   best    the fastest candidate: every built CUTLASS tile, torch._grouped_mm, the per-expert loop
   torch   torch._grouped_mm (+ the unfused epilogue where one is asked for: none here)
-and auto/best, auto/torch; the last line is the geometric mean of auto/torch (and of static/torch).
+and auto/best, auto/torch; the last lines give the wall time of auto's first (measuring) call per
+bucket and the geometric mean of auto/torch (and of static/torch).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from typing import List, NamedTuple
 
 import torch
@@ -183,8 +185,12 @@ def run_sweep(args, bench_interleaved) -> None:
             for direction in directions:
                 fns = _candidates(direction, x, w, dy, off, sizes, configs)
                 auto = _entry(direction, x, w, dy, off, sizes)
+                torch.cuda.synchronize()
+                charged, t0 = autotune.tuner().budget.spent_ms, time.perf_counter()
                 auto()  # the first call measures the bucket (outside the timed rounds)
                 torch.cuda.synchronize()
+                first_ms = (time.perf_counter() - t0) * 1e3
+                tune_ms = autotune.tuner().budget.spent_ms - charged
                 fns["auto"], fns["static"] = auto, _static(auto, settings)
                 t = bench_interleaved(fns, args.warmup, args.iters, args.rounds)
                 cands = {k: v for k, v in t.items() if k not in ("auto", "static")}
@@ -192,8 +198,9 @@ def run_sweep(args, bench_interleaved) -> None:
                 pick = kernels.describe_choice(direction, dy if direction == "dgrad" else x, w, group_sizes=sizes)
                 row = {"shape": g.name, "direction": direction, "routing": routing, "E": g.num_experts, "K": g.k,
                        "N": g.n, "rows_per_expert": g.rows_per_expert, "sizes": sizes, "ms": t, "best": best,
-                       "auto_pick": pick, "auto_over_best": t["auto"] / t[best],
-                       "auto_over_torch": t["auto"] / t["torch"], "static_over_torch": t["static"] / t["torch"]}
+                       "auto_pick": pick, "first_call_ms": first_ms, "tune_ms": tune_ms,
+                       "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
+                       "static_over_torch": t["static"] / t["torch"]}
                 rows.append(row)
                 ratios.append(row["auto_over_torch"])
                 static_ratios.append(row["static_over_torch"])
@@ -204,7 +211,10 @@ def run_sweep(args, bench_interleaved) -> None:
             del x, w, dy
             torch.cuda.empty_cache()
     _write_json(args, settings, rows, complete=True)
-    print(f"\ngeomean auto/torch over {len(ratios)} GEMMs: {_geomean(ratios):.3f}   "
+    firsts = [r["first_call_ms"] for r in rows]
+    print(f"\nfirst call of a bucket (measuring, wall ms): median {sorted(firsts)[len(firsts) // 2]:.1f}, "
+          f"max {max(firsts):.1f}; all first calls together {sum(firsts) / 1e3:.2f} s")
+    print(f"geomean auto/torch over {len(ratios)} GEMMs: {_geomean(ratios):.3f}   "
           f"(static/torch: {_geomean(static_ratios):.3f}); auto slower than torch in {sum(r > 1 for r in ratios)} rows")
 
 
