@@ -33,7 +33,7 @@ import torch
 from te_dist import kernels
 from te_dist.backends import autotune, cutlass_backend, loop_backend, torch_backend
 
-__all__ = ["MODELS", "EXPERTS_PER_RANK", "sweep_gemms", "run_sweep", "add_arguments"]
+__all__ = ["MODELS", "EXPERTS_PER_RANK", "sweep_gemms", "operands", "run_sweep", "add_arguments"]
 
 
 class Model(NamedTuple):
@@ -107,6 +107,20 @@ def _write_shapes(gemms, path) -> None:
     print(f"wrote {len(rows)} shapes ({len(rows) * 3} GEMMs) to {path}")
 
 
+def operands(g: Gemm, routing: str, dev):
+    """(group sizes, x [T, K], w [E, K, N] (a transposed [E, N, K]), dy [T, N], offsets) of one row;
+    routing "even" or "zipf" (cutlass_kernels.tune.zipf_splits: skewed, some experts empty)."""
+    from cutlass_kernels.tune import zipf_splits
+
+    sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else [g.rows_per_expert] * g.num_experts
+    T = sum(sizes)
+    x = torch.randn(T, g.k, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(g.num_experts, g.n, g.k, device=dev, dtype=torch.bfloat16) / g.k ** 0.5).transpose(1, 2)
+    dy = torch.randn(T, g.n, device=dev, dtype=torch.bfloat16)
+    off = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    return sizes, x, w, dy, off
+
+
 def _candidates(direction, x, w, dy, off, sizes, configs):
     """{column: fn} of every candidate (the tiles the sweep can run, torch, the loop)."""
     E = w.shape[0]
@@ -148,8 +162,6 @@ def _static(fn, settings):
 
 
 def run_sweep(args, bench_interleaved) -> None:
-    from cutlass_kernels.tune import zipf_splits
-
     only = set(args.only.split(",")) if args.only else None
     gemms = sweep_gemms(args.tokens, only)
     if args.write_shapes:
@@ -175,13 +187,7 @@ def run_sweep(args, bench_interleaved) -> None:
     rows, ratios, static_ratios = [], [], []
     for g in gemms:
         for routing in ("even", "zipf"):
-            sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else \
-                [g.rows_per_expert] * g.num_experts
-            T = sum(sizes)
-            x = torch.randn(T, g.k, device=dev, dtype=torch.bfloat16)
-            w = (torch.randn(g.num_experts, g.n, g.k, device=dev, dtype=torch.bfloat16) / g.k ** 0.5).transpose(1, 2)
-            dy = torch.randn(T, g.n, device=dev, dtype=torch.bfloat16)
-            off = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+            sizes, x, w, dy, off = operands(g, routing, dev)
             for direction in directions:
                 fns = _candidates(direction, x, w, dy, off, sizes, configs)
                 auto = _entry(direction, x, w, dy, off, sizes)

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grouped_gemm_sweep import _candidates, sweep_gemms  # noqa: E402
+from grouped_gemm_sweep import _candidates, operands, sweep_gemms  # noqa: E402
 
 from te_dist.backends import cutlass_backend  # noqa: E402
 
@@ -57,8 +57,6 @@ def series(fns, n, pre, sync_each, heat):
 
 
 def main() -> int:
-    from cutlass_kernels.tune import zipf_splits
-
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -73,13 +71,7 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()}: per-call ms, back to back")
     for name, direction, routing in ROWS:
         g = gemms[name]
-        sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else \
-            [g.rows_per_expert] * g.num_experts
-        T = sum(sizes)
-        x = torch.randn(T, g.k, device=dev, dtype=torch.bfloat16)
-        w = (torch.randn(g.num_experts, g.n, g.k, device=dev, dtype=torch.bfloat16) / g.k ** 0.5).transpose(1, 2)
-        dy = torch.randn(T, g.n, device=dev, dtype=torch.bfloat16)
-        off = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+        sizes, x, w, dy, off = operands(g, routing, dev)
         fns = _candidates(direction, x, w, dy, off, sizes, configs)
         for f in fns.values():
             f()
