@@ -257,9 +257,9 @@ def measure(runs: Sequence[Tuple[Choice, Callable[[], object]]], budget: Budget,
     ``timer``: a clock (``CudaClock``) or a ``Timer`` callable.
 
     A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
-    HEAT_MS of untimed calls of it bring the GPU out of its idle clocks. Round one queues a sample of every run in
-    order while the bucket affords it, each after one untimed call where the round then takes at
-    most half the bucket; a run that fails is left out (the first one re-raises). Each later round
+    HEAT_MS of untimed calls of it bring the GPU out of its idle clocks. Round one queues a sample of
+    every run in order while the bucket affords it, each after one untimed call where the round then
+    takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
     drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
     a rotated order, the fastest first where not all of them fit, until one is left, nothing fits,
     or MAX_ROUNDS, or the wall time since the start plus the next round passes the bucket. A round is
@@ -285,6 +285,8 @@ def measure(runs: Sequence[Tuple[Choice, Callable[[], object]]], budget: Budget,
     for rnd in range(MAX_ROUNDS):
         estimates = {c: _estimate(samples[c]) for c in live if samples[c]}
         if rnd > 0:
+            if not estimates:  # every sample of round one failed: the probe stands for the first run
+                break
             fastest = min(estimates.values())
             live = [c for c in live if c in estimates
                     and estimates[c] <= (CUT if len(samples[c]) >= 3 else FIRST_CUT) * fastest]

@@ -512,3 +512,18 @@ def test_host_stalls_count_against_the_bucket():
     measure([(c, run(c)) for c in ms], Budget(bucket_ms=50, total_ms=2000), timer)
     sampled = [c for c, _ in timer.calls[1:]]
     assert sorted(sampled, key=str) == sorted(ms, key=str)  # round one, then nothing
+
+
+def test_every_sample_failing_leaves_the_probe_as_the_measurement():
+    """Round one's samples all fail (the first run passed its probe, then failed): no crash, the
+    probe's timing of the first run is the answer."""
+    calls = []
+
+    def timer(fn, n):
+        calls.append(n)
+        if len(calls) > 1:
+            raise RuntimeError("launch failed")
+        return MS[fn()]
+
+    got = measure([(c, (lambda c=c: c)) for c in MS], Budget(bucket_ms=50, total_ms=2000), timer)
+    assert got == {("cutlass", 0): MS[("cutlass", 0)]}
