@@ -23,7 +23,7 @@ loop needs them), plus the device (name and SM count) through the table the key 
 Budget: at most ``bucket_ms`` per bucket (past it only by the first candidate's probe) and
 ``total_ms`` per process; once spent, misses take the static table. Charged: every call made (timed,
 warm-up or heat) at its measured ms plus the sleeps queued between rounds; no round starts once the
-wall time since the miss plus that round would pass the bucket (``measure``).
+wall time since the miss plus that round would pass the bucket (``bucket_timing.measure``).
 
 Persistence: one JSON file per (device, SM count, torch version, kernel sources) in
 ``<kernel cache>/autotune/`` (``$TE_DIST_CACHE``), written whole or not at all (temp file, fsync,
@@ -42,21 +42,20 @@ import hashlib
 import json
 import os
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .bucket_timing import Budget, CudaClock, as_clock, measure
 from .selection import Problem, why_not
 
 __all__ = [
     "ENV",
     "Choice",
     "Settings",
-    "Budget",
     "MissContext",
     "Autotuner",
     "bucket_rows",
@@ -67,9 +66,6 @@ __all__ = [
     "parse_choice",
     "allowed",
     "candidates",
-    "measure",
-    "CudaClock",
-    "CallClock",
     "choose",
     "configure",
     "reset",
@@ -78,24 +74,8 @@ __all__ = [
 
 ENV = "TE_DIST_TUNE"  # "0" turns measured choices off (the static table decides every call)
 FILE_VERSION = 1
-# How one bucket's milliseconds are spent (``measure``): a few ms of untimed calls bring the GPU out of
-# its idle clocks (a first call after idle ran 1.2-2.7x slower on H200), then interleaved rounds of one
-# timed sample per candidate are queued back to back, the clear losers dropped between rounds so the
-# close ones get the later samples. What 50 ms cannot reach: after 25-40 ms of back-to-back GEMMs the
-# H200 runs at its power limit, which slows some tiles and torch's kernel by 13-20% and others by 0-6%
-# and can reorder them (docs/kernels.md, "Measured choices"); the ranking here is the one of a GPU
-# that has not yet reached that limit.
-MAX_REPS = 10  # calls per sample, at most
-SAMPLE_MS = 0.5  # a sample makes about this much GPU work: its calls = SAMPLE_MS / the probe's ms, 1..MAX_REPS
-MAX_ROUNDS = 9
-FIRST_CUT = 1.25  # dropped with one or two samples when this much slower than the fastest (a first call may stall)
-CUT = 1.08  # dropped with three or more samples (a median) when this much slower
-HEAT_MS = 4.0  # untimed calls of the first candidate before the first sample (at most a quarter of the bucket)
-COVER_MS = 0.25  # GPU sleep queued after each round: the GPU stays busy while the host plans the next one
-
 Choice = Tuple[str, Optional[int]]  # (backend, CUTLASS tile config or None)
 Key = tuple  # (direction, dtype, out_dtype, E, K, N, rows bucket, ragged, host sizes)
-Timer = Callable[[Callable[[], object], int], float]  # (fn, calls) -> ms per call: a clock that reads at once
 
 
 @dataclass
@@ -108,19 +88,6 @@ class Settings:
     total_ms: float = 2000.0
     persist: bool = True
     directory: Optional[Path] = None  # default: <kernel cache dir>/autotune
-
-
-class Budget:
-    """Timed milliseconds spent measuring by this process; nothing is measured past ``total_ms``."""
-
-    def __init__(self, bucket_ms: float, total_ms: float):
-        self.bucket_ms, self.total_ms, self.spent_ms = bucket_ms, total_ms, 0.0
-
-    def left(self) -> float:
-        return max(0.0, self.total_ms - self.spent_ms)
-
-    def for_bucket(self) -> float:
-        return min(self.bucket_ms, self.left())
 
 
 def choice_name(choice: Choice) -> str:
@@ -197,139 +164,6 @@ def candidates(p: Problem, static: Choice, *, cutlass_ok: bool, torch_ok: bool, 
     if group_sizes is not None and not p.capturing:
         out.append(("loop", None))
     return list(dict.fromkeys(out))  # the static choice is listed once
-
-
-_SLEEP_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts SM clock cycles; H200 boosts to 1.98 GHz
-
-
-class CudaClock:
-    """Timed samples queued on the current stream, read later: ``sample`` queues ``calls`` calls
-    between two events and returns at once, ``read`` waits for that sample's end, ``cover`` queues a
-    GPU sleep. Queuing a round whole keeps the GPU busy from one sample to the next, as in training."""
-
-    def sample(self, fn: Callable[[], object], calls: int):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        return start, end, calls
-
-    def read(self, handle) -> float:
-        start, end, calls = handle
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-
-    def cover(self, ms: float) -> None:
-        torch.cuda._sleep(int(ms * _SLEEP_CYCLES_PER_MS))
-
-
-class CallClock:
-    """A clock over a ``Timer`` callable that times at once (tests, benchmarks of the selection logic)."""
-
-    def __init__(self, timer: Timer):
-        self.timer = timer
-
-    def sample(self, fn, calls):
-        return self.timer(fn, calls)
-
-    def read(self, handle) -> float:
-        return handle
-
-    def cover(self, ms: float) -> None:
-        pass
-
-
-def as_clock(timer):
-    return timer if hasattr(timer, "sample") else CallClock(timer)
-
-
-def _estimate(samples: List[float]) -> float:
-    """A candidate's ms per call: the median of three or more samples, else the smallest (noise on a
-    GPU only ever adds time)."""
-    if len(samples) < 3:
-        return min(samples)
-    return sorted(samples)[(len(samples) - 1) // 2]
-
-
-def measure(runs: Sequence[Tuple[Choice, Callable[[], object]]], budget: Budget, timer) -> Dict[Choice, float]:
-    """{choice: estimated ms per call} of the runs timed within the bucket's budget (charged to ``budget``).
-    ``timer``: a clock (``CudaClock``) or a ``Timer`` callable.
-
-    A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
-    HEAT_MS of untimed calls of it bring the GPU out of its idle clocks. Round one queues a sample of
-    every run in order while the bucket affords it, each after one untimed call where the round then
-    takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
-    drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
-    a rotated order, the fastest first where not all of them fit, until one is left, nothing fits,
-    or MAX_ROUNDS, or the wall time since the start plus the next round passes the bucket. A round is
-    queued whole, with a COVER_MS sleep behind it, then read."""
-    clock = as_clock(timer)
-    cap = budget.for_bucket()
-    if not runs or cap <= 0:
-        return {}
-    t0 = time.perf_counter()
-    fns = dict(runs)
-    order = list(fns)
-    first = fns[order[0]]
-    first()  # untimed: any one-off cost of a first call would otherwise size the samples
-    probe = clock.read(clock.sample(first, 1))
-    spent = 2 * probe
-    calls = max(1, min(MAX_REPS, int(SAMPLE_MS / max(probe, 1e-6))))
-    heat = min(max(1, round(HEAT_MS / max(probe, 1e-6))), int(cap / 4 / max(probe, 1e-6)))
-    for _ in range(heat):
-        first()
-    spent += heat * probe
-    samples: Dict[Choice, List[float]] = {c: [] for c in order}
-    live = list(order)
-    for rnd in range(MAX_ROUNDS):
-        estimates = {c: _estimate(samples[c]) for c in live if samples[c]}
-        if rnd > 0:
-            if not estimates:  # every sample of round one failed: the probe stands for the first run
-                break
-            fastest = min(estimates.values())
-            live = [c for c in live if c in estimates
-                    and estimates[c] <= (CUT if len(samples[c]) >= 3 else FIRST_CUT) * fastest]
-            if len(live) < 2:
-                break
-            k = rnd % len(live)
-            queue = sorted(live, key=estimates.get)  # who is sampled when not all fit
-            rotated = live[k:] + live[:k]
-        else:
-            queue = rotated = list(order)
-        # A first call may pay one-off host costs (a kernel's first load, a library's plan): round one
-        # makes one untimed call first where the round then still takes at most half the bucket.
-        warm = rnd == 0 and len(queue) * ((calls + 1) * probe) <= cap / 2
-        chosen, planned = set(), spent + COVER_MS
-        for c in queue:
-            cost = (calls + warm) * estimates.get(c, probe)
-            if planned + cost <= cap:
-                chosen.add(c)
-                planned += cost
-        # the wall clock too: host stalls (a library's first plan for each new shape) add to the GPU work
-        if not chosen or (time.perf_counter() - t0) * 1e3 + planned - spent > cap:
-            break
-        handles = []
-        for c in rotated:
-            if c not in chosen:
-                continue
-            try:
-                if warm:
-                    fns[c]()
-                handles.append((c, clock.sample(fns[c], calls)))
-            except Exception:  # noqa: BLE001 - a candidate that fails on this shape cannot win
-                live.remove(c)  # (the first one ran in the probe: a failure of it raised there)
-        clock.cover(COVER_MS)
-        spent += COVER_MS
-        for c, h in handles:
-            ms = clock.read(h)
-            spent += (calls + warm) * ms
-            samples[c].append(ms)
-    budget.spent_ms += spent
-    out = {c: _estimate(samples[c]) for c in order if samples[c]}
-    if not out:  # the probe alone filled the bucket: it is still a measurement of the first run
-        out[order[0]] = probe
-    return out
 
 
 class MissContext(NamedTuple):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from te_dist.backends import autotune
-from te_dist.backends.autotune import Autotuner, Budget, MissContext, Settings, bucket_key, bucket_rows, measure
+from te_dist.backends.autotune import Autotuner, MissContext, Settings, bucket_key, bucket_rows
+from fake_timing import MS, FakeTimer
 from te_dist.backends.selection import Problem
 
 
@@ -24,24 +25,10 @@ def _p(**kw):
     return Problem(**base)
 
 
-class FakeTimer:
-    """ms per call by choice; records (choice, calls) of every timing."""
-
-    def __init__(self, ms):
-        self.ms = dict(ms)
-        self.calls = []
-
-    def __call__(self, fn, calls):
-        choice = fn()
-        self.calls.append((choice, calls))
-        return self.ms[choice]
-
-
 def _context(static=("cutlass", 0), configs=(0, 2, 10), built=(0, 2, 10)):
     return lambda: MissContext(static, lambda c: (lambda: c), True, True, tuple(configs), lambda c: c in built)
 
 
-MS = {("cutlass", 0): 1.0, ("cutlass", 2): 0.6, ("cutlass", 10): 0.9, ("torch", None): 0.8, ("loop", None): 2.0}
 SIZES = (256,) * 8
 
 
@@ -99,40 +86,6 @@ def test_candidates_order_and_rules():
     fp32 = autotune.candidates(_p(dtype=torch.float32, out_dtype=torch.float32), ("loop", None), cutlass_ok=True,
                                torch_ok=True, group_sizes=SIZES, configs=(0,), built=lambda c: True)
     assert fp32 == [("loop", None)]  # nothing else can run it: nothing to measure
-
-
-def test_measure_keeps_every_timing_and_charges_the_budget():
-    timer = FakeTimer(MS)
-    budget = Budget(bucket_ms=50, total_ms=2000)
-    runs = [(c, (lambda c=c: c)) for c in MS]
-    got = measure(runs, budget, timer)
-    assert got == MS
-    probe_calls = [n for c, n in timer.calls[:1]]
-    assert probe_calls == [1]
-    calls = {n for _, n in timer.calls[1:]}
-    assert len(calls) == 1 and 1 <= calls.pop() <= autotune.MAX_REPS
-    assert 0 < budget.spent_ms <= 50 + 2 * MS[("cutlass", 0)]
-
-
-def test_measure_stops_at_the_bucket_budget():
-    slow = {c: 10.0 for c in MS}  # 10 ms per call: a probe plus one timed call per candidate = 20 ms
-    budget = Budget(bucket_ms=50, total_ms=2000)
-    got = measure([(c, (lambda c=c: c)) for c in slow], budget, FakeTimer(slow))
-    assert 1 <= len(got) < len(slow)
-    assert list(got) == list(slow)[:len(got)]  # the first ones (static, torch) are timed first
-    assert budget.spent_ms <= 50 + 20  # at most one run past the cap
-    assert measure([(c, (lambda c=c: c)) for c in slow], Budget(50, 0), FakeTimer(slow)) == {}
-
-
-def test_a_candidate_that_fails_is_skipped_not_raised():
-    def timer(fn, calls):
-        choice = fn()
-        if choice == ("cutlass", 10):
-            raise RuntimeError("cutlass_kernels fwd (config 10) failed: misaligned")
-        return MS[choice]
-
-    got = measure([(c, (lambda c=c: c)) for c in MS], Budget(50, 2000), timer)
-    assert ("cutlass", 10) not in got and got[("cutlass", 2)] == MS[("cutlass", 2)]
 
 
 # ---------------------------------------------------------------------- the tuner
@@ -407,61 +360,6 @@ def test_tune_cli_without_cuda_says_so(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_a_flattering_first_sample_is_outvoted_by_the_later_rounds():
-    """One sample that flatters a tile (noise on its first timing) does not decide: the close
-    contenders are sampled again in interleaved rounds and ranked by their median."""
-    first = {("cutlass", 0): 0.050, ("cutlass", 2): 0.060, ("torch", None): 0.080}  # c0 looks fastest once
-    steady = {("cutlass", 0): 0.060, ("cutlass", 2): 0.055, ("torch", None): 0.080}
-    seen = []
-
-    def timer(fn, calls):
-        choice = fn()
-        seen.append(choice)
-        return (first if seen.count(choice) == (2 if choice == ("cutlass", 0) else 1) else steady)[choice]
-
-    runs = [(c, (lambda c=c: c)) for c in first]
-    budget = Budget(bucket_ms=50, total_ms=2000)
-    got = measure(runs, budget, timer)
-    assert min(got, key=got.get) == ("cutlass", 2)
-    assert got[("cutlass", 0)] == steady[("cutlass", 0)]  # the median of its samples, not the flattering one
-    assert seen.count(("torch", None)) == 1  # 1.45x the fastest after one sample: dropped
-    assert seen.count(("cutlass", 2)) >= 3
-    assert budget.spent_ms <= 50
-
-
-def test_rounds_are_interleaved_in_a_rotated_order():
-    ms = {("cutlass", 0): 0.05, ("cutlass", 2): 0.05, ("torch", None): 0.05}
-    timer = FakeTimer(ms)
-    measure([(c, (lambda c=c: c)) for c in ms], Budget(bucket_ms=50, total_ms=2000), timer)
-    seq = [c for c, _ in timer.calls[1:]]  # after the probe
-    rounds = [tuple(seq[i:i + 3]) for i in range(0, len(seq) - 2, 3)]
-    assert len(rounds) >= 3 and all(len(set(r)) == 3 for r in rounds)  # every round samples each once
-    assert len({r[0] for r in rounds}) == 3  # and starts with a different one
-
-
-def test_expensive_calls_reach_every_candidate_and_spend_the_rest_on_the_close_ones():
-    """3-4 ms calls (a wgrad of 64 experts, 64 rows each): the candidate listed last is still timed,
-    the clear losers once only, and the winner is the fastest, all within the bucket."""
-    ms = {("cutlass", 0): 3.89, ("torch", None): 3.74, ("cutlass", 1): 5.61, ("cutlass", 2): 4.28,
-          ("cutlass", 3): 3.61, ("cutlass", 10): 5.13, ("loop", None): 3.45}
-    timer = FakeTimer(ms)
-    budget = Budget(bucket_ms=50, total_ms=2000)
-    got = measure([(c, (lambda c=c: c)) for c in ms], budget, timer)
-    assert set(got) == set(ms) and min(got, key=got.get) == ("loop", None)
-    counts = {c: sum(1 for t, _ in timer.calls if t == c) for c in ms}
-    assert counts[("cutlass", 1)] == counts[("cutlass", 10)] == 1
-    assert counts[("loop", None)] >= 2
-    assert budget.spent_ms <= 50
-
-
-def test_the_bucket_is_never_overspent():
-    for per_call in (0.01, 0.3, 2.0, 7.0, 12.0):
-        ms = {c: per_call * (1 + 0.01 * i) for i, c in enumerate(MS)}
-        budget = Budget(bucket_ms=50, total_ms=2000)
-        measure([(c, (lambda c=c: c)) for c in ms], budget, FakeTimer(ms))
-        assert budget.spent_ms <= 50 + per_call + autotune.COVER_MS  # the probe is the only call past a cap
-
-
 def test_ragged_answer_is_per_tuple():
     """The one-entry memo of the ragged check answers by tuple identity, never for another tuple."""
     ragged, even = (512, 0, 256), (256, 256, 256)
@@ -490,40 +388,3 @@ def test_a_tile_is_a_candidate_only_when_built_and_its_library_opens():
     assert not kernels._built_and_open(ck, "fwd", 2, False)  # not built: not opened either
     assert not kernels._built_and_open(ck, "wgrad", 3, True)
     assert opened == [("fwd", 0, False)]
-
-
-def test_host_stalls_count_against_the_bucket():
-    """A candidate whose first call stalls the host (a library planning each new shape) uses up the
-    bucket's wall time: no round starts after it."""
-    import time
-
-    first_calls = set()
-
-    def run(choice):
-        def call():
-            if choice == ("loop", None) and choice not in first_calls:
-                first_calls.add(choice)
-                time.sleep(0.06)  # longer than the whole bucket
-            return choice
-        return call
-
-    ms = {c: 0.05 for c in MS}
-    timer = FakeTimer(ms)
-    measure([(c, run(c)) for c in ms], Budget(bucket_ms=50, total_ms=2000), timer)
-    sampled = [c for c, _ in timer.calls[1:]]
-    assert sorted(sampled, key=str) == sorted(ms, key=str)  # round one, then nothing
-
-
-def test_every_sample_failing_leaves_the_probe_as_the_measurement():
-    """Round one's samples all fail (the first run passed its probe, then failed): no crash, the
-    probe's timing of the first run is the answer."""
-    calls = []
-
-    def timer(fn, n):
-        calls.append(n)
-        if len(calls) > 1:
-            raise RuntimeError("launch failed")
-        return MS[fn()]
-
-    got = measure([(c, (lambda c=c: c)) for c in MS], Budget(bucket_ms=50, total_ms=2000), timer)
-    assert got == {("cutlass", 0): MS[("cutlass", 0)]}
