@@ -230,6 +230,8 @@ def main():
     ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i)")
     grouped_gemm_sweep.add_arguments(ap)
     args = ap.parse_args()
+    if args.summary:
+        return grouped_gemm_sweep.print_summary(args.summary)
     if args.sweep:
         return grouped_gemm_sweep.run_sweep(args, bench_interleaved)
     dev = torch.device("cuda")

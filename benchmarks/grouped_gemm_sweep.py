@@ -2,6 +2,7 @@
 
     python benchmarks/grouped_gemm.py --sweep [--tokens 4096] [--only dsv3,gpt_oss_120b] [--json out.json]
     python benchmarks/grouped_gemm.py --sweep --write-shapes shapes.json   # the list, for `python -m cutlass_kernels tune`
+    python benchmarks/grouped_gemm.py --summary docs/data/autotune_sweep.json   # a saved sweep's closing lines
 
 Rows: the expert GEMMs of public MoE models (fc1 = the gated up-projection [H -> 2F], fc2 = the
 down-projection [F -> H]) at several experts-per-rank counts, with ``--tokens`` tokens per rank
@@ -15,8 +16,10 @@ Columns (ms per call, median over interleaved rounds, as in the rest of grouped_
   static  te_dist.kernels with measuring off (the static table)
   best    the fastest candidate: every built CUTLASS tile, torch._grouped_mm, the per-expert loop
   torch   torch._grouped_mm (+ the unfused epilogue where one is asked for: none here)
-and auto/best, auto/torch; the last lines give the wall time of auto's first (measuring) call per
-bucket and the geometric mean of auto/torch (and of static/torch).
+and auto/best, auto/torch; the closing lines (``summary_lines``; ``--summary FILE`` prints them for a
+saved sweep) give the wall time of auto's first (measuring) call per bucket, the rows meeting the
+per-row goals, the geometric mean of auto/torch (and of static/torch), and the sweep's resolution:
+auto against the column of the kernel it picked.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--write-shapes", default=None, help="--sweep: write the shape list as JSON for "
                                                          "`python -m cutlass_kernels tune --shapes` and exit")
     ap.add_argument("--directions", default="fwd,dgrad,wgrad", help="--sweep: comma-separated directions")
+    ap.add_argument("--summary", default=None, help="print the closing lines of a saved --sweep --json FILE and exit")
 
 
 def _write_shapes(gemms, path) -> None:
@@ -184,7 +188,7 @@ def run_sweep(args, bench_interleaved) -> None:
     hdr = (f"{'shape':<28}{'dir':<6}{'routing':<7}{'auto':>9}{'static':>9}{'best':>9} {'best is':<8}{'torch':>9}"
            f"{'auto/best':>10}{'auto/torch':>11}  auto pick")
     print(hdr)
-    rows, ratios, static_ratios = [], [], []
+    rows = []
     for g in gemms:
         for routing in ("even", "zipf"):
             sizes, x, w, dy, off = operands(g, routing, dev)
@@ -208,8 +212,6 @@ def run_sweep(args, bench_interleaved) -> None:
                        "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
                        "static_over_torch": t["static"] / t["torch"]}
                 rows.append(row)
-                ratios.append(row["auto_over_torch"])
-                static_ratios.append(row["static_over_torch"])
                 print(f"{g.name:<28}{direction:<6}{routing:<7}{t['auto']:9.4f}{t['static']:9.4f}{t[best]:9.4f} "
                       f"{best:<8}{t['torch']:9.4f}{row['auto_over_best']:10.3f}{row['auto_over_torch']:11.3f}  {pick}",
                       flush=True)
@@ -217,11 +219,47 @@ def run_sweep(args, bench_interleaved) -> None:
             del x, w, dy
             torch.cuda.empty_cache()
     _write_json(args, settings, rows, complete=True)
+    print("\n" + "\n".join(summary_lines(rows)))
+
+
+def _column(pick: str) -> str:
+    """The candidate column of a pick such as "cutlass:2 measured" (c2), "torch static" (torch)."""
+    name = pick.split()[0]
+    return "c" + name.split(":")[1] if name.startswith("cutlass:") else name
+
+
+def _quantile(values, q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summary_lines(rows) -> List[str]:
+    """The sweep's closing lines: first-call wall time, the per-row goals, the geomean, and the sweep's
+    own resolution: auto against the candidate column of the kernel it picked (the same kernel, timed
+    in the same rounds), whose spread bounds what one row's ratio can tell."""
     firsts = [r["first_call_ms"] for r in rows]
-    print(f"\nfirst call of a bucket (measuring, wall ms): median {sorted(firsts)[len(firsts) // 2]:.1f}, "
-          f"max {max(firsts):.1f}; all first calls together {sum(firsts) / 1e3:.2f} s")
-    print(f"geomean auto/torch over {len(ratios)} GEMMs: {_geomean(ratios):.3f}   "
-          f"(static/torch: {_geomean(static_ratios):.3f}); auto slower than torch in {sum(r > 1 for r in ratios)} rows")
+    to_torch = [r["auto_over_torch"] for r in rows]
+    same = [r["ms"]["auto"] / r["ms"][_column(r["auto_pick"])] for r in rows if _column(r["auto_pick"]) in r["ms"]]
+    return [
+        f"first call of a bucket (measuring, wall ms): median {_quantile(firsts, 0.5):.1f}, p90 "
+        f"{_quantile(firsts, 0.9):.1f}, max {max(firsts):.1f}; all first calls together {sum(firsts) / 1e3:.2f} s",
+        f"rows with auto >= 0.97x the best candidate: {sum(r['auto_over_best'] <= 1 / 0.97 for r in rows)} of "
+        f"{len(rows)} (worst {1 / max(r['auto_over_best'] for r in rows):.2f}x); >= 0.97x torch: "
+        f"{sum(v <= 1 / 0.97 for v in to_torch)} (worst {1 / max(to_torch):.2f}x)",
+        f"geomean auto/torch over {len(rows)} GEMMs: {_geomean(to_torch):.3f} (static/torch: "
+        f"{_geomean([r['static_over_torch'] for r in rows]):.3f}); auto slower than torch in "
+        f"{sum(v > 1 for v in to_torch)} rows",
+        f"resolution: auto's ms over its own kernel's column, p5 / median / p95 {_quantile(same, 0.05):.3f} / "
+        f"{_quantile(same, 0.5):.3f} / {_quantile(same, 0.95):.3f} over {len(same)} rows",
+    ]
+
+
+def print_summary(path) -> None:
+    """``--summary FILE``: the closing lines of a saved sweep (no GPU needed)."""
+    with open(path) as f:
+        data = json.load(f)
+    print(f"{path}: {data['meta']}")
+    print("\n".join(summary_lines(data["sweep"])))
 
 
 def _geomean(values) -> float:
