@@ -76,7 +76,7 @@ def test_fp8_instance_names_and_validation():
 
 
 def _full_build(inst, tmp_path):
-    """A JIT build into ``tmp_path``: the library, no temp dir left, a second call a cache hit."""
+    """A JIT build into ``tmp_path``: the library, and a second call that is a cache hit."""
     path = ck.build_instance(inst)
     assert path.exists() and path.stat().st_size > 100_000
     assert path.parent == tmp_path
