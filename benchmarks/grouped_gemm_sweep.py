@@ -125,7 +125,17 @@ def operands(g: Gemm, routing: str, dev):
     return sizes, x, w, dy, off
 
 
-def _candidates(direction, x, w, dy, off, sizes, configs):
+def open_tiles(ck) -> List[int]:
+    """Every bf16 tile config, each direction's library built and opened now (before any timing: auto's
+    first measurement times built tiles only, and a library's first load is not a GEMM's cost)."""
+    configs = sorted(ck.CONFIGS)
+    for direction in ("fwd", "dgrad", "wgrad"):
+        for c in configs:
+            ck.load(direction, c, False)
+    return configs
+
+
+def candidates(direction, x, w, dy, off, sizes, configs):
     """{column: fn} of every candidate (the tiles the sweep can run, torch, the loop)."""
     E = w.shape[0]
     fns = {}
@@ -178,10 +188,7 @@ def run_sweep(args, bench_interleaved) -> None:
     settings = autotune.configure(enabled=True, directory=tune_dir, total_ms=float("inf"),
                                   bucket_ms=args.bucket_ms)
     cutlass_ok = "cutlass" in kernels.available_backends(dev)
-    configs = sorted(ck.CONFIGS) if cutlass_ok else []
-    for direction in ("fwd", "dgrad", "wgrad"):  # built before auto's first measurement: it times built tiles only
-        for c in configs:
-            ck.load(direction, c, False)
+    configs = open_tiles(ck) if cutlass_ok else []
     directions = [d for d in args.directions.split(",") if d]
     print(f"# sweep: {len(gemms)} expert GEMM shapes x (even, zipf) x {directions}, {args.tokens} tokens per rank; "
           f"auto measured within {settings.bucket_ms:g} ms per bucket (tuning file in {tune_dir})")
@@ -193,7 +200,7 @@ def run_sweep(args, bench_interleaved) -> None:
         for routing in ("even", "zipf"):
             sizes, x, w, dy, off = operands(g, routing, dev)
             for direction in directions:
-                fns = _candidates(direction, x, w, dy, off, sizes, configs)
+                fns = candidates(direction, x, w, dy, off, sizes, configs)
                 auto = _entry(direction, x, w, dy, off, sizes)
                 torch.cuda.synchronize()
                 charged, t0 = autotune.tuner().budget.spent_ms, time.perf_counter()

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grouped_gemm_sweep import _candidates, operands, sweep_gemms  # noqa: E402
+from grouped_gemm_sweep import candidates, open_tiles, operands, sweep_gemms  # noqa: E402
 
 from te_dist.backends import cutlass_backend  # noqa: E402
 
@@ -61,10 +61,7 @@ def main() -> int:
         raise SystemExit("needs a CUDA GPU")
     dev = torch.device("cuda")
     ck = cutlass_backend.kernels_module()
-    configs = sorted(ck.CONFIGS)
-    for d in ("fwd", "dgrad", "wgrad"):
-        for c in configs:
-            ck.load(d, c, False)
+    configs = open_tiles(ck)
     gemms = {g.name: g for g in sweep_gemms(4096)}
     heat = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16),
             torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16))
@@ -72,7 +69,7 @@ def main() -> int:
     for name, direction, routing in ROWS:
         g = gemms[name]
         sizes, x, w, dy, off = operands(g, routing, dev)
-        fns = _candidates(direction, x, w, dy, off, sizes, configs)
+        fns = candidates(direction, x, w, dy, off, sizes, configs)
         for f in fns.values():
             f()
         per_call = 0.2 if g.rows_per_expert * g.num_experts * g.k * g.n < 2e11 else 1.0
