@@ -21,9 +21,12 @@ power of two, whether the host sizes are unequal (ragged), whether they were giv
 loop needs them), plus the device (name and SM count) through the table the key is looked up in.
 
 Budget: at most ``bucket_ms`` per bucket (past it only by the first candidate's probe) and
-``total_ms`` per process; once spent, misses take the static table. Charged: every call made (timed,
-warm-up or heat) at its measured ms plus the sleeps queued between rounds; no round starts once the
-wall time since the miss plus that round would pass the bucket (``bucket_timing.measure``).
+``total_ms`` per process; once spent, misses take the static table. Charged: the wall time from the
+miss to the timing (building the runners, reading the file, the loop's first call), every call made
+(timed, warm-up or heat) at its measured ms and the sleeps queued between rounds; no round starts once
+the wall time since the miss plus that round plus the last file write's time would pass the bucket
+(``bucket_timing.measure``). The loop is a candidate only where its first call's library plans are
+predicted to fit in a quarter of the bucket (``LoopPlans``).
 
 Persistence: one JSON file per (device, SM count, torch version, kernel sources) in
 ``<kernel cache>/autotune/`` (``$TE_DIST_CACHE``), written whole or not at all (temp file, fsync,
@@ -42,6 +45,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +54,7 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 import torch
 
 from .bucket_timing import Budget, CudaClock, as_clock, measure
+from .loop_plans import LoopPlans
 from .selection import Problem, why_not
 
 __all__ = [
@@ -153,17 +158,22 @@ def allowed(choice: Choice, p: Problem) -> bool:
 
 
 def candidates(p: Problem, static: Choice, *, cutlass_ok: bool, torch_ok: bool, group_sizes=None,
-               built: Callable[[int], bool] = lambda config: False, configs: Iterable[int] = ()) -> List[Choice]:
+               built: Callable[[int], bool] = lambda config: False, configs: Iterable[int] = (),
+               loop_ok: bool = True) -> List[Choice]:
     """What to time, in order: the static choice, torch, the other built tiles, the loop (host
-    sizes given and not capturing: it would read the offsets otherwise)."""
+    sizes given, not capturing: it would read the offsets otherwise, and ``loop_ok``: its first call
+    fits the bucket, ``LoopPlans``)."""
     out = [static]
     if why_not("torch", p, cutlass_built=cutlass_ok, torch_grouped=torch_ok) is None:
         out.append(("torch", None))
     if why_not("cutlass", p, cutlass_built=cutlass_ok, torch_grouped=torch_ok) is None:
         out += [("cutlass", c) for c in configs if built(c)]
-    if group_sizes is not None and not p.capturing:
+    if group_sizes is not None and not p.capturing and loop_ok:
         out.append(("loop", None))
     return list(dict.fromkeys(out))  # the static choice is listed once
+
+
+LOOP = ("loop", None)
 
 
 class MissContext(NamedTuple):
@@ -223,6 +233,9 @@ class Autotuner:
         self.env_enabled = os.environ.get(ENV, "1").strip() != "0"
         self._lock = threading.Lock()
         self._warned = set()
+        self.loop_plans = LoopPlans()
+        self.save_ms = 1.0  # the last tuning-file write (wall ms): reserved in the next bucket's budget
+        self.last_miss_ms: Optional[float] = None  # wall ms of the last miss that measured (benchmarks)
 
     # ------------------------------------------------------------------ the hot path
 
@@ -264,14 +277,18 @@ class Autotuner:
     def _miss(self, p, key, table, group_sizes, context) -> Optional[Choice]:
         if p.capturing or self.deterministic() or self.budget.left() <= 0:
             return None
+        started = time.perf_counter()
         ctx = context()
+        new = self.loop_plans.new_shapes(p, group_sizes) if group_sizes is not None else set()
         cands = candidates(p, ctx.static, cutlass_ok=ctx.cutlass_ok, torch_ok=ctx.torch_ok, group_sizes=group_sizes,
-                           built=ctx.built, configs=ctx.configs)
+                           built=ctx.built, configs=ctx.configs,
+                           loop_ok=self.loop_plans.fits(new, self.budget.for_bucket()))
         if len(cands) < 2:  # nothing to choose: remember it, so later calls skip this work
             table.ranking[key] = ()
             return None
+        measure_ = lambda: self._measure(p, key, table, cands, ctx.run, started, new)  # noqa: E731
         if table.path is None:
-            return self._measure(p, key, table, cands, ctx.run)
+            return measure_()
         from .cutlass_backend import kernels_module  # the kernel cache's lock and atomic writer
 
         cache = kernels_module().cache
@@ -282,21 +299,35 @@ class Autotuner:
                     return self.choose_from(table.ranking[key], p)
                 if not mine:  # that rank is measuring now: the static table for this call
                     return None
-                choice = self._measure(p, key, table, cands, ctx.run)
+                choice = measure_()
                 self._save(table, cache)
+                self.last_miss_ms = (time.perf_counter() - started) * 1e3
             return choice
         except OSError as exc:  # no lock file (read-only or missing directory): measure, keep in memory
             self._warn(table.path, f"te_dist autotune: cannot use {table.path} ({exc}); choices stay in memory")
             table.path = None
             if key in table.ranking:
                 return self.choose_from(table.ranking[key], p)
-            return self._measure(p, key, table, cands, ctx.run)
+            return measure_()
 
     def choose_from(self, ranking, p) -> Optional[Choice]:
         return next((c for c in ranking if allowed(c, p)), None)
 
-    def _measure(self, p, key, table, cands, run) -> Optional[Choice]:
-        timings = measure([(c, run(c)) for c in cands], self.budget, self.timer)
+    def _measure(self, p, key, table, cands, run, started: float, new: set) -> Optional[Choice]:
+        """Time ``cands`` within what is left of the bucket since ``started`` (the miss's start), less
+        the file write still to come. The loop's first call (its library plans) is made before the
+        timing, untimed, and observed by ``loop_plans``."""
+        runs = [(c, run(c)) for c in cands]
+        if LOOP in cands:
+            t = time.perf_counter()
+            try:
+                runs[cands.index(LOOP)][1]()
+            except Exception:  # noqa: BLE001 - a candidate that fails on this shape cannot win
+                runs = [r for r in runs if r[0] != LOOP]
+            self.loop_plans.observe(new, (time.perf_counter() - t) * 1e3)
+        elapsed = (time.perf_counter() - started) * 1e3 + (self.save_ms if table.path is not None else 0.0)
+        timings = measure(runs, self.budget, self.timer, elapsed)
+        self.last_miss_ms = (time.perf_counter() - started) * 1e3
         if not timings:
             return None
         table.put(key, timings)
@@ -361,7 +392,9 @@ class Autotuner:
         """Write the table (merged with the file, re-read just before under the lock) atomically."""
         data = {"version": FILE_VERSION, "torch": torch.__version__, "entries": table.to_entries()}
         try:
+            t = time.perf_counter()
             cache.write_atomic(table.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            self.save_ms = (time.perf_counter() - t) * 1e3
             st = table.path.stat()
             table.file_stamp = (st.st_mtime_ns, st.st_size)
         except OSError as exc:

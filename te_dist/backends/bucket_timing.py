@@ -28,6 +28,8 @@ FIRST_CUT = 1.25  # dropped with one or two samples when this much slower than t
 CUT = 1.08  # dropped with three or more samples (a median) when this much slower
 HEAT_MS = 4.0  # untimed calls of the first candidate before the first sample (at most a quarter of the bucket)
 COVER_MS = 0.25  # GPU sleep queued after each round: the GPU stays busy while the host plans the next one
+SLACK = 1.2  # a round is planned at this many times its estimates: calls later in the bucket run up to
+# 13-20% slower than the probe (the power limit, above), and the bucket's wall time is a bound
 Timer = Callable[[Callable[[], object], int], float]  # (fn, calls) -> ms per call: a clock that reads at once
 
 
@@ -97,9 +99,11 @@ def _estimate(samples: List[float]) -> float:
     return sorted(samples)[(len(samples) - 1) // 2]
 
 
-def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budget, timer) -> Dict[Hashable, float]:
+def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budget, timer,
+            elapsed_ms: float = 0.0) -> Dict[Hashable, float]:
     """{choice: estimated ms per call} of the runs timed within the bucket's budget (charged to ``budget``).
-    ``timer``: a clock (``CudaClock``) or a ``Timer`` callable.
+    ``timer``: a clock (``CudaClock``) or a ``Timer`` callable. ``elapsed_ms``: what the bucket already
+    spent before this call (the caller's own preparation); it counts against the bucket and is charged.
 
     A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
     HEAT_MS of untimed calls of it bring the GPU out of its idle clocks. Round one queues a sample of
@@ -113,15 +117,15 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     cap = budget.for_bucket()
     if not runs or cap <= 0:
         return {}
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - elapsed_ms / 1e3
     fns = dict(runs)
     order = list(fns)
     first = fns[order[0]]
     first()  # untimed: any one-off cost of a first call would otherwise size the samples
     probe = clock.read(clock.sample(first, 1))
-    spent = 2 * probe
+    spent = elapsed_ms + 2 * probe
     calls = max(1, min(MAX_REPS, int(SAMPLE_MS / max(probe, 1e-6))))
-    heat = min(max(1, round(HEAT_MS / max(probe, 1e-6))), int(cap / 4 / max(probe, 1e-6)))
+    heat = min(max(1, round(HEAT_MS / max(probe, 1e-6))), int(max(0.0, cap - spent) / 4 / max(probe, 1e-6)))
     for _ in range(heat):
         first()
     spent += heat * probe
@@ -147,7 +151,7 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
         warm = rnd == 0 and len(queue) * ((calls + 1) * probe) <= cap / 2
         chosen, planned = set(), spent + COVER_MS
         for c in queue:
-            cost = (calls + warm) * estimates.get(c, probe)
+            cost = (calls + warm) * estimates.get(c, probe) * SLACK
             if planned + cost <= cap:
                 chosen.add(c)
                 planned += cost

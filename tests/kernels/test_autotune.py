@@ -7,6 +7,7 @@ logic runs on CPU; GPU timing itself is covered by tests/kernels/test_autotune_g
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from te_dist.backends import autotune
 from te_dist.backends.autotune import Autotuner, MissContext, Settings, bucket_key, bucket_rows
+from te_dist.backends.loop_plans import LoopPlans
 from fake_timing import MS, FakeTimer
 from te_dist.backends.selection import Problem
 
@@ -33,6 +35,8 @@ SIZES = (256,) * 8
 
 
 def _tuner(tmp_path=None, timer=None, **settings):
+    if tmp_path is not None:  # the file's lock and the kernel module's first import take wall time that
+        settings.setdefault("bucket_ms", 1000.0)  # counts against the bucket: these tests are not about it
     s = Settings(persist=tmp_path is not None, directory=tmp_path, **settings)
     return Autotuner(s, timer=timer or FakeTimer(MS), identity=lambda i: ("Fake GPU", 132), file_tag="test")
 
@@ -186,6 +190,73 @@ def test_fewer_than_two_candidates_measures_nothing():
     assert t.choose(_p(sizes_on_host=False), 0, None, ctx) is None
     assert timer.calls == [] and len(built) == 1  # the second call did not look for candidates again
     assert t.export() == {"Fake GPU|sm132": {}}  # and nothing of it is written or sent
+
+
+# ---------------------------------------------------------------------- the loop's first call
+
+ZIPF8 = (700, 420, 300, 230, 180, 150, 60, 8)  # 8 distinct sizes: 8 x 2 ms of plans > a quarter of 50 ms
+
+
+def _recording_context(order, plan_sleep_s=0.0):
+    """Runners that log each call; the loop's first call sleeps ``plan_sleep_s`` (its library plans)."""
+
+    def run(choice):
+        def call():
+            if choice == ("loop", None) and ("loop", None) not in order and plan_sleep_s:
+                time.sleep(plan_sleep_s)
+            order.append(choice)
+            return choice
+        return call
+
+    return lambda: MissContext(("cutlass", 0), run, True, True, (0, 2, 10), lambda c: True)
+
+
+def test_loop_is_timed_only_where_its_first_call_fits_the_bucket():
+    timer = FakeTimer(MS)
+    t = _tuner(timer=timer)
+    t.choose(_p(), 0, ZIPF8, _context())
+    assert ("loop", None) not in {c for c, _ in timer.calls}  # 8 new shapes x 2 ms > 12.5 ms
+    assert t.choose(_p(), 0, SIZES, _context()) is not None  # even: one new shape
+    assert ("loop", None) in {c for c, _ in timer.calls}
+
+
+def test_loop_plans_are_made_before_the_timing_and_remembered():
+    order = []
+    t = _tuner(timer=FakeTimer(MS))
+    t.choose(_p(), 0, SIZES, _recording_context(order))
+    assert order[0] == ("cutlass", 0) or order.index(("loop", None)) < order.index(("torch", None))
+    assert t.loop_plans.seen == {("fwd", torch.bfloat16, 4096, 2048, 256)}
+    # the same expert sizes in another bucket (16 experts) are planned already: nothing new to predict
+    sizes16 = ZIPF8 + ZIPF8
+    assert t.loop_plans.new_shapes(_p(num_groups=16, num_rows=sum(sizes16)), sizes16) == {
+        ("fwd", torch.bfloat16, 4096, 2048, m) for m in ZIPF8}
+    t.loop_plans.seen |= t.loop_plans.new_shapes(_p(), ZIPF8)
+    assert t.loop_plans.new_shapes(_p(num_groups=16, num_rows=sum(sizes16)), sizes16) == set()
+
+
+def test_a_slow_loop_plan_is_charged_to_the_bucket():
+    order = []
+    t = _tuner(timer=FakeTimer(MS))
+    t.choose(_p(), 0, SIZES, _recording_context(order, plan_sleep_s=0.06))  # past the 50 ms bucket
+    assert t.budget.spent_ms >= 60
+    assert t.last_miss_ms >= 60
+    ranking = t.table_for(0).ranking[bucket_key(_p(), SIZES)]
+    assert ranking == (("cutlass", 0),)  # nothing was left to time the others: the probe of the first
+
+
+def test_loop_plan_estimate_follows_observations_within_bounds():
+    plans = LoopPlans()
+    new8 = {("fwd", torch.bfloat16, 1, 1, m) for m in range(1, 9)}
+    assert plans.ms_per_new == LoopPlans.PRIOR_MS and not plans.fits(new8, 50.0)
+    plans.observe(new8, 8 * 0.5)
+    assert plans.ms_per_new == 0.5 and plans.fits(new8, 50.0)
+    plans.observe({("fwd", torch.bfloat16, 1, 1, 99)}, 100.0)  # one new shape: no update
+    assert plans.ms_per_new == 0.5
+    plans.observe({("dgrad", torch.bfloat16, 1, 1, m) for m in (1, 2)}, 200.0)  # a one-off stall
+    assert plans.ms_per_new == LoopPlans.CEIL_MS
+    plans.observe({("wgrad", torch.bfloat16, 1, 1, m) for m in (1, 2)}, 0.0)
+    assert plans.ms_per_new == LoopPlans.FLOOR_MS
+    assert len(plans.seen) == 8 + 1 + 2 + 2
 
 
 # ---------------------------------------------------------------------- persistence

@@ -1,0 +1,45 @@
+"""What the per-expert loop's first call on a bucket costs the host, predicted before it is timed.
+
+Why a module of its own: the loop's cost on a first call is a host stall (a library planning each
+new GEMM shape), unlike every other candidate's, and only the tuner's choice of what to time reads it.
+"""
+
+from __future__ import annotations
+
+from .selection import Problem
+
+__all__ = ["LoopPlans"]
+
+
+class LoopPlans:
+    """What the per-expert loop's first call on a bucket costs the host, predicted before it runs.
+
+    Why: the loop runs one library GEMM (``torch.mm``, cuBLAS) per expert, and the library plans each
+    new shape on its first use and may load a kernel for it; on an H200 a first call stalled the
+    host 33-108 ms where later calls took ~1 ms (56 new expert sizes: 100 ms), more than a whole
+    bucket. Each (direction, dtype, K, N, rows) the loop has run in this process is remembered; a
+    bucket's new shapes times the last observed cost per new shape (``PRIOR_MS`` before any) must
+    fit in ``SHARE`` of the bucket, or the loop is not a candidate there."""
+
+    PRIOR_MS = 2.0  # per new shape before any observation (H200: 1.2-2.1 ms over 29-57 new sizes)
+    FLOOR_MS, CEIL_MS = 0.1, 4.0  # an observation is clamped to these: a new shape always costs a
+    # plan, and a one-off (the library's own start, ~100 ms) must not shut the loop out for good
+    SHARE = 0.25
+    MIN_NEW = 2  # one new shape says more about the call's launches than about plans: no update
+
+    def __init__(self):
+        self.seen: set = set()
+        self.ms_per_new = self.PRIOR_MS
+
+    def new_shapes(self, p: Problem, group_sizes) -> set:
+        head = (p.direction, p.dtype, p.k, p.n)
+        return {head + (m,) for m in set(group_sizes) if m > 0} - self.seen
+
+    def fits(self, new: set, bucket_ms: float) -> bool:
+        return len(new) * self.ms_per_new <= self.SHARE * bucket_ms
+
+    def observe(self, new: set, host_ms: float) -> None:
+        """The first call that planned ``new`` took ``host_ms`` on the host."""
+        self.seen |= new
+        if len(new) >= self.MIN_NEW:
+            self.ms_per_new = min(self.CEIL_MS, max(self.FLOOR_MS, host_ms / len(new)))
