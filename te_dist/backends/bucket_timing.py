@@ -111,8 +111,10 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
     drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
     a rotated order, the fastest first where not all of them fit, until one is left, nothing fits,
-    or MAX_ROUNDS, or the wall time since the start plus the next round passes the bucket. A round is
-    queued whole, with a COVER_MS sleep behind it, then read."""
+    or MAX_ROUNDS, or the wall time since the start plus the next round (its GPU work at SLACK times
+    the estimates, and the wall time per round the GPU clock did not see so far) passes the bucket. A
+    round is queued whole, with a COVER_MS sleep behind it, then read. Charged: the larger of the GPU
+    work and the wall time."""
     clock = as_clock(timer)
     cap = budget.for_bucket()
     if not runs or cap <= 0:
@@ -131,6 +133,7 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     spent += heat * probe
     samples: Dict[Hashable, List[float]] = {c: [] for c in order}
     live = list(order)
+    rounds_read = 0
     for rnd in range(MAX_ROUNDS):
         estimates = {c: _estimate(samples[c]) for c in live if samples[c]}
         if rnd > 0:
@@ -155,8 +158,12 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
             if planned + cost <= cap:
                 chosen.add(c)
                 planned += cost
-        # the wall clock too: host stalls (a library's first plan for each new shape) add to the GPU work
-        if not chosen or (time.perf_counter() - t0) * 1e3 + planned - spent > cap:
+        # the wall clock too: what the GPU clock did not see (host stalls, the host queuing each round
+        # while the GPU waits: 1-9 ms over a bucket on H200) is spread over the rounds read so far, and
+        # the next round is expected to add as much
+        wall = (time.perf_counter() - t0) * 1e3
+        unseen = max(0.0, wall - spent) / rounds_read if rounds_read else 0.0
+        if not chosen or wall + planned - spent + unseen > cap:
             break
         handles = []
         for c in rotated:
@@ -174,7 +181,8 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
             ms = clock.read(h)
             spent += (calls + warm) * ms
             samples[c].append(ms)
-    budget.spent_ms += spent
+        rounds_read += 1
+    budget.spent_ms += max(spent, (time.perf_counter() - t0) * 1e3)  # the wall time where it was longer
     out = {c: _estimate(samples[c]) for c in order if samples[c]}
     if not out:  # the probe alone filled the bucket: it is still a measurement of the first run
         out[order[0]] = probe

@@ -114,6 +114,23 @@ def test_host_stalls_count_against_the_bucket():
     sampled = [c for c, _ in timer.calls[1:]]
     assert sorted(sampled, key=str) == sorted(ms, key=str)  # round one, then nothing
 
+def test_host_time_per_round_is_expected_again_and_charged():
+    """Each round costs 8 ms of host time the GPU clock does not see (0.5 ms of GPU work): the rounds
+    stop while the bucket's wall time still has room for one more, and the wall time is charged."""
+    ms = {c: 0.1 for c in MS}
+
+    def timer(fn, calls):
+        time.sleep(0.008 / len(ms))  # host time of one round, spread over its samples
+        return ms[fn()]
+
+    budget = Budget(bucket_ms=50, total_ms=2000)
+    t0 = time.perf_counter()
+    measure([(c, (lambda c=c: c)) for c in ms], budget, timer)
+    wall = (time.perf_counter() - t0) * 1e3
+    assert wall <= 50 + 2  # no round started that the wall time could not afford (2 ms: sleep jitter)
+    assert budget.spent_ms >= wall - 0.5  # the wall time is what was charged
+
+
 def test_every_sample_failing_leaves_the_probe_as_the_measurement():
     """Round one's samples all fail (the first run passed its probe, then failed): no crash, the
     probe's timing of the first run is the answer."""
