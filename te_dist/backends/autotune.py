@@ -22,10 +22,10 @@ loop needs them), plus the device (name and SM count) through the table the key 
 
 Budget: at most ``bucket_ms`` per bucket (past it only by the first candidate's probe) and
 ``total_ms`` per process; once spent, misses take the static table. Charged: the wall time from the
-miss to the timing (building the runners, reading the file, the loop's first call), every call made
-(timed, warm-up or heat) at its measured ms and the sleeps queued between rounds; no round starts once
-the wall time since the miss plus that round plus the last file write's time would pass the bucket
-(``bucket_timing.measure``). The loop is a candidate only where its first call's library plans are
+miss to the timing (building the runners, reading the file, the loop's first call), then the larger of
+every call made (timed, warm-up or heat) at its measured ms plus the sleeps queued between rounds, and
+the wall time; no round starts once the wall time since the miss plus that round plus the last file
+write's time would pass the bucket (``bucket_timing.measure``). The loop is a candidate only where its first call's library plans are
 predicted to fit in a quarter of the bucket (``LoopPlans``).
 
 Persistence: one JSON file per (device, SM count, torch version, kernel sources) in
@@ -81,6 +81,7 @@ ENV = "TE_DIST_TUNE"  # "0" turns measured choices off (the static table decides
 FILE_VERSION = 1
 Choice = Tuple[str, Optional[int]]  # (backend, CUTLASS tile config or None)
 Key = tuple  # (direction, dtype, out_dtype, E, K, N, rows bucket, ragged, host sizes)
+LOOP: Choice = ("loop", None)
 
 
 @dataclass
@@ -169,11 +170,9 @@ def candidates(p: Problem, static: Choice, *, cutlass_ok: bool, torch_ok: bool, 
     if why_not("cutlass", p, cutlass_built=cutlass_ok, torch_grouped=torch_ok) is None:
         out += [("cutlass", c) for c in configs if built(c)]
     if group_sizes is not None and not p.capturing and loop_ok:
-        out.append(("loop", None))
+        out.append(LOOP)
     return list(dict.fromkeys(out))  # the static choice is listed once
 
-
-LOOP = ("loop", None)
 
 
 class MissContext(NamedTuple):
@@ -316,7 +315,7 @@ class Autotuner:
     def _measure(self, p, key, table, cands, run, started: float, new: set) -> Optional[Choice]:
         """Time ``cands`` within what is left of the bucket since ``started`` (the miss's start), less
         the file write still to come. The loop's first call (its library plans) is made before the
-        timing, untimed, and observed by ``loop_plans``."""
+        timing, as one sample read at once (not a candidate's estimate), and observed by ``loop_plans``."""
         runs = [(c, run(c)) for c in cands]
         if LOOP in cands:  # one call on the clock, read at once: its GPU time is in the wall time too
             t = time.perf_counter()
