@@ -12,7 +12,7 @@ __all__ = ["LoopPlans"]
 
 
 class LoopPlans:
-    """What the per-expert loop's first call on a bucket costs the host, predicted before it runs.
+    """The shapes the loop has planned in this process and its last cost per new shape.
 
     Why: the loop runs one library GEMM (``torch.mm``, cuBLAS) per expert, and the library plans each
     new shape on its first use and may load a kernel for it; on an H200 a first call stalled the
