@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     else:  # names may also pick candidate tiles (heuristics.CANDIDATES) for a sweep
         known = all_instances() + [Instance(d, c, f) for d in ("fwd", "dgrad", "wgrad") for c in sorted(CANDIDATES)
                                    for f in (False, True)] + all_fp8_instances() + fp8_candidate_instances()
-        insts = [i for i in known if i.name in args.only]
+        insts = list({i.name: i for i in known if i.name in args.only}.values())  # a name listed twice builds once
     print(f"building {len(insts)} instances into {cache_dir()} with {args.jobs} jobs", flush=True)
     t0 = time.time()
     failures = 0

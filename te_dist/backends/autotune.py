@@ -24,8 +24,9 @@ Budget: at most ``bucket_ms`` per bucket (past it only by the first candidate's 
 ``total_ms`` per process; once spent, misses take the static table. Charged: the wall time from the
 miss to the timing (building the runners, reading the file, the loop's first call), then the larger of
 every call made (timed, warm-up or heat) at its measured ms plus the sleeps queued between rounds, and
-the wall time; no round starts once the wall time since the miss plus that round plus the last file
-write's time would pass the bucket (``bucket_timing.measure``). The loop is a candidate only where its first call's library plans are
+the wall time; no round starts once the wall time since the miss plus that round plus what followed
+the last measurement (ranking, file write: ``save_ms``) would pass the bucket
+(``bucket_timing.measure``). The loop is a candidate only where its first call's library plans are
 predicted to fit in a quarter of the bucket (``LoopPlans``).
 
 Persistence: one JSON file per (device, SM count, torch version, kernel sources) in
@@ -233,7 +234,9 @@ class Autotuner:
         self._lock = threading.Lock()
         self._warned = set()
         self.loop_plans = LoopPlans()
-        self.save_ms = 1.0  # the last tuning-file write (wall ms): reserved in the next bucket's budget
+        self.save_ms = 1.0  # wall ms from the last measurement's end to its miss's end (ranking, file
+        # write): reserved in the next bucket's budget
+        self.measured_at = 0.0  # perf_counter at the last measurement's end
         self.last_miss_ms: Optional[float] = None  # wall ms of the last miss that measured (benchmarks)
 
     # ------------------------------------------------------------------ the hot path
@@ -299,7 +302,7 @@ class Autotuner:
                 if not mine:  # that rank is measuring now: the static table for this call
                     return None
                 choice = measure_()
-                self._save(table, cache)
+                self._save(table, cache, since=self.measured_at)
                 self.last_miss_ms = (time.perf_counter() - started) * 1e3
             return choice
         except OSError as exc:  # no lock file (read-only or missing directory): measure, keep in memory
@@ -328,7 +331,8 @@ class Autotuner:
             self.loop_plans.observe(new, host_ms)
         elapsed = (time.perf_counter() - started) * 1e3 + (self.save_ms if table.path is not None else 0.0)
         timings = measure(runs, self.budget, self.timer, elapsed)
-        self.last_miss_ms = (time.perf_counter() - started) * 1e3
+        self.measured_at = time.perf_counter()
+        self.last_miss_ms = (self.measured_at - started) * 1e3
         if not timings:
             return None
         table.put(key, timings)
@@ -389,13 +393,14 @@ class Autotuner:
             table.ranking.setdefault(key, ranking)
             table.ms.setdefault(key, fresh.ms.get(key, {}))
 
-    def _save(self, table: _Table, cache) -> None:
-        """Write the table (merged with the file, re-read just before under the lock) atomically."""
+    def _save(self, table: _Table, cache, since: Optional[float] = None) -> None:
+        """Write the table (merged with the file, re-read just before under the lock) atomically;
+        ``since``: the measurement's end, from which ``save_ms`` is taken."""
         data = {"version": FILE_VERSION, "torch": torch.__version__, "entries": table.to_entries()}
         try:
-            t = time.perf_counter()
             cache.write_atomic(table.path, json.dumps(data, indent=1, sort_keys=True).encode())
-            self.save_ms = (time.perf_counter() - t) * 1e3
+            if since is not None:
+                self.save_ms = (time.perf_counter() - since) * 1e3
             st = table.path.stat()
             table.file_stamp = (st.st_mtime_ns, st.st_size)
         except OSError as exc:

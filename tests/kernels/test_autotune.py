@@ -276,6 +276,25 @@ def test_choices_persist_and_reload(tmp_path):
     assert fresh_timer.calls == []
 
 
+def test_time_after_the_measurement_is_reserved_in_the_next_bucket(tmp_path, monkeypatch):
+    """Ranking and file write come after the timing: their wall time (here a slow write) is taken
+    from the measurement's end, and the next miss starts with that much of its bucket spent."""
+    from cutlass_kernels import cache
+
+    real_write = cache.write_atomic
+    monkeypatch.setattr(cache, "write_atomic", lambda path, data: time.sleep(0.03) or real_write(path, data))
+    seen = []
+    real_measure = autotune.measure
+    monkeypatch.setattr(autotune, "measure", lambda runs, budget, timer, elapsed: seen.append(elapsed)
+                        or real_measure(runs, budget, timer, elapsed))
+    t = _tuner(tmp_path)
+    t.choose(_p(), 0, SIZES, _context())
+    reserve = t.save_ms
+    assert 30 <= reserve < 1000
+    t.choose(_p(k=1024), 0, SIZES, _context())
+    assert len(seen) == 2 and seen[1] >= reserve
+
+
 def test_file_is_keyed_by_device_and_versions(tmp_path):
     _tuner(tmp_path).choose(_p(), 0, SIZES, _context())
     other = Autotuner(Settings(directory=tmp_path), timer=FakeTimer(MS), identity=lambda i: ("Fake GPU", 114),
