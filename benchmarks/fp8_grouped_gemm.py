@@ -5,8 +5,10 @@
 Rows: one per (shape, split, direction). Columns (TFLOP/s, median of do_bench):
   * fp8 block   te_dist.kernels.grouped_mm_quantized_* on Float8BlockScaling operands (1x128
                 activations and gradients, 128x128 weights): our CUTLASS SM90 block-scaled kernels.
-  * fp8 tensor  the same entry points on Float8CurrentScaling operands (per-tensor scales, run by
-                the same kernels with the scale broadcast into blocks).
+  * fp8 tensor  the same entry points on Float8CurrentScaling operands (HYBRID: e5m2 gradients):
+                the tensor-scaled kernels, which apply each operand's one scale in the epilogue.
+  * tables      the same per-tensor operands on the block-scaled kernels, their scales broadcast
+                into block tables per call (the A/B baseline of the tensor-scaled kernels).
   * bf16        te_dist.kernels.grouped_mm_forward/_dgrad/_wgrad on bf16 operands (auto backend).
   * torch fp8   torch._scaled_grouped_mm, row-wise e4m3 scales (fwd and dgrad; no e5m2 and no
                 block scales there), as a user would call it.
@@ -128,6 +130,10 @@ def run_shape(name, split, args, gen):
                 row["bf16_err_vs_fp32"] = rel(emu, reference(direction, q[0], q[1], q[2], sizes))
                 del emu
             row[f"fp8_{label}"] = flops / bench(lambda: quant_call(q)) / 1e9
+            if label == "tensor":
+                tables = _scale_tables_call(direction, q, offs, sizes)
+                row["tensor_tables"] = flops / bench(tables) / 1e9
+                row["tensor_vs_tables_err"] = rel(got, tables())
             if label == "block" and args.sweep:
                 from cutlass_kernels import fp8_block
 
@@ -149,6 +155,33 @@ def run_shape(name, split, args, gen):
         print("row " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)  # a run cut by a time limit keeps what it measured
     return out
+
+
+def _scale_tables_call(direction, q, offs, sizes):
+    """Per-tensor operands on the block-scaled kernels: each one scale broadcast into block tables."""
+    from te_dist.backends import fp8_cutlass_backend as fcb
+    from te_dist.backends.fp8_operands import columnwise_operand, rowwise_operand
+
+    xq, wq, dyq = q
+    E, N, Kin = wq.shape
+    T = xq.shape[0]
+
+    def call():
+        if direction == "wgrad":
+            (a, sa), (b, sb) = columnwise_operand(dyq), columnwise_operand(xq)
+            d = torch.empty(E, N, Kin, device=a.device, dtype=torch.bfloat16)
+            fcb._launch("wgrad", a, sa, b, sb, d, offs, E, N, Kin, T, None, None, None)
+        elif direction == "fwd":
+            a, sa = rowwise_operand(xq)
+            d = torch.empty(T, N, device=a.device, dtype=torch.bfloat16)
+            fcb._launch("fwd", a, sa, wq.fwd_data, wq.fwd_scale, d, offs, E, N, Kin, T, None, None, sizes)
+        else:
+            a, sa = rowwise_operand(dyq)
+            d = torch.empty(T, Kin, device=a.device, dtype=torch.bfloat16)
+            fcb._launch("dgrad", a, sa, wq.dgrad_data, wq.dgrad_scale, d, offs, E, N, Kin, T, None, None, sizes)
+        return d
+
+    return call
 
 
 def _torch_rowwise(x, w, dy, offs):
@@ -193,13 +226,14 @@ def main():
             rows += run_shape(name, split, args, gen)
             torch.cuda.empty_cache()
     print(f"\nFP8 grouped GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__}), TFLOP/s")
-    head = (f"{'shape':<12} {'split':<7} {'dir':<6} {'fp8 block':>9} {'fp8 tensor':>10} {'bf16':>7} {'torch fp8':>9} "
-            f"{'blk/bf16':>8} {'err/emu':>8} {'err/fp32':>8} {'bf16 emu/fp32':>13}")
+    head = (f"{'shape':<12} {'split':<7} {'dir':<6} {'fp8 block':>9} {'fp8 tensor':>10} {'tables':>7} {'bf16':>7} "
+            f"{'torch fp8':>9} {'blk/bf16':>8} {'ten/tables':>10} {'err/emu':>8} {'err/fp32':>8} {'bf16 emu/fp32':>13}")
     print(head)
     for r in rows:
         tf = r.get("torch_fp8")
-        print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} {r['fp8_block']:9.0f} {r['fp8_tensor']:10.0f} {r['bf16']:7.0f} "
-              f"{(f'{tf:9.0f}' if tf else '        -')} {r['fp8_block'] / r['bf16']:8.2f} {r['err_vs_emulated']:8.1e} "
+        print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} {r['fp8_block']:9.0f} {r['fp8_tensor']:10.0f} "
+              f"{r['tensor_tables']:7.0f} {r['bf16']:7.0f} {(f'{tf:9.0f}' if tf else '        -')} "
+              f"{r['fp8_block'] / r['bf16']:8.2f} {r['fp8_tensor'] / r['tensor_tables']:10.2f} {r['err_vs_emulated']:8.1e} "
               f"{r['err_vs_fp32']:8.1e} {r['bf16_err_vs_fp32']:13.1e}")
     if args.sweep:
         configs = [f"c{c}" for c in args.sweep.split(",")]

@@ -4,6 +4,9 @@
 
 A recipe name with the suffix ``:bf16h`` (e.g. ``block:bf16h``) runs that recipe with
 ``fp8_swiglu_input = False``: the grouped MLP keeps the SwiGLU input in bf16 instead of its FP8 copy.
+The suffix ``:tables`` (per-tensor recipes, e.g. ``current:tables``) runs their GEMMs on the
+block-scaled kernels with each one scale broadcast into block tables per call, the A/B baseline of
+the tensor-scaled kernels.
 
 Rows: one per (config, recipe). Columns: step time (mean of --iters steps after --warmup, one
 forward+backward each, CUDA events), speed against bf16 in the same run (bf16 time / recipe
@@ -23,6 +26,8 @@ import json
 import torch
 
 import te_dist as td
+from te_dist.backends import fp8_cutlass_backend
+from te_dist.backends.fp8_operands import tensor_scales
 from te_dist.moe import MoELayer
 from te_dist.recipe import recipe_from_name
 
@@ -86,10 +91,14 @@ def main():
             recipe = recipe_from_name(base_name)
             if option == "bf16h":
                 recipe.fp8_swiglu_input = False
-            elif option:
-                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h)")
+            elif option not in ("", "tables"):
+                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
-            ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
+            fp8_cutlass_backend.tensor_scales = (lambda *q: False) if option == "tables" else tensor_scales
+            try:
+                ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
+            finally:
+                fp8_cutlass_backend.tensor_scales = tensor_scales
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, speed=base_ms / ms, held_gb=held / 1e9,
                              mem=held / max(base_held, 1), path="native" if native else "emulated", diff=diff))

@@ -11,6 +11,9 @@ outside the timed region; median of ``--rounds`` rounds, rounds of the recipes i
 drift hits them alike). The split sizes are given on the host, multiples of 128 (what the MoE
 layer's padding hands the native path), so the native path runs with no device read. Columns: µs
 per step, the ratio to bf16 in the same run, and the path the MLP took (native or emulated).
+A recipe named with the suffix ``:tables`` (``current:tables``) runs its per-tensor GEMMs on the
+block-scaled kernels with each scale broadcast into block tables per call: the A/B baseline of the
+tensor-scaled kernels.
 """
 
 from __future__ import annotations
@@ -23,18 +26,29 @@ import time
 import torch
 
 import te_dist as td
+from te_dist.backends import fp8_cutlass_backend
+from te_dist.backends.fp8_operands import tensor_scales
 from te_dist.moe.expert_mlp import build_expert_mlp
 from te_dist.ops import GroupSplits
 from te_dist.recipe import recipe_from_name
 
 
-def make_step(mlp, x, probs, splits, grad, recipe):
+def make_step(mlp, x, probs, splits, grad, name):
+    base, _, option = name.partition(":")
+    if option not in ("", "tables"):
+        raise SystemExit(f"unknown recipe option {option!r} in {name!r} (known: tables)")
+    recipe = recipe_from_name(base)
+
     def step():
-        mlp.zero_grad(set_to_none=True)
-        x.grad = None
-        with td.autocast(recipe=recipe):
-            y = mlp(x, splits, probs, splits)
-        y.backward(grad)
+        fp8_cutlass_backend.tensor_scales = (lambda *q: False) if option else tensor_scales
+        try:
+            mlp.zero_grad(set_to_none=True)
+            x.grad = None
+            with td.autocast(recipe=recipe):
+                y = mlp(x, splits, probs, splits)
+            y.backward(grad)
+        finally:
+            fp8_cutlass_backend.tensor_scales = tensor_scales
     return step
 
 
@@ -65,7 +79,7 @@ def main(argv=None) -> int:
     splits = GroupSplits(torch.tensor(sizes, device=device).cumsum(0).to(torch.int32), sizes)
     names = ["none"] + [r for r in args.recipes.split(",") if r and r != "none"]
     mlps = {name: copy.deepcopy(mlp) for name in names}  # one per recipe: each keeps its quantizer state
-    steps = {name: make_step(mlps[name], x, probs, splits, grad, recipe_from_name(name)) for name in names}
+    steps = {name: make_step(mlps[name], x, probs, splits, grad, name) for name in names}
     for step in steps.values():  # warm up: kernels built and loaded, weight copies cast, plans made
         for _ in range(3):
             step()
@@ -91,7 +105,7 @@ def main(argv=None) -> int:
         import cProfile
         import pstats
 
-        step = make_step(mlps[args.profile], x, probs, splits, grad, recipe_from_name(args.profile))
+        step = make_step(mlps[args.profile], x, probs, splits, grad, args.profile)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.calls):

@@ -1,7 +1,10 @@
-"""Block-scaled FP8 grouped GEMM instances (``fp8_block_gemm.cu``): tiles, JIT build, ctypes loader.
+"""FP8 grouped GEMM instances (``fp8_block_gemm.cu``): tiles, JIT build, ctypes loader.
 
-One instance per (direction, tile config, A format, B format, output dtype). Formats: "e4m3" or
-"e5m2" (HYBRID gradients). The build and disk cache are the bf16 kernels' (``build.py``).
+One instance per (direction, tile config, A format, B format, output dtype, scaling). Formats:
+"e4m3" or "e5m2" (HYBRID gradients). Scaling: block scales (Float8BlockScaling) or one scale per
+operand (``tensor_scales``: DelayedScaling, Float8CurrentScaling), which the epilogue applies, so
+per-tensor operands need no scale tables and the mainloop no per-block multiply. The build and disk
+cache are the bf16 kernels' (``build.py``).
 
 Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 
@@ -13,7 +16,7 @@ Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 | 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only: a wider tile (B's scales are per column there, not 128-blocks) |
 
 A tile's N must be a multiple of B's scale block along N: 128 for the weights of fwd and dgrad, 1 for
-wgrad (``config_fits``).
+wgrad and for tensor scales (``config_fits``).
 
 ``CONFIG_OVERRIDE`` (None in use) forces one config for every call: benchmarks/fp8_grouped_gemm.py
 ``--sweep`` times each config this way, and a config that wins moves into ``choose_fp8_config``.
@@ -47,10 +50,10 @@ CONFIG_OVERRIDE = None
 SMALL_M_ROWS = 192  # average rows per expert at or below which the 64-row ping-pong tile runs
 
 
-def config_fits(direction: str, config: int) -> bool:
-    """The tile's N covers whole scale blocks of B: 128-column weight blocks in fwd/dgrad."""
+def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:
+    """The tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad."""
     tile_n = FP8_CONFIGS[config][2]
-    return direction == "wgrad" or tile_n % 128 == 0
+    return direction == "wgrad" or tensor_scales or tile_n % 128 == 0
 
 
 def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None) -> int:
@@ -70,6 +73,7 @@ class Fp8Instance:
     a_format: str = "e4m3"
     b_format: str = "e4m3"
     out_f32: bool = False
+    tensor_scales: bool = False
 
     def __post_init__(self):
         if self.direction not in KINDS:
@@ -79,21 +83,23 @@ class Fp8Instance:
         for name in ("a_format", "b_format"):
             if getattr(self, name) not in FORMATS:
                 raise ValueError(f"{name} must be one of {FORMATS}, received {getattr(self, name)!r}")
-        if not config_fits(self.direction, self.config):
+        if not config_fits(self.direction, self.config, self.tensor_scales):
             raise ValueError(f"config {self.config} (tile N {FP8_CONFIGS[self.config][2]}) does not fit {self.direction}: "
                              f"its N must be a multiple of the weights' 128-column scale blocks")
 
     @property
     def name(self) -> str:
         out = "f32" if self.out_f32 else "bf16"
-        return f"te_fb_{self.direction}_c{self.config}_{self.a_format}x{self.b_format}_{out}"
+        scaling = "_tensor" if self.tensor_scales else ""
+        return f"te_fb_{self.direction}_c{self.config}_{self.a_format}x{self.b_format}_{out}{scaling}"
 
     @property
     def macros(self):
         schedule, tile_m, tile_n, (cluster_m, cluster_n) = FP8_CONFIGS[self.config]
         return (f"-DTE_FB_KIND={KINDS[self.direction]}", f"-DTE_FB_CONFIG={self.config}",
                 f"-DTE_FB_A_E5M2={int(self.a_format == 'e5m2')}", f"-DTE_FB_B_E5M2={int(self.b_format == 'e5m2')}",
-                f"-DTE_FB_OUT_F32={int(self.out_f32)}", f"-DTE_FB_SCHEDULE={SCHEDULES[schedule]}",
+                f"-DTE_FB_OUT_F32={int(self.out_f32)}", f"-DTE_FB_TENSOR_SCALES={int(self.tensor_scales)}",
+                f"-DTE_FB_SCHEDULE={SCHEDULES[schedule]}",
                 f"-DTE_FB_TILE_M={tile_m}", f"-DTE_FB_TILE_N={tile_n}",
                 f"-DTE_FB_CLUSTER_M={cluster_m}", f"-DTE_FB_CLUSTER_N={cluster_n}")
 
@@ -114,9 +120,10 @@ class _Fp8Library(GemmLibrary):
                                   c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
                                   c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
         formats = lib.te_fb_formats()
-        got = (lib.te_fb_kind(), lib.te_fb_config(), formats & 1, (formats >> 1) & 1, (formats >> 2) & 1)
+        got = (lib.te_fb_kind(), lib.te_fb_config(), formats & 1, (formats >> 1) & 1, (formats >> 2) & 1,
+               (formats >> 3) & 1)
         want = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
-                int(inst.out_f32))
+                int(inst.out_f32), int(inst.tensor_scales))
         if got != want:
             raise BuildError(f"{path} is not {inst}: the library reports {got}")
         self.run = lib.te_fb_run
@@ -127,9 +134,10 @@ _failed: dict = {}  # instance key -> the build error, so a broken instance is n
 _lock = threading.Lock()
 
 
-def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32: bool = False) -> _Fp8Library:
+def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32: bool = False,
+             tensor_scales: bool = False) -> _Fp8Library:
     """The library of one instance, built on first use (keyed by a plain tuple: looked up per call)."""
-    key = (direction, config, a_format, b_format, out_f32)
+    key = (direction, config, a_format, b_format, out_f32, tensor_scales)
     lib = _loaded.get(key)
     if lib is None:
         with _lock:
@@ -137,7 +145,7 @@ def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32:
             if lib is None:
                 if key in _failed:
                     raise BuildError(_failed[key])
-                inst = Fp8Instance(direction, config, a_format, b_format, out_f32)
+                inst = Fp8Instance(direction, config, a_format, b_format, out_f32, tensor_scales)
                 try:
                     # a library that fails to open is rebuilt once, then BuildError (the cache's rule)
                     lib = _loaded[key] = open_cutlass_source(SOURCE, inst.name, inst.macros,
@@ -154,14 +162,15 @@ def fp8_candidate_instances():
 
 
 def all_fp8_instances():
-    """The instances the three recipes' formats need: E4M3 everywhere, and HYBRID's e5m2 gradients
-    (dgrad's A = dy, wgrad's A = dy^T); bf16 output."""
+    """The instances the three recipes' formats need, block and tensor scales: E4M3 everywhere, and
+    HYBRID's e5m2 gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output."""
     out = []
-    for config in (0, 1):
-        for direction in KINDS:
-            if direction == "wgrad" and config != 0:
-                continue
-            out.append(Fp8Instance(direction, config))
-            if direction != "fwd":
-                out.append(Fp8Instance(direction, config, a_format="e5m2"))
+    for tensor_scales in (False, True):
+        for config in (0, 1):
+            for direction in KINDS:
+                if direction == "wgrad" and config != 0:
+                    continue
+                out.append(Fp8Instance(direction, config, tensor_scales=tensor_scales))
+                if direction != "fwd":
+                    out.append(Fp8Instance(direction, config, a_format="e5m2", tensor_scales=tensor_scales))
     return out

@@ -1,5 +1,6 @@
-// te_dist block-scaled FP8 grouped GEMM for Hopper (sm_90a): the Float8BlockScaling (DeepSeek-V3)
-// scheme, CUTLASS 3.x ptr-array TMA warp-specialized kernels with blockwise scale promotion.
+// te_dist FP8 grouped GEMM for Hopper (sm_90a), CUTLASS 3.x ptr-array TMA warp-specialized kernels:
+// block scales (Float8BlockScaling, the DeepSeek-V3 scheme) with blockwise scale promotion, or one
+// scale per operand (DelayedScaling, Float8CurrentScaling) applied in the epilogue.
 //
 // Every operand arrives K-major (FP8 wgmma reads both operands K-major), quantized along K in
 // blocks of 128, with float32 dequantization scales ("scale_inv"). One source, compiled per
@@ -13,12 +14,18 @@
 //                                                          every group's first row a multiple of 128
 //   TE_FB_A_E5M2 / TE_FB_B_E5M2: the operand is e5m2 (HYBRID gradients) instead of e4m3.
 //   TE_FB_OUT_F32: fp32 output instead of bf16.
+//   TE_FB_TENSOR_SCALES: sfa and sfb each point at ONE float (the per-tensor scale_inv); the
+//     operands' layouts are as above, and wgrad's groups need only start on a 16-row boundary.
 //   TE_FB_SCHEDULE, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}: the tile (TILE_K is the scale block, 128).
 //
 // Accumulation: the tensor cores accumulate each 128-long K block in their FP8 accumulator; the
 // mainloop then multiplies it by the two blocks' scales and adds it into an fp32 accumulator
-// (CUTLASS's blockwise "scale promotion", one promotion per scale block).
-// Epilogue (per group e): out = row_scale[row] * acc + bias[e][col]; either may be null.
+// (CUTLASS's blockwise "scale promotion", one promotion per scale block). With tensor scales the
+// mainloop adds the tensor cores' accumulator into the fp32 one at the same interval (CUTLASS's FP8
+// mainloop, mma_promotion_interval 4 = every 128 elements of K), unscaled.
+// Epilogue (per group e): out = row_scale[row] * acc + bias[e][col]; either may be null. With tensor
+// scales acc is first multiplied by alpha = sfa * sfb, a product the prepare kernel writes into the
+// workspace (so the cached kernel Params, which point at it, hold across calls).
 //
 // The 1x128 scales of A in fwd/dgrad are read per group M-major (CUTLASS derives a group's scale
 // layout from its own row count), so te_fb_run first rewrites the caller's [T, K/128] scales into
@@ -59,6 +66,9 @@
 #ifndef TE_FB_OUT_F32
 #define TE_FB_OUT_F32 0
 #endif
+#ifndef TE_FB_TENSOR_SCALES
+#define TE_FB_TENSOR_SCALES 0
+#endif
 #ifndef TE_FB_CONFIG
 #define TE_FB_CONFIG 0
 #endif
@@ -73,6 +83,7 @@ namespace te_fb {
 
 constexpr int kFwd = 0, kDgrad = 1, kWgrad = 2;
 constexpr int kKind = TE_FB_KIND;
+constexpr bool kTensorScales = TE_FB_TENSOR_SCALES != 0;
 constexpr int kBlock = 128;  // the recipe's scale block along K (and the 128x128 weight blocks)
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
@@ -98,16 +109,35 @@ using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
 #if TE_FB_SCHEDULE == 0
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+using KernelSchedule = cute::conditional_t<kTensorScales, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 #elif TE_FB_SCHEDULE == 1
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+using KernelSchedule = cute::conditional_t<kTensorScales, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise>;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 #else
 #error "TE_FB_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
 #endif
 
-using Epilogue = te_grouped::RowScaleBiasEpilogue<TileShape, ElementD>;  // out = fma(row_scale, acc, bias)
+// Tensor scales: out = fma(row_scale, alpha * acc, bias), alpha read once per CTA from the workspace.
+template <class TileShape_, class ElementD_>
+using TensorScaleEpilogue = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::multiply_add, ElementD_, float,
+                                           cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape_, float*, float, Stride<_1, _0, _0>, 1>,
+    cutlass::epilogue::fusion::Sm90EVT<
+        cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
+                                               cutlass::FloatRoundStyle::round_to_nearest>,
+        cutlass::epilogue::fusion::Sm90ScalarBroadcast<float>, cutlass::epilogue::fusion::Sm90AccFetch>,
+    cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape_, float*, float, Stride<_0, _1, _0>, 4>>;
+
+using Epilogue = cute::conditional_t<kTensorScales, TensorScaleEpilogue<TileShape, ElementD>,
+                                     te_grouped::RowScaleBiasEpilogue<TileShape, ElementD>>;
+
+// The mainloop's operand layouts: with block scales each operand's layout travels with its scales'.
+using MainloopLayoutA = cute::conditional_t<kTensorScales, LayoutA*, cute::tuple<LayoutA*, LayoutSFA*>>;
+using MainloopLayoutB = cute::conditional_t<kTensorScales, LayoutB*, cute::tuple<LayoutB*, LayoutSFB*>>;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -116,8 +146,8 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
-    ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB,
+    ElementA, MainloopLayoutA, kAlignAB,
+    ElementB, MainloopLayoutB, kAlignAB,
     ElementAcc, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
     KernelSchedule>::CollectiveOp;
@@ -134,7 +164,7 @@ using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
 
 struct WsLayout {
   size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, ptr_sfa, ptr_sfb, layout_sfa, layout_sfb,
-      ptr_scale, ptr_bias, cutlass_ws, total;
+      ptr_scale, ptr_bias, alpha, cutlass_ws, total;
 };
 
 static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
@@ -155,6 +185,7 @@ static WsLayout make_layout_for(int num_groups, size_t cutlass_bytes) {
   l.layout_sfb = take(e * sizeof(LayoutSFB));
   l.ptr_scale = take(e * sizeof(void*));
   l.ptr_bias = take(e * sizeof(void*));
+  l.alpha = take(sizeof(float));
   l.cutlass_ws = take(cutlass_bytes);
   l.total = carve.offset;
   return l;
@@ -174,6 +205,7 @@ struct DevicePtrs {
   LayoutSFB* layout_sfb;
   const float** ptr_scale;
   const float** ptr_bias;
+  float* alpha;  // tensor scales: sfa * sfb
 };
 
 static DevicePtrs device_ptrs(char* ws, const WsLayout& l, bool has_scale, bool has_bias) {
@@ -189,7 +221,8 @@ static DevicePtrs device_ptrs(char* ws, const WsLayout& l, bool has_scale, bool 
                     reinterpret_cast<LayoutSFA*>(ws + l.layout_sfa),
                     reinterpret_cast<LayoutSFB*>(ws + l.layout_sfb),
                     has_scale ? reinterpret_cast<const float**>(ws + l.ptr_scale) : nullptr,
-                    has_bias ? reinterpret_cast<const float**>(ws + l.ptr_bias) : nullptr};
+                    has_bias ? reinterpret_cast<const float**>(ws + l.ptr_bias) : nullptr,
+                    reinterpret_cast<float*>(ws + l.alpha)};
 }
 
 // ----------------------------------------------------------------------------- device-side preparation
@@ -219,6 +252,9 @@ __global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_grou
                                const ElementA* a, const ElementB* b, ElementD* d, const float* sfa,
                                const float* sfb, const float* scale, const float* bias, DevicePtrs p) {
   int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if constexpr (kTensorScales) {
+    if (e == 0) *p.alpha = *sfa * *sfb;
+  }
   if (e >= num_groups) return;
   int64_t start = group_start(offsets, e);
   int rows = static_cast<int>(offsets[e] - start);
@@ -257,8 +293,10 @@ __global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_grou
   p.stride_a[e] = sa;
   p.stride_b[e] = sb;
   p.stride_d[e] = cutlass::make_cute_packed_stride(StrideD{}, make_shape(kKind == kWgrad ? n : sm, sn, 1));
-  p.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(gm, gn, gk, 1));
-  p.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(gm, gn, gk, 1));
+  if constexpr (!kTensorScales) {
+    p.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(gm, gn, gk, 1));
+    p.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(gm, gn, gk, 1));
+  }
   if (p.ptr_scale != nullptr) p.ptr_scale[e] = scale + start;
   if (p.ptr_bias != nullptr) p.ptr_bias[e] = bias + static_cast<int64_t>(e) * n;
 }
@@ -269,14 +307,19 @@ static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l
   hw_info.device_id = device_id;
   hw_info.sm_count = sm_count;
   DevicePtrs p = device_ptrs(ws, l, has_scale, has_bias);
+#if TE_FB_TENSOR_SCALES  // the two branches' Arguments differ in shape: a constexpr if would compile both
+  typename Epilogue::Arguments fusion{{p.ptr_scale, 1.0f, {}}, {{{1.0f}, {p.alpha}, {}}, {}, {}}, {p.ptr_bias, 0.0f, {}}, {}};
+  typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b};
+#else
   auto fusion = te_grouped::row_scale_bias_arguments<Epilogue>(p.ptr_scale, p.ptr_bias);
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {num_groups, p.shapes, nullptr},
-      {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_sfa, p.layout_sfa, p.ptr_sfb, p.layout_sfb},
-      {fusion, nullptr, p.stride_d, p.ptr_d, p.stride_d},
-      hw_info};
-  return args;
+  typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_sfa, p.layout_sfa, p.ptr_sfb,
+                                            p.layout_sfb};
+#endif
+  return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                  {num_groups, p.shapes, nullptr},
+                                  mainloop,
+                                  {fusion, nullptr, p.stride_d, p.ptr_d, p.stride_d},
+                                  hw_info};
 }
 
 // Kernel Params per launch key, per host thread (te_grouped::LaunchKey says why they can be reused).
@@ -294,7 +337,9 @@ extern "C" {
 
 int te_fb_kind() { return TE_FB_KIND; }
 int te_fb_config() { return TE_FB_CONFIG; }
-int te_fb_formats() { return (TE_FB_A_E5M2 ? 1 : 0) | (TE_FB_B_E5M2 ? 2 : 0) | (TE_FB_OUT_F32 ? 4 : 0); }
+int te_fb_formats() {
+  return (TE_FB_A_E5M2 ? 1 : 0) | (TE_FB_B_E5M2 ? 2 : 0) | (TE_FB_OUT_F32 ? 4 : 0) | (TE_FB_TENSOR_SCALES ? 8 : 0);
+}
 
 const char* te_fb_last_error() { return te_grouped::g_error; }
 
@@ -304,8 +349,8 @@ int te_fb_workspace_bytes(int num_groups, int sm_count, size_t* bytes) {
 }
 
 // Launch on `stream`. a/b/sfa/sfb per TE_FB_KIND (see the top of this file); `sfa_scratch` holds
-// num_rows * (contraction / 128) floats for fwd/dgrad (unused by wgrad); n, k are the user-level
-// out/in features and num_rows is T.
+// num_rows * (contraction / 128) floats for block-scaled fwd/dgrad (unused by wgrad and by tensor
+// scales); n, k are the user-level out/in features and num_rows is T.
 int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const float* sfb, float* sfa_scratch,
               const int32_t* offsets, int num_groups, int n, int k, int64_t num_rows, const float* row_scale,
               const float* bias, void* workspace, size_t workspace_bytes, int sm_count, int device_id,
@@ -313,7 +358,8 @@ int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const flo
   using namespace te_fb;
   using te_grouped::fail;
   if (num_groups <= 0) return 0;
-  if (n % kBlock != 0 || k % kBlock != 0) return fail("te_fb_run", "N and K must be multiples of 128");
+  if (!kTensorScales && (n % kBlock != 0 || k % kBlock != 0)) return fail("te_fb_run", "N and K must be multiples of 128");
+  if (n % 16 != 0 || k % 16 != 0) return fail("te_fb_run", "N and K must be multiples of 16");
   char* ws = static_cast<char*>(workspace);
   bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
   te_grouped::LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
@@ -322,7 +368,7 @@ int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const flo
   if (workspace_bytes < l.total) return fail("te_fb_run", "workspace too small");
 
   const float* sfa_used = sfa;
-  if constexpr (kKind != kWgrad) {
+  if constexpr (kKind != kWgrad && !kTensorScales) {
     int kb = (kKind == kFwd ? k : n) / kBlock;
     int64_t total = num_rows * kb;
     if (total > 0) {

@@ -20,9 +20,9 @@ path keeps grouped semantics there):
 
 "FP8 grouped kernels available" is a real answer: cutlass_kernels' block-scaled FP8 kernels can be
 built here (nvcc and the CUTLASS headers found) and none has failed to build or load; a failure
-clears these caches (``clear_caches``). Both FP8 rules run on those kernels (per-tensor scales are
-broadcast into blocks), which are built for sm_90a: other GPUs take the emulated path until a
-kernel for them exists.
+clears these caches (``clear_caches``). Both FP8 rules run on that kernel source (block scales, or
+per-tensor scales applied in the epilogue), built for sm_90a: other GPUs take the emulated path
+until a kernel for them exists.
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
 ``split_alignment=None`` means "unknown" and fails every rule that reads it. Every recipe rule

@@ -3,9 +3,11 @@
 Why one adapter: the quantizers produce per-tensor ``Float8Tensor``s (one scale) or
 ``Float8BlockTensor``s (1x128 / 128x128 block scales, rowwise and columnwise copies), while
 the block-scaled kernels (cutlass_kernels/fp8_block_gemm.cu) read every operand K-major with
-float32 block scales in fixed layouts. Per-tensor FP8 runs on the same kernels: its one scale
-is broadcast into block scales and its transposed copies are the data transposed (written by the
-cast in the same pass when the quantizer was asked for the columnwise usage).
+float32 block scales in fixed layouts. Per-tensor FP8 runs on the same kernel source built with
+tensor scales: each operand's one scale is passed as it is (``tensor_scales``) and its transposed
+copies are the data transposed (written by the cast in the same pass when the quantizer was asked
+for the columnwise usage). Only a call that mixes a per-tensor operand with a block-scaled one has
+the per-tensor scale broadcast into blocks (``scale_tables=True``).
 
 Layouts per GEMM (E experts, T rows, K in-features, N out-features, all /128 in blocks):
 
@@ -30,7 +32,7 @@ import torch
 from ..quantization.tensors import Float8BlockTensor, Float8Tensor, QuantizedTensor
 
 __all__ = ["BLOCK", "QuantizedWeight", "prepare_weight", "rowwise_operand", "columnwise_operand", "fp8_format",
-           "copy_format", "dequantized"]
+           "copy_format", "dequantized", "tensor_scales", "one_scale"]
 
 BLOCK = 128
 _FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -92,22 +94,38 @@ def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor weights, received {type(wq).__name__}")
 
 
-def rowwise_operand(q: QuantizedTensor):
-    """(data [R, C], scales [R, C/128]) of a 2-D quantized activation, quantized along C."""
+def tensor_scales(*operands) -> bool:
+    """Every operand is per-tensor scaled (a Float8Tensor, or a QuantizedWeight made from one): the
+    call runs the tensor-scaled kernels, which read each operand's one scale as it is."""
+    return all(isinstance(q.source if isinstance(q, QuantizedWeight) else q, Float8Tensor) for q in operands)
+
+
+def one_scale(q) -> torch.Tensor:
+    """The float32 scale of a per-tensor operand (a Float8Tensor or a QuantizedWeight made from one)."""
+    q = q.source if isinstance(q, QuantizedWeight) else q
+    return q.scale_inv if q.scale_inv.dtype == torch.float32 else q.scale_inv.float()
+
+
+def rowwise_operand(q: QuantizedTensor, scale_tables: bool = True):
+    """(data [R, C], scales [R, C/128]) of a 2-D quantized activation, quantized along C; a
+    per-tensor operand's scales are its one scale when ``scale_tables`` is False."""
     if _is_block(q):
         _check_block_copy(q.rowwise, "rowwise", 1)
         return q.rowwise.data, q.rowwise.scale_inv.contiguous()
     if isinstance(q, Float8Tensor):
         if q.data is None:
             raise ValueError("rowwise copy missing: this Float8Tensor holds only its transposed data (a wgrad copy)")
+        if not scale_tables:
+            return q.data, one_scale(q)
         R, C = q.data.shape
         return q.data, q.scale_inv.reshape(1, 1).float().expand(R, C // BLOCK).contiguous()
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
 
 
-def columnwise_operand(q: QuantizedTensor):
+def columnwise_operand(q: QuantizedTensor, scale_tables: bool = True):
     """(data [C, R] = the operand transposed, scales [R/128 + 1, C]) of a 2-D activation [R, C],
-    quantized along R: the wgrad operand, which contracts over rows."""
+    quantized along R: the wgrad operand, which contracts over rows (per-tensor: its one scale
+    when ``scale_tables`` is False)."""
     R, C = q.shape
     blocks = R // BLOCK + 1
     if _is_block(q):
@@ -118,6 +136,8 @@ def columnwise_operand(q: QuantizedTensor):
         return q.columnwise.data, out
     if isinstance(q, Float8Tensor):
         # the transposed data the cast wrote in the same pass, else a transpose here
+        if not scale_tables:
+            return q.transpose_data(), one_scale(q)
         return q.transpose_data(), q.scale_inv.reshape(1, 1).float().expand(blocks, C).contiguous()
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor operands, received {type(q).__name__}")
 

@@ -73,6 +73,12 @@ def test_fp8_instance_names_and_validation():
     with pytest.raises(ValueError, match="128-column scale blocks"):  # a 192-wide tile splits weight blocks
         Fp8Instance("fwd", 3)
     assert Fp8Instance("wgrad", 3).name == "te_fb_wgrad_c3_e4m3xe4m3_bf16"
+    # per-tensor scales: their own instances, and any tile (no weight scale blocks to cover)
+    tensor = Fp8Instance("fwd", 3, tensor_scales=True)
+    assert tensor.name == "te_fb_fwd_c3_e4m3xe4m3_bf16_tensor" and "-DTE_FB_TENSOR_SCALES=1" in tensor.macros
+    assert "-DTE_FB_TENSOR_SCALES=0" in inst.macros
+    built = {(i.direction, i.a_format, i.tensor_scales) for i in all_fp8_instances()}
+    assert {("wgrad", "e5m2", True), ("dgrad", "e5m2", True), ("fwd", "e4m3", True), ("fwd", "e4m3", False)} <= built
 
 
 def _full_build(inst, tmp_path):

@@ -79,6 +79,10 @@ def _reference(direction, xq, wq, dyq, sizes):
     return torch.cat(out, 0)
 
 
+# per-tensor scales: groups start on 16-row boundaries (the TMA's 16 bytes), not 128
+CASES_16 = [(4, 256, 384, [48, 0, 16, 208]), (3, 384, 128, [0, 1024 + 32, 96])]
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}_K{c[1]}_N{c[2]}")
 def test_native_matches_the_quantized_reference(cuda_device, name, case):
@@ -86,6 +90,17 @@ def test_native_matches_the_quantized_reference(cuda_device, name, case):
     emulated path (bf16 GEMM of the dequantized values) within 1e-3 where those values are exact in
     bf16 (power-of-two block scales); per-tensor current scales are not, so there the emulated path
     is itself ~2e-3 off and only the float32 reference is compared."""
+    _check_native(cuda_device, name, case)
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+@pytest.mark.parametrize("case", CASES_16, ids=lambda c: f"E{c[0]}_K{c[1]}_N{c[2]}")
+def test_per_tensor_native_on_16_row_groups(cuda_device, name, case):
+    """The tensor-scaled kernels on groups that start on 16-row (not 128-row) boundaries."""
+    _check_native(cuda_device, name, case)
+
+
+def _check_native(cuda_device, name, case):
     E, Kin, N, sizes = case
     torch.manual_seed(1)
     xq, wq, dyq, offs = _operands(RECIPES[name](), E, Kin, N, sizes, cuda_device)
@@ -105,15 +120,21 @@ def test_native_matches_the_quantized_reference(cuda_device, name, case):
                     assert native[e].abs().max().item() == 0.0  # an empty expert's weight gradient is zero
 
 
-def test_bias_and_row_scale_epilogue(cuda_device):
+@pytest.mark.parametrize("name", ["block", "current"])
+def test_bias_and_row_scale_epilogue(cuda_device, name):
+    """Block scales: row scale and bias after the mainloop's scaling; tensor scales: after alpha."""
     torch.manual_seed(2)
     E, Kin, N, sizes = 3, 256, 256, [128, 0, 256]
-    xq, wq, _, offs = _operands(R.Float8BlockScaling(), E, Kin, N, sizes, cuda_device)
+    xq, wq, _, offs = _operands(RECIPES[name](), E, Kin, N, sizes, cuda_device)
     bias = torch.randn(E, N, device=cuda_device, dtype=torch.bfloat16)
     scale = torch.rand(sum(sizes), device=cuda_device)
     native = K.grouped_mm_quantized_forward(xq, wq, offs, bias_EN=bias, row_scale_T=scale, backend="cutlass")
-    emulated = K.grouped_mm_quantized_forward(xq, wq, offs, bias_EN=bias, row_scale_T=scale, backend="emulated")
-    assert _rel(native, emulated) <= 2e-3
+    expert = torch.repeat_interleave(torch.arange(E, device=cuda_device), torch.tensor(sizes, device=cuda_device))
+    reference = _reference("fwd", xq, wq, None, sizes) * scale[:, None] + bias.float()[expert]
+    assert _rel(native, reference) <= 2.5e-3
+    if name == "block":
+        emulated = K.grouped_mm_quantized_forward(xq, wq, offs, bias_EN=bias, row_scale_T=scale, backend="emulated")
+        assert _rel(native, emulated) <= 2e-3
 
 
 def test_forced_native_where_it_cannot_run_raises(cuda_device):

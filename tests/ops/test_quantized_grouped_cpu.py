@@ -225,3 +225,76 @@ def test_split_alignment_is_remembered_exactly():
     x = torch.randn(5, 8)
     padded = pad_expert_rows(x, None, (3, 0, 2), 16)
     assert gl.host_split_alignment(padded.splits.sizes) == 16
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe):
+    """What reaches the kernel library per GEMM (a fake library records it): per-tensor recipes
+    launch the tensor-scaled instances with each operand's one scale (no scale tables, no scratch);
+    block scaling launches the block-scaled ones with its [T, K/128] / weight-block tables."""
+    from te_dist.backends import fp8_cutlass_backend as fb
+
+    calls = []
+
+    class FakeLib:
+        def workspace_bytes(self, groups, sms):
+            return 256
+
+        def run(self, a, b, d, sfa, sfb, scratch, offsets, groups, n, k, rows, *rest):
+            calls[-1].update(sfa=sfa, sfb=sfb, scratch=scratch, n=n, k=k, rows=rows)
+            return 0
+
+    class FakeModule:
+        @staticmethod
+        def choose_fp8_config(direction, rows, groups, sizes=None):
+            return 0
+
+        @staticmethod
+        def load_fp8(direction, config, a_format, b_format, out_f32, tensor_scales):
+            calls.append(dict(direction=direction, formats=(a_format, b_format), tensor_scales=tensor_scales))
+            return FakeLib()
+
+    monkeypatch.setattr(fb, "_module", lambda: FakeModule)
+    monkeypatch.setattr(fb, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(fb, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    E, Kin, N, sizes = 2, 256, 384, (128, 256)
+    qi, qw, qg = (make_quantizer(recipe, role) for role in ("input", "weight", "grad_output"))
+    xq = qi(torch.randn(sum(sizes), Kin), rowwise=True, columnwise=True)
+    wq = K.prepare_quantized_weight(qw(torch.randn(E, N, Kin), rowwise=True, columnwise=True))
+    dyq = qg(torch.randn(sum(sizes), N), rowwise=True, columnwise=True)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    fb.forward(xq, wq, offs)
+    fb.dgrad(dyq, wq, offs)
+    fb.wgrad(xq, dyq, offs, num_groups=E)
+    per_tensor = not isinstance(recipe, R.Float8BlockScaling)
+    assert [c["direction"] for c in calls] == ["fwd", "dgrad", "wgrad"]
+    assert all(c["tensor_scales"] == per_tensor for c in calls)
+    if per_tensor:  # the quantizers' own scale tensors: nothing was expanded or copied
+        x_s, w_s, dy_s = xq.scale_inv.data_ptr(), wq.source.scale_inv.data_ptr(), dyq.scale_inv.data_ptr()
+        assert [(c["sfa"], c["sfb"]) for c in calls] == [(x_s, w_s), (dy_s, w_s), (dy_s, x_s)]
+        assert all(c["scratch"] is None for c in calls)
+    else:
+        assert all(c["sfa"] not in (None, 0) and c["sfb"] not in (None, 0) for c in calls)
+        assert calls[0]["scratch"] is not None and calls[2]["scratch"] is None
+        # one row of K 128: a block-scale table of one element is still a block-scaled call
+        one = qi(torch.randn(1, 128), rowwise=True, columnwise=False)
+        w1 = K.prepare_quantized_weight(qw(torch.randn(1, 128, 128), rowwise=True, columnwise=True))
+        fb.forward(one, w1, torch.tensor([1], dtype=torch.int32))
+        assert calls[-1]["direction"] == "fwd" and calls[-1]["tensor_scales"] is False
+
+
+def test_mixed_scalings_broadcast_the_per_tensor_scale():
+    """A per-tensor operand beside a block-scaled one: only then its scale becomes a table."""
+    from te_dist.backends.fp8_operands import rowwise_operand, tensor_scales
+
+    xq = make_quantizer(R.Float8CurrentScaling(), "input")(torch.randn(256, 256), rowwise=True, columnwise=True)
+    wblock = K.prepare_quantized_weight(make_quantizer(R.Float8BlockScaling(), "weight")(
+        torch.randn(2, 128, 256), rowwise=True, columnwise=True))
+    wtensor = K.prepare_quantized_weight(make_quantizer(R.Float8CurrentScaling(), "weight")(
+        torch.randn(2, 128, 256), rowwise=True, columnwise=True))
+    assert tensor_scales(xq, wtensor) and not tensor_scales(xq, wblock)
+    data, one = rowwise_operand(xq, scale_tables=False)
+    assert one is xq.scale_inv and data is xq.data
+    _, table = rowwise_operand(xq)
+    assert table.shape == (256, 2) and torch.equal(table, xq.scale_inv.expand(256, 2))
