@@ -32,6 +32,8 @@ from te_dist import kernels as K
 from te_dist import recipe as R
 from te_dist.quantization import make_quantizer
 
+from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
+
 SHAPES = {  # name: (experts, rows per expert, K in, N out)
     "dsv3_fc1": (32, 1024, 7168, 4096),
     "dsv3_fc2": (32, 1024, 2048, 7168),
@@ -131,7 +133,10 @@ def run_shape(name, split, args, gen):
                 del emu
             row[f"fp8_{label}"] = flops / bench(lambda: quant_call(q)) / 1e9
             if label == "tensor":
-                tables = _scale_tables_call(direction, q, offs, sizes)
+                def tables(q=q, call=quant_call):
+                    with scale_tables():
+                        return call(q)
+
                 row["tensor_tables"] = flops / bench(tables) / 1e9
                 row["tensor_vs_tables_err"] = rel(got, tables())
             if label == "block" and args.sweep:
@@ -155,33 +160,6 @@ def run_shape(name, split, args, gen):
         print("row " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)  # a run cut by a time limit keeps what it measured
     return out
-
-
-def _scale_tables_call(direction, q, offs, sizes):
-    """Per-tensor operands on the block-scaled kernels: each one scale broadcast into block tables."""
-    from te_dist.backends import fp8_cutlass_backend as fcb
-    from te_dist.backends.fp8_operands import columnwise_operand, rowwise_operand
-
-    xq, wq, dyq = q
-    E, N, Kin = wq.shape
-    T = xq.shape[0]
-
-    def call():
-        if direction == "wgrad":
-            (a, sa), (b, sb) = columnwise_operand(dyq), columnwise_operand(xq)
-            d = torch.empty(E, N, Kin, device=a.device, dtype=torch.bfloat16)
-            fcb._launch("wgrad", a, sa, b, sb, d, offs, E, N, Kin, T, None, None, None)
-        elif direction == "fwd":
-            a, sa = rowwise_operand(xq)
-            d = torch.empty(T, N, device=a.device, dtype=torch.bfloat16)
-            fcb._launch("fwd", a, sa, wq.fwd_data, wq.fwd_scale, d, offs, E, N, Kin, T, None, None, sizes)
-        else:
-            a, sa = rowwise_operand(dyq)
-            d = torch.empty(T, Kin, device=a.device, dtype=torch.bfloat16)
-            fcb._launch("dgrad", a, sa, wq.dgrad_data, wq.dgrad_scale, d, offs, E, N, Kin, T, None, None, sizes)
-        return d
-
-    return call
 
 
 def _torch_rowwise(x, w, dy, offs):

@@ -26,10 +26,10 @@ import json
 import torch
 
 import te_dist as td
-from te_dist.backends import fp8_cutlass_backend
-from te_dist.backends.fp8_operands import tensor_scales
 from te_dist.moe import MoELayer
 from te_dist.recipe import recipe_from_name
+
+from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=4096),
@@ -94,11 +94,8 @@ def main():
             elif option not in ("", "tables"):
                 raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
-            fp8_cutlass_backend.tensor_scales = (lambda *q: False) if option == "tables" else tensor_scales
-            try:
+            with scale_tables(option == "tables"):
                 ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
-            finally:
-                fp8_cutlass_backend.tensor_scales = tensor_scales
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, speed=base_ms / ms, held_gb=held / 1e9,
                              mem=held / max(base_held, 1), path="native" if native else "emulated", diff=diff))

@@ -26,11 +26,11 @@ import time
 import torch
 
 import te_dist as td
-from te_dist.backends import fp8_cutlass_backend
-from te_dist.backends.fp8_operands import tensor_scales
 from te_dist.moe.expert_mlp import build_expert_mlp
 from te_dist.ops import GroupSplits
 from te_dist.recipe import recipe_from_name
+
+from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
 
 
 def make_step(mlp, x, probs, splits, grad, name):
@@ -39,16 +39,13 @@ def make_step(mlp, x, probs, splits, grad, name):
         raise SystemExit(f"unknown recipe option {option!r} in {name!r} (known: tables)")
     recipe = recipe_from_name(base)
 
-    def step():
-        fp8_cutlass_backend.tensor_scales = (lambda *q: False) if option else tensor_scales
-        try:
+    def step():  # every recipe enters the switch, so its few host µs are in every row alike
+        with scale_tables(option == "tables"):
             mlp.zero_grad(set_to_none=True)
             x.grad = None
             with td.autocast(recipe=recipe):
                 y = mlp(x, splits, probs, splits)
             y.backward(grad)
-        finally:
-            fp8_cutlass_backend.tensor_scales = tensor_scales
     return step
 
 
