@@ -6,8 +6,9 @@ recipe on Hopper: block scales as they are; per-tensor scales on the tensor-scal
 apply the two operands' scales in the epilogue (:mod:`.fp8_operands` makes the layouts). Built on
 first use through the bf16 kernels' JIT cache; launched on the current stream with a
 caller-allocated workspace, no host sync. An instance that fails to build warns once and its calls
-run emulated (the other instances stay in use); a library that fails to load marks the kernels unavailable (the support predicates then
-answer False, so calls take the emulated path), and ``te-dist env`` shows the reason.
+run emulated (the other instances stay in use); a library that fails to load marks the kernels
+unavailable (the support predicates then answer False, so calls take the emulated path), and
+``te-dist env`` shows the reason.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _module():
 
 
 def _launch(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, k, num_rows, bias, row_scale, group_sizes,
-            per_tensor: bool = False):
+            per_tensor: bool):
     """One kernel call; ``per_tensor``: a_scale and b_scale are each one float (the tensor-scaled
     instance), else block-scale tables."""
     device = a.device
