@@ -79,6 +79,8 @@ def init_megatron(ep_size: int = 1, etp_size: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    import te_dist.distributed  # noqa: F401  (its exit hook: no SIGABRT after the last gloo collective)
+
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     global _created_process_group

@@ -2,6 +2,7 @@
 
 import torch.distributed as dist
 
+import te_dist.distributed  # noqa: F401  (its exit hook: no SIGABRT after the last gloo collective)
 from te_dist import recipe as R
 
 

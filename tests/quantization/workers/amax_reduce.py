@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import te_dist.distributed  # noqa: F401  (its exit hook: no SIGABRT after the last gloo collective)
 from te_dist import recipe as R
 from te_dist.quantization import make_quantizer
 
