@@ -196,6 +196,7 @@ class _Table:
         self.ranking: Dict[Key, Tuple[Choice, ...]] = {}
         self.ms: Dict[Key, Dict[str, float]] = {}
         self.file_stamp = None  # (mtime_ns, size) of the file last read
+        self._encoded: Dict[Key, Tuple[tuple, dict, str]] = {}  # key -> (ranking, ms, its JSON text)
 
     def put(self, key: Key, timings: Dict[Choice, float]) -> None:
         self.ranking[key] = tuple(sorted(timings, key=timings.get))
@@ -204,6 +205,24 @@ class _Table:
     def to_entries(self) -> dict:
         return {key_text(k): {"ranking": [choice_name(c) for c in r], "ms": self.ms.get(k, {})}
                 for k, r in self.ranking.items() if r}
+
+    def entries_json(self) -> str:
+        """:meth:`to_entries` as compact JSON text. The file is rewritten on every miss, inside the
+        bucket's 50 ms, so each entry is encoded once and its text reused while its ranking and ms
+        are unchanged (compared by value: whoever replaced them, the text follows)."""
+        parts = []
+        for key, ranking in self.ranking.items():
+            if not ranking:
+                continue
+            ms = self.ms.get(key, {})
+            done = self._encoded.get(key)
+            if done is None or done[0] != ranking or done[1] != ms:
+                entry = {"ms": ms, "ranking": [choice_name(c) for c in ranking]}
+                text = f"{json.dumps(key_text(key))}:{json.dumps(entry, separators=(',', ':'), sort_keys=True)}"
+                done = self._encoded[key] = (ranking, dict(ms), text)
+            parts.append(done[2])
+        parts.sort()
+        return "{" + ",".join(parts) + "}"
 
     def merge_entries(self, entries: dict) -> None:
         for text, entry in entries.items():
@@ -392,13 +411,14 @@ class Autotuner:
         for key, ranking in fresh.ranking.items():
             table.ranking.setdefault(key, ranking)
             table.ms.setdefault(key, fresh.ms.get(key, {}))
+        table.entries_json()  # encode what the file brought now, on the miss's clock, not in the save after it
 
     def _save(self, table: _Table, cache, since: Optional[float] = None) -> None:
         """Write the table (merged with the file, re-read just before under the lock) atomically;
         ``since``: the measurement's end, from which ``save_ms`` is taken."""
-        data = {"version": FILE_VERSION, "torch": torch.__version__, "entries": table.to_entries()}
+        text = f'{{"entries":{table.entries_json()},"torch":{json.dumps(torch.__version__)},"version":{FILE_VERSION}}}'
         try:
-            cache.write_atomic(table.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            cache.write_atomic(table.path, text.encode())
             if since is not None:
                 self.save_ms = (time.perf_counter() - since) * 1e3
             st = table.path.stat()

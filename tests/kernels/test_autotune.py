@@ -276,6 +276,24 @@ def test_choices_persist_and_reload(tmp_path):
     assert fresh_timer.calls == []
 
 
+def test_the_file_text_is_the_table_and_follows_every_change():
+    """The file's entries are encoded once per entry and reused: whatever replaces a ranking or its
+    ms (a new measurement, a reload, an agreed table), the text written next says the same as the table."""
+    table = autotune._Table(None)
+    keys = [bucket_key(_p(k=k), SIZES) for k in (1024, 2048, 4096)]
+    for i, key in enumerate(keys):
+        table.put(key, {("cutlass", 0): 1.0 + i, ("torch", None): 2.0})
+    table.ranking[bucket_key(_p(k=8192), SIZES)] = ()  # nothing to choose: not written
+    assert json.loads(table.entries_json()) == table.to_entries() and len(table.to_entries()) == 3
+    table.put(keys[0], {("cutlass", 0): 5.0, ("torch", None): 2.0})  # re-measured: torch now first
+    table.ms[keys[1]] = {"cutlass:0": 9.0}  # replaced from outside (a reload, an agreed table)
+    table.ranking[keys[2]] = (("torch", None),)
+    entries = json.loads(table.entries_json())
+    assert entries == table.to_entries()
+    assert entries[autotune.key_text(keys[0])]["ranking"] == ["torch", "cutlass:0"]
+    assert entries[autotune.key_text(keys[1])]["ms"] == {"cutlass:0": 9.0}
+
+
 def test_time_after_the_measurement_is_reserved_in_the_next_bucket(tmp_path, monkeypatch):
     """Ranking and file write come after the timing: their wall time (here a slow write) is taken
     from the measurement's end, and the next miss starts with that much of its bucket spent."""
