@@ -7,10 +7,9 @@ that control keeps the reproduction honest, so the fixed run proves the hook and
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,6 @@ from harness import run_torchrun, scenario_results
 
 WORKER = Path(__file__).resolve().parent / "workers" / "exit_after_collective.py"
 ABORT = "terminate called without an active exception"
-
 
 PROBE = """
 import gc, sys
