@@ -7,15 +7,14 @@ the GIL from there until interpreter finalization (a short tail of Python after 
 collective is enough), the worker thread is still waiting when finalization starts; Python then
 ends the thread inside a C++ destructor and the process dies with "terminate called without an
 active exception" (SIGABRT) after a run that succeeded; torchrun reports the rank as failed.
-Measured on the 2-core CI machine: one 2-rank gloo launch in 10 to 25 aborted this way. Any gloo
+Measured on the 2-core CPU box (CI's kind): one 2-rank gloo launch in 10 to 25 aborted this way. Any gloo
 job is exposed (``te-dist train`` on CPU, the gloo side groups of NCCL jobs, the test workers).
 
-The fix is to give the GIL away once, after the last collective: :func:`settle_collective_threads`
-sleeps briefly. It runs at interpreter exit (an ``atexit`` hook, registered when
-``te_dist.distributed`` is imported; atexit hooks run before finalization starts) while a
-process-group thread is alive, which Linux names in /proc (no /proc: settle anyway). A worker
-thread kept off the CPU for longer than the pause can still lose the race; the pause is about
-ten scheduler time slices.
+The fix is to give the GIL away once, after the last collective: a sleep of ``SETTLE_S`` at
+interpreter exit (an ``atexit`` hook, registered when ``te_dist.distributed`` is imported; atexit
+hooks run before finalization starts) while a process-group thread is alive, which Linux names in
+/proc (no /proc: sleep anyway). A worker thread kept off the CPU for longer than the pause can
+still lose the race; the pause is about ten scheduler time slices.
 """
 
 from __future__ import annotations
@@ -24,15 +23,10 @@ import atexit
 import os
 import time
 
-__all__ = ["settle_collective_threads", "collective_threads_alive", "SETTLE_S"]
+__all__ = ["collective_threads_alive", "SETTLE_S"]
 
 SETTLE_S = 0.05
 _THREAD_NAME_PARTS = ("gloo", "nccl")  # torch names them pt_gloo_runloop, gloo_tcp_loop, pt_nccl_watchdg...
-
-
-def settle_collective_threads(seconds: float = SETTLE_S) -> None:
-    """Release the GIL for ``seconds`` so collective worker threads can drop their last tensors."""
-    time.sleep(seconds)
 
 
 def collective_threads_alive() -> bool:
@@ -54,7 +48,7 @@ def collective_threads_alive() -> bool:
 
 def _settle_at_exit() -> None:
     if collective_threads_alive():
-        settle_collective_threads()
+        time.sleep(SETTLE_S)  # releases the GIL: a waiting worker thread drops its last tensors now
 
 
 atexit.register(_settle_at_exit)
