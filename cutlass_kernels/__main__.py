@@ -36,6 +36,10 @@ def main(argv=None) -> int:
         known = all_instances() + [Instance(d, c, f) for d in ("fwd", "dgrad", "wgrad") for c in sorted(CANDIDATES)
                                    for f in (False, True)] + all_fp8_instances() + fp8_candidate_instances()
         insts = list({i.name: i for i in known if i.name in args.only}.values())  # a name listed twice builds once
+        unknown = sorted(set(args.only) - {i.name for i in insts})
+        if unknown:
+            ap.error(f"no such instance: {' '.join(unknown)} (names look like te_gg_fwd_c0_bf16, "
+                     f"te_fb_wgrad_c0_e4m3xe4m3_bf16_tensor)")
     print(f"building {len(insts)} instances into {cache_dir()} with {args.jobs} jobs", flush=True)
     t0 = time.time()
     failures = 0

@@ -157,8 +157,11 @@ def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32:
 
 
 def fp8_candidate_instances():
-    """Every config that fits each direction, E4M3 operands: what a tile sweep may build."""
-    return [Fp8Instance(d, c) for d in KINDS for c in sorted(FP8_CONFIGS) if config_fits(d, c)]
+    """Every config that fits each direction, in every format and scaling the recipes use: what a
+    tile sweep may build."""
+    return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for d in KINDS
+            for c in sorted(FP8_CONFIGS) if config_fits(d, c, t)
+            for a_format in (("e4m3",) if d == "fwd" else FORMATS)]
 
 
 def all_fp8_instances():

@@ -81,6 +81,23 @@ def test_fp8_instance_names_and_validation():
     assert {("wgrad", "e5m2", True), ("dgrad", "e5m2", True), ("fwd", "e4m3", True), ("fwd", "e4m3", False)} <= built
 
 
+def test_build_cli_names_every_instance_it_can_build_and_refuses_others(capsys, monkeypatch, tmp_path):
+    """``--only`` takes any recipe's instance, candidate tiles included, and a name it cannot build is
+    an error before anything is compiled (it used to be dropped silently)."""
+    from cutlass_kernels.__main__ import main
+    from cutlass_kernels.fp8_block import FP8_CONFIGS, fp8_candidate_instances
+
+    names = {i.name for i in fp8_candidate_instances()}
+    for config in FP8_CONFIGS:
+        assert f"te_fb_wgrad_c{config}_e5m2xe4m3_bf16_tensor" in names and f"te_fb_wgrad_c{config}_e4m3xe4m3_bf16" in names
+    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        main(["--only", "te_fb_wgrad_c0_e4m3xe4m3_bf16", "te_fb_wgrad_c9_e4m3xe4m3_bf16"])
+    assert exc.value.code == 2
+    assert "no such instance: te_fb_wgrad_c9_e4m3xe4m3_bf16" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.so"))
+
+
 def _full_build(inst, tmp_path):
     """A JIT build into ``tmp_path``: the library, and a second call that is a cache hit."""
     path = ck.build_instance(inst)
