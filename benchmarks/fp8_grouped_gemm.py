@@ -139,18 +139,19 @@ def run_shape(name, split, args, gen):
 
                 row["tensor_tables"] = flops / bench(tables) / 1e9
                 row["tensor_vs_tables_err"] = rel(got, tables())
-            if label == "block" and args.sweep:
+            if args.sweep:  # block configs as c<id>, tensor-scaled ones as t<id>; *_err: vs the default's result
                 from cutlass_kernels import fp8_block
 
                 for config in (int(c) for c in args.sweep.split(",")):
-                    if not fp8_block.config_fits(direction, config):
+                    if not fp8_block.config_fits(direction, config, label == "tensor"):
                         continue
+                    column = f"{'t' if label == 'tensor' else 'c'}{config}"
                     fp8_block.CONFIG_OVERRIDE = config
                     try:
-                        quant_call(q)
-                        row[f"c{config}"] = flops / bench(lambda: quant_call(q)) / 1e9
+                        row[f"{column}_err"] = rel(quant_call(q), got)
+                        row[column] = flops / bench(lambda: quant_call(q)) / 1e9
                     except Exception as exc:
-                        print(f"config {config} {direction}: {type(exc).__name__}: {str(exc)[:300]}")
+                        print(f"config {config} {label} {direction}: {type(exc).__name__}: {str(exc)[:300]}")
                     finally:
                         fp8_block.CONFIG_OVERRIDE = None
         row["bf16"] = flops / bench(bf16_call) / 1e9
@@ -194,7 +195,7 @@ def main():
     p.add_argument("--shapes", default="dsv3_fc1,dsv3_fc2,mixtral_fc1,mixtral_fc2,qwen3_fc1,qwen3_fc2,long_k")
     p.add_argument("--splits", default="even,ragged")
     p.add_argument("--json", default=None)
-    p.add_argument("--sweep", default=None, help="comma-separated FP8 tile configs to time for the block operands")
+    p.add_argument("--sweep", default=None, help="comma-separated FP8 tile configs to time, block (c<id>) and tensor-scaled (t<id>)")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -214,12 +215,14 @@ def main():
               f"{r['fp8_block'] / r['bf16']:8.2f} {r['fp8_tensor'] / r['tensor_tables']:10.2f} {r['err_vs_emulated']:8.1e} "
               f"{r['err_vs_fp32']:8.1e} {r['bf16_err_vs_fp32']:13.1e}")
     if args.sweep:
-        configs = [f"c{c}" for c in args.sweep.split(",")]
-        print("\nblock operands per tile config (TFLOP/s):")
-        print(f"{'shape':<12} {'split':<7} {'dir':<6} " + " ".join(f"{c:>7}" for c in configs) + f" {'auto':>7}")
-        for r in rows:
-            print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} " + " ".join(f"{r.get(c, 0):7.0f}" for c in configs)
-                  + f" {r['fp8_block']:7.0f}")
+        for label, letter in (("block", "c"), ("tensor", "t")):
+            configs = [f"{letter}{c}" for c in args.sweep.split(",")]
+            print(f"\n{label}-scaled operands per tile config (TFLOP/s; err: largest relative difference from auto's result):")
+            print(f"{'shape':<12} {'split':<7} {'dir':<6} " + " ".join(f"{c:>7}" for c in configs) + f" {'auto':>7} {'err':>8}")
+            for r in rows:
+                err = max((r.get(f"{c}_err", 0.0) for c in configs), default=0.0)
+                print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} " + " ".join(f"{r.get(c, 0):7.0f}" for c in configs)
+                      + f" {r[f'fp8_{label}']:7.0f} {err:8.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -6,7 +6,8 @@ A recipe name with the suffix ``:bf16h`` (e.g. ``block:bf16h``) runs that recipe
 ``fp8_swiglu_input = False``: the grouped MLP keeps the SwiGLU input in bf16 instead of its FP8 copy.
 The suffix ``:tables`` (per-tensor recipes, e.g. ``current:tables``) runs their GEMMs on the
 block-scaled kernels with each one scale broadcast into block tables per call, the A/B baseline of
-the tensor-scaled kernels.
+the tensor-scaled kernels. The suffix ``:c<N>`` (e.g. ``block:c4``) runs every FP8 grouped GEMM on
+tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a tile.
 
 Rows: one per (config, recipe). Columns: step time (mean of --iters steps after --warmup, one
 forward+backward each, CUDA events), speed against bf16 in the same run (bf16 time / recipe
@@ -26,6 +27,7 @@ import json
 import torch
 
 import te_dist as td
+from cutlass_kernels import fp8_block
 from te_dist.moe import MoELayer
 from te_dist.recipe import recipe_from_name
 
@@ -89,13 +91,20 @@ def main():
         for rname in args.recipes.split(","):
             base_name, _, option = rname.partition(":")
             recipe = recipe_from_name(base_name)
+            config = None
             if option == "bf16h":
                 recipe.fp8_swiglu_input = False
+            elif option.startswith("c") and option[1:].isdigit():
+                config = int(option[1:])
             elif option not in ("", "tables"):
-                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables)")
+                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, c<N>)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
-            with scale_tables(option == "tables"):
-                ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
+            fp8_block.CONFIG_OVERRIDE = config
+            try:
+                with scale_tables(option == "tables"):
+                    ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
+            finally:
+                fp8_block.CONFIG_OVERRIDE = None
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, speed=base_ms / ms, held_gb=held / 1e9,
                              mem=held / max(base_held, 1), path="native" if native else "emulated", diff=diff))
