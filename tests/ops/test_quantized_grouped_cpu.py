@@ -6,6 +6,7 @@ everything around them runs, with the emulated backend standing in for the kerne
 the same quantized values the kernel reads.
 """
 
+import itertools
 import math
 
 import pytest
@@ -58,6 +59,35 @@ def test_padding_round_trip_and_gradients():
     assert same.row_map_N is None
     with pytest.raises(ValueError, match="sum to"):
         pad_expert_rows(x, probs, (1, 2), 128)
+    with pytest.raises(ValueError, match="sizes must be >= 0"):
+        pad_expert_rows(x[:2], None, (3, -1), 128)
+
+
+@pytest.mark.parametrize("alignment", [1, 16, 128])
+def test_padding_plan_places_every_row_as_a_per_expert_walk_does(alignment):
+    """The plan's maps (built with whole-tensor ops) against a plain walk over the experts, on many
+    expert counts with empty and already aligned experts."""
+    from te_dist.moe.padding import plan_padding
+
+    gen = torch.Generator().manual_seed(alignment)
+    for num_experts in (0, 1, 3, 64, 128):
+        sizes = tuple(int(v) for v in torch.randint(0, 3, (num_experts,), generator=gen) * 67
+                      + torch.randint(0, 2, (num_experts,), generator=gen) * 128)
+        plan = plan_padding(sizes, alignment, "cpu")
+        row_map, pad_rows, start, pstart = [], [], 0, 0
+        for s in sizes:
+            p = -(-s // alignment) * alignment
+            row_map += range(pstart, pstart + s)
+            pad_rows += range(pstart + s, pstart + p)
+            start, pstart = start + s, pstart + p
+        assert plan.splits.sizes == padded_sizes(sizes, alignment)
+        assert plan.splits.offsets.tolist() == list(itertools.accumulate(plan.splits.sizes))
+        if plan.row_map_N is None:
+            assert plan.splits.sizes == sizes
+            continue
+        assert plan.row_map_N.tolist() == row_map and plan.pad_rows.tolist() == pad_rows
+        src = plan.src_P.tolist()
+        assert all(src[row_map[i]] == i for i in range(len(row_map)))  # each row read back from its slot
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
