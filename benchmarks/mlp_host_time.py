@@ -13,12 +13,14 @@ layer's padding hands the native path), so the native path runs with no device r
 per step, the ratio to bf16 in the same run, and the path the MLP took (native or emulated).
 A recipe named with the suffix ``:tables`` (``current:tables``) runs its per-tensor GEMMs on the
 block-scaled kernels with each scale broadcast into block tables per call: the A/B baseline of the
-tensor-scaled kernels.
+tensor-scaled kernels. The suffix ``:triton`` launches every Triton kernel through Triton's own
+``kernel[grid](...)`` instead of ``te_dist.quantization.triton_launch`` (the A/B of those launches).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -28,19 +30,32 @@ import torch
 import te_dist as td
 from te_dist.moe.expert_mlp import build_expert_mlp
 from te_dist.ops import GroupSplits
+from te_dist.quantization.triton_launch import TritonLaunch
 from te_dist.recipe import recipe_from_name
 
 from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
 
 
+@contextlib.contextmanager
+def tritons_launch(enabled: bool):
+    """Inside: no launch has a key, so every Triton kernel goes through ``kernel[grid](...)``."""
+    key = TritonLaunch.key
+    if enabled:
+        TritonLaunch.key = lambda self, grid, args, meta: None
+    try:
+        yield
+    finally:
+        TritonLaunch.key = key
+
+
 def make_step(mlp, x, probs, splits, grad, name):
     base, _, option = name.partition(":")
-    if option not in ("", "tables"):
-        raise SystemExit(f"unknown recipe option {option!r} in {name!r} (known: tables)")
+    if option not in ("", "tables", "triton"):
+        raise SystemExit(f"unknown recipe option {option!r} in {name!r} (known: tables, triton)")
     recipe = recipe_from_name(base)
 
-    def step():  # every recipe enters the switch, so its few host µs are in every row alike
-        with scale_tables(option == "tables"):
+    def step():  # every recipe enters the switches, so their few host µs are in every row alike
+        with scale_tables(option == "tables"), tritons_launch(option == "triton"):
             mlp.zero_grad(set_to_none=True)
             x.grad = None
             with td.autocast(recipe=recipe):

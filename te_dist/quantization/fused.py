@@ -74,10 +74,11 @@ def fused_casts_available() -> bool:
     return _load()[0] is not None
 
 
-def _device_ok(index: int) -> bool:
+def _device_ok(device: torch.device) -> bool:
+    """FP8 conversions in hardware (compute capability >= 8.9) on this CUDA device (an indexed one)."""
     from ..support import device_capability  # the one owner of capability lookups (and its test hook)
 
-    return device_capability(torch.device("cuda", index)) >= (8, 9)
+    return device_capability(device) >= (8, 9)
 
 
 def fused_casts_for(x: torch.Tensor, family: str = "fp8"):
@@ -87,10 +88,8 @@ def fused_casts_for(x: torch.Tensor, family: str = "fp8"):
     if enabled is False or x.dtype not in FUSED_DTYPES:
         return None
     if enabled is None:
-        if x.device.type != "cuda":
-            return None
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if not _device_ok(index):
+        device = x.device  # a CUDA tensor's device always names its index
+        if device.type != "cuda" or not _device_ok(device):
             return None
     elif x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

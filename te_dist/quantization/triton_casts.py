@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import cdiv, launch, next_power_of_2
+
 __all__ = [
     "compute_amax",
     "current_scaling_quantize",
@@ -387,26 +389,32 @@ def _zero_bits(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _scalar_f32(t: torch.Tensor) -> torch.Tensor:
+    """A float32 scalar as the kernels read it (one value at a pointer): no copy when it is one already
+    (each avoided ``to``/``reshape`` is ~1 µs of host time per cast)."""
+    return t if t.dtype == torch.float32 and t.numel() == 1 else t.to(torch.float32).reshape(1).contiguous()
+
+
 def _per_tensor_grid(n: int):
-    return (max(1, triton.cdiv(n, _PT_BLOCK * _PT_ITERS)),)
+    return (max(1, cdiv(n, _PT_BLOCK * _PT_ITERS)),)
 
 
 def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
                  reverse=False):
     dummy = amax_bits if amax_bits is not None else scale
-    _cast_per_tensor_kernel[_per_tensor_grid(x.numel())](
-        x, out, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
-        scale_inv if scale_inv is not None else dummy, x.numel(),
-        FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
-        BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS,
-    )
+    n = x.numel()
+    launch(_cast_per_tensor_kernel, _per_tensor_grid(n),
+           x, out, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
+           scale_inv if scale_inv is not None else dummy, n,
+           FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
+           BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:
     bits = _zero_bits(x.device)
-    if x.numel():
-        _amax_kernel[_per_tensor_grid(x.numel())](x, bits, x.numel(), BLOCK=_PT_BLOCK, ITERS=_PT_ITERS,
-                                                  num_warps=_PT_WARPS)
+    n = x.numel()
+    if n:
+        launch(_amax_kernel, _per_tensor_grid(n), x, bits, n, BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS)
     return bits
 
 
@@ -429,8 +437,7 @@ def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool):
 def cast_from_amax(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
     """Cast with ``per_tensor_scale(amax)`` computed on the device (amax: float32, e.g. all-reduced).
     Returns (data, scale_inv)."""
-    bits = amax.to(torch.float32).reshape(1).contiguous().view(torch.int32)
-    return _cast_from_amax_bits(x.contiguous(), bits, fp8_dtype, fmt_max, power_2)
+    return _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max, power_2)
 
 
 @_on_x_device
@@ -440,25 +447,34 @@ def current_scaling_quantize(x, fp8_dtype, fmt_max: float, power_2: bool):
     return _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
 
 
+def _cast_recording_amax(x, scale, fp8_dtype, fmt_max: float):
+    """One pass over contiguous x: its cast with ``scale`` and its amax bits (int32 [1])."""
+    bits = _zero_bits(x.device)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    _launch_cast(x, data, scale=_scalar_f32(scale), amax_bits=bits, fmt_max=fmt_max, from_amax=False, power_2=False,
+                 record=True)
+    return data, bits
+
+
 @_on_x_device
 def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
     """cast.cast_fp8_per_tensor plus amax(x) from the same pass. Returns (data, amax float32 0-dim)."""
-    x = x.contiguous()
-    bits = _zero_bits(x.device)
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    _launch_cast(x, data, scale=scale.to(torch.float32).reshape(1).contiguous(), amax_bits=bits,
-                 fmt_max=fmt_max, from_amax=False, power_2=False, record=True)
+    data, bits = _cast_recording_amax(x.contiguous(), scale, fp8_dtype, fmt_max)
     return data, bits.view(torch.float32).reshape(())
+
+
+def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
+    data, bits = _cast_recording_amax(x.contiguous(), scale, fp8_dtype, fmt_max)
+    return (data, *_delayed_update(bits, scale, history, fmt_max, margin, algo, x.device))
 
 
 @_on_x_device
 def delayed_scaling_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
     """cast.delayed_scaling_step: one cast+amax pass, then one tiny update kernel.
     Returns NEW (data, history, scale, scale_inv); the inputs are not modified."""
-    if algo not in ("max", "most_recent"):
-        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
-    data, amax = cast_and_amax(x, scale, fp8_dtype, fmt_max)
-    return (data, *_delayed_update(amax, scale, history, fmt_max, margin, algo, x.device))
+    return _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
 
 
 def _rowcol_layout(x: torch.Tensor) -> None:
@@ -474,8 +490,8 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
     if rows and cols:
         tr, tc, warps = _PT_TILE
-        _transpose_bytes_kernel[(triton.cdiv(rows, tr), triton.cdiv(cols, tc))](
-            data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
+        launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc)),
+               data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
     return out
 
 
@@ -484,7 +500,8 @@ def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool)
     """:func:`current_scaling_quantize` plus the transposed data (x [R, C], R % 4 == 0).
     Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    data, scale_inv = current_scaling_quantize(x, fp8_dtype, fmt_max, power_2)
+    x = x.contiguous()
+    data, scale_inv = _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
     return data, transpose_fp8(data), scale_inv
 
 
@@ -492,23 +509,23 @@ def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool)
 def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
     """:func:`cast_from_amax` plus the transposed data. Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    data, scale_inv = cast_from_amax(x, amax, fp8_dtype, fmt_max, power_2)
+    data, scale_inv = _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max,
+                                           power_2)
     return data, transpose_fp8(data), scale_inv
 
 
-def _delayed_update(amax, scale, history, fmt_max: float, margin: int, algo: str, device):
+def _delayed_update(amax_bits, scale, history, fmt_max: float, margin: int, algo: str, device):
     """The update kernel of delayed scaling into NEW (history, scale, scale_inv)."""
-    history = history.to(torch.float32).contiguous()
-    new_history = torch.empty_like(history)
+    if history.dtype != torch.float32 or not history.is_contiguous():
+        history = history.to(torch.float32).contiguous()
+    hist_len = history.numel()
+    new_history = torch.empty(hist_len, dtype=torch.float32, device=device)
     new_scale = torch.empty((), dtype=torch.float32, device=device)
     new_scale_inv = torch.empty((), dtype=torch.float32, device=device)
-    hist_len = history.numel()
-    block = min(1024, triton.next_power_of_2(max(hist_len, 1)))
-    _delayed_update_kernel[(1,)](
-        amax.reshape(1).view(torch.int32), history, scale.to(torch.float32).reshape(1).contiguous(),
-        new_history, new_scale, new_scale_inv, hist_len, math.ldexp(1.0, -margin),
-        FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=block,
-    )
+    block = min(1024, next_power_of_2(max(hist_len, 1)))
+    launch(_delayed_update_kernel, (1,),
+           amax_bits, history, _scalar_f32(scale), new_history, new_scale, new_scale_inv, hist_len,
+           math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=block)
     return new_history, new_scale, new_scale_inv
 
 
@@ -517,7 +534,7 @@ def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, ma
     """:func:`delayed_scaling_step` plus the transposed data (x [R, C], R % 4 == 0).
     Returns NEW (data, data_t, history, scale, scale_inv)."""
     _rowcol_layout(x)
-    data, *update = delayed_scaling_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
+    data, *update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
     return (data, transpose_fp8(data), *update)
 
 
@@ -544,7 +561,7 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square):
     ng, sub, warps = _TILE[(group, square)]
     row_data, row_s = row if row[0] is not None else col
     col_data, col_s = col if col[0] is not None else row
-    _cast_tile_kernel[(m // group, triton.cdiv(cols // group, ng))](
+    launch(_cast_tile_kernel, (m // group, cdiv(cols // group, ng)),
         x, row_data, row_s, col_data, col_s, rows, cols, NG=ng, SUB=sub, SQUARE=square, num_warps=warps, **consts)
 
 
@@ -571,7 +588,7 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
     if rowwise and (split or not columnwise):
         nb, iters, warps = _ROWS_TILE[group]
         nblocks = m * (cols // group)
-        _cast_rows_kernel[(triton.cdiv(nblocks, nb * iters),)](
+        launch(_cast_rows_kernel, (cdiv(nblocks, nb * iters),),
             x, *row, nblocks, NB=nb, ITERS=iters, num_warps=warps, **consts)
     if columnwise:
         consts.update(ROW=rowwise and not split, COL=True)

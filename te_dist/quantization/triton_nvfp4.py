@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .triton_casts import (UnsupportedLayout, _abs_bits, _amax_bits, _fp8_scale, _on_x_device, _recip,
                            _split_shape, _zero_bits)
+from .triton_launch import cdiv, launch
 
 __all__ = ["cast_nvfp4"]
 
@@ -257,15 +258,16 @@ def cast_nvfp4(x, block_rows: int, stochastic: bool):
         bits = _amax_bits(x)
         nb, iters, warps = _NVFP4_ROWS
         nblocks = m * (cols // 16)
-        _cast_nvfp4_rows_kernel[(triton.cdiv(nblocks, nb * iters),)](
+        launch(_cast_nvfp4_rows_kernel, (cdiv(nblocks, nb * iters),),
             x, packed.view(torch.int32), scales.view(torch.uint8), bits, s_inv, nblocks, seed, NB=nb, ITERS=iters,
             SR=stochastic, num_warps=warps, **_OPTIONS)
     else:
         bits, tiles = _zero_bits(dev), torch.empty((m // 16, cols // 16), dtype=torch.float32, device=dev)
         ng, warps = _TILE_AMAX
-        _tile_amax_kernel[((m // 16) * triton.cdiv(cols // 16, ng),)](x, tiles, bits, cols, NG=ng, num_warps=warps)
+        launch(_tile_amax_kernel, ((m // 16) * cdiv(cols // 16, ng),), x, tiles, bits, cols, NG=ng,
+               num_warps=warps)
         ng, warps = _NVFP4_2D
-        _cast_nvfp4_2d_kernel[((m // 16) * triton.cdiv(cols // 16, ng),)](
+        launch(_cast_nvfp4_2d_kernel, ((m // 16) * cdiv(cols // 16, ng),),
             x, packed.view(torch.int32), scales.view(torch.uint8), tiles, bits, s_inv, cols, seed, NG=ng,
             SR=stochastic, num_warps=warps, **_OPTIONS)
     return packed, scales, s_inv

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...quantization.triton_casts import _abs_bits, _block_scale, _saturate
+from ...quantization.triton_launch import launch, next_power_of_2
 
 __all__ = ["scaled_swiglu_backward", "scaled_swiglu_forward_fp8", "FP8_BLOCK"]
 
@@ -102,9 +103,9 @@ def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tenso
     scaled = torch.empty(rows, half, dtype=out_dtype, device=h.device) if want_scaled else None
     dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
     if rows and half:
-        block = min(_MAX_BLOCK, max(16, triton.next_power_of_2(half)))
+        block = min(_MAX_BLOCK, max(16, next_power_of_2(half)))
         fp8 = h_scale_inv is not None
-        _scaled_swiglu_backward_rows[(rows,)](
+        launch(_scaled_swiglu_backward_rows, (rows,),
             da, h, h_scale_inv.contiguous() if fp8 else probs, probs, dh, dh if scaled is None else scaled, dprobs,
             half, 0.0 if limit is None else float(limit),
             HAS_LIMIT=limit is not None, WRITE_S=want_scaled, H_FP8=fp8, BLOCK=block, num_warps=4,
@@ -157,8 +158,8 @@ def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optio
     h_fp8 = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=h.device)
     h_scale_inv = torch.empty(rows, width // FP8_BLOCK, dtype=torch.float32, device=h.device)
     if rows and half:
-        nb = min(4, triton.next_power_of_2(half // FP8_BLOCK))
-        _scaled_swiglu_forward_fp8_rows[(rows,)](
+        nb = min(4, next_power_of_2(half // FP8_BLOCK))
+        launch(_scaled_swiglu_forward_fp8_rows, (rows,),
             h, probs, scaled, h_fp8, h_scale_inv, half, half // FP8_BLOCK, 0.0 if limit is None else float(limit),
             HAS_LIMIT=limit is not None, NB=nb, num_warps=4,
         )
