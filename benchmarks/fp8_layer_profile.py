@@ -25,7 +25,7 @@ from fp8_layer import CONFIGS
 CATEGORIES = (
     ("fp8 gemm", ("te_fb", "Blockwise", "FP8Blockwise", "f8f8", "e4m3")),
     ("gemm", ("cutlass", "gemm", "Gemm", "sm90_xmma", "nvjet", "grouped_mm")),
-    ("cast", ("_cast", "amax", "_delayed_update", "transpose", "cast_")),
+    ("cast", ("_cast", "amax", "transpose", "cast_")),
     ("index/pad", ("index", "scatter", "gather", "repeat_interleave", "fill")),
     ("activation", ("swiglu", "silu", "sigmoid")),
     ("sort/permute", ("sort", "radix", "permute", "cumsum", "scan", "histc", "bincount")),

@@ -153,12 +153,43 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n,
+def _roll_history(amax_bits, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len,
+                  margin_mul, FMT_MAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """cast.delayed_scale_update from x's amax bits into NEW tensors (the old scale_inv stays valid
+    for the tensor the cast returns)."""
+    best = amax_bits
+    for start in range(0, hist_len, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hist_len
+        prev = tl.load(hist_ptr + offs - 1, mask=mask & (offs > 0), other=0.0)
+        bits = tl.where(offs == 0, amax_bits, prev.to(tl.int32, bitcast=True))
+        tl.store(new_hist_ptr + offs, bits.to(tl.float32, bitcast=True), mask=mask)
+        if ALGO_MAX:
+            best = tl.maximum(best, tl.max(tl.where(mask, bits & 0x7FFFFFFF, 0), axis=0))
+    chosen = best & 0x7FFFFFFF
+    valid = (chosen > 0) & (chosen < 0x7F800000)
+    amax = tl.where(valid, chosen, 0x3F800000).to(tl.float32, bitcast=True)
+    scale = _inf_to_max((_recip(amax) * FMT_MAX) * margin_mul)
+    scale = tl.where(valid, scale, tl.load(scale_ptr))
+    tl.store(new_scale_ptr, scale)
+    tl.store(new_scale_inv_ptr, _recip(scale))
+
+
+@triton.jit
+def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n, hist_ptr, new_hist_ptr,
+                            new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
                             FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
-                            RECORD_AMAX: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
-                            ITERS: tl.constexpr):
+                            RECORD_AMAX: tl.constexpr, REVERSE: tl.constexpr, UPDATE: tl.constexpr,
+                            ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                            HIST_BLOCK: tl.constexpr):
     """out = fp8(clamp(x * scale)); the scale is read from ``scale_ptr`` or derived from the amax
     bits at ``amax_ptr`` (program 0 then writes scale_inv); RECORD_AMAX accumulates amax(x) there.
+
+    UPDATE (delayed scaling, with RECORD_AMAX): the program that finishes last (a counter at
+    ``amax_ptr + 1``, zeroed with the amax) rolls amax(x) into the history and writes the next scale
+    (``_roll_history``), so a cast and its update are one launch. Each program's amax goes out before
+    its counter increment (one thread issues both; acq_rel orders them), and the last program reads the
+    amax with an atomic, after every other program's increment.
 
     REVERSE walks x from its end: right after an amax pass, the tail that pass read last is still
     in L2, so the cast's first programs read it from there instead of from HBM."""
@@ -182,6 +213,10 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
             acc = tl.maximum(acc, _abs_bits(x))
     if RECORD_AMAX:
         tl.atomic_max(amax_ptr, tl.max(acc, axis=0), sem="relaxed")
+        if UPDATE:
+            if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+                _roll_history(tl.atomic_add(amax_ptr, 0, sem="acquire"), hist_ptr, scale_ptr, new_hist_ptr,
+                              new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK)
 
 
 @triton.jit
@@ -207,30 +242,6 @@ def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.con
     dst = dst_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     tl.store(dst + c[None, :, None].to(tl.int64) * (R // 4) + words[None, None, :], tl.permute(w, (1, 2, 0)),
              mask=(c < C)[None, :, None] & (words < R // 4)[None, None, :])
-
-
-@triton.jit
-def _delayed_update_kernel(amax_ptr, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr,
-                           hist_len, margin_mul, FMT_MAX: tl.constexpr, ALGO_MAX: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """cast.delayed_scale_update into NEW tensors (the old scale_inv stays valid for the returned tensor)."""
-    amax_bits = tl.load(amax_ptr)
-    best = amax_bits
-    for start in range(0, hist_len, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < hist_len
-        prev = tl.load(hist_ptr + offs - 1, mask=mask & (offs > 0), other=0.0)
-        bits = tl.where(offs == 0, amax_bits, prev.to(tl.int32, bitcast=True))
-        tl.store(new_hist_ptr + offs, bits.to(tl.float32, bitcast=True), mask=mask)
-        if ALGO_MAX:
-            best = tl.maximum(best, tl.max(tl.where(mask, bits & 0x7FFFFFFF, 0), axis=0))
-    chosen = best & 0x7FFFFFFF
-    valid = (chosen > 0) & (chosen < 0x7F800000)
-    amax = tl.where(valid, chosen, 0x3F800000).to(tl.float32, bitcast=True)
-    scale = _inf_to_max((_recip(amax) * FMT_MAX) * margin_mul)
-    scale = tl.where(valid, scale, tl.load(scale_ptr))
-    tl.store(new_scale_ptr, scale)
-    tl.store(new_scale_inv_ptr, _recip(scale))
 
 
 # --------------------------------------------------------------------------- block kernels
@@ -400,14 +411,25 @@ def _per_tensor_grid(n: int):
 
 
 def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
-                 reverse=False):
+                 reverse=False, update=None):
+    """``update``: (history, new_history, new_scale, new_scale_inv, margin, algo) of a delayed-scaling
+    cast whose last program rolls the history (``amax_bits`` then holds a zeroed counter after the amax)."""
     dummy = amax_bits if amax_bits is not None else scale
     n = x.numel()
+    if update is None:
+        hist = (dummy, dummy, dummy, dummy, 0, 1.0)
+        algo_max, hist_block = False, 16
+    else:
+        history, new_history, new_scale, new_scale_inv, margin, algo = update
+        hist_len = history.numel()
+        hist = (history, new_history, new_scale, new_scale_inv, hist_len, math.ldexp(1.0, -margin))
+        algo_max, hist_block = algo == "max", min(1024, next_power_of_2(max(hist_len, 1)))
     launch(_cast_per_tensor_kernel, _per_tensor_grid(n),
            x, out, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
-           scale_inv if scale_inv is not None else dummy, n,
+           scale_inv if scale_inv is not None else dummy, n, *hist,
            FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
-           BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS)
+           UPDATE=update is not None, ALGO_MAX=algo_max, BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, HIST_BLOCK=hist_block,
+           num_warps=_PT_WARPS)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:
@@ -464,10 +486,22 @@ def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
 
 
 def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
+    """One launch: the cast with ``scale``, amax(x), and (its last program) the history roll into NEW
+    (history, scale, scale_inv)."""
     if algo not in ("max", "most_recent"):
         raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
-    data, bits = _cast_recording_amax(x.contiguous(), scale, fp8_dtype, fmt_max)
-    return (data, *_delayed_update(bits, scale, history, fmt_max, margin, algo, x.device))
+    x = x.contiguous()
+    if history.dtype != torch.float32 or not history.is_contiguous():
+        history = history.to(torch.float32).contiguous()
+    dev = x.device
+    bits = torch.zeros(2, dtype=torch.int32, device=dev)  # amax bits, programs finished
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    new_history = torch.empty(history.numel(), dtype=torch.float32, device=dev)
+    new_scale = torch.empty((), dtype=torch.float32, device=dev)
+    new_scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    _launch_cast(x, data, scale=_scalar_f32(scale), amax_bits=bits, fmt_max=fmt_max, from_amax=False, power_2=False,
+                 record=True, update=(history, new_history, new_scale, new_scale_inv, margin, algo))
+    return data, new_history, new_scale, new_scale_inv
 
 
 @_on_x_device
@@ -512,21 +546,6 @@ def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
     data, scale_inv = _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max,
                                            power_2)
     return data, transpose_fp8(data), scale_inv
-
-
-def _delayed_update(amax_bits, scale, history, fmt_max: float, margin: int, algo: str, device):
-    """The update kernel of delayed scaling into NEW (history, scale, scale_inv)."""
-    if history.dtype != torch.float32 or not history.is_contiguous():
-        history = history.to(torch.float32).contiguous()
-    hist_len = history.numel()
-    new_history = torch.empty(hist_len, dtype=torch.float32, device=device)
-    new_scale = torch.empty((), dtype=torch.float32, device=device)
-    new_scale_inv = torch.empty((), dtype=torch.float32, device=device)
-    block = min(1024, next_power_of_2(max(hist_len, 1)))
-    launch(_delayed_update_kernel, (1,),
-           amax_bits, history, _scalar_f32(scale), new_history, new_scale, new_scale_inv, hist_len,
-           math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=block)
-    return new_history, new_scale, new_scale_inv
 
 
 @_on_x_device

@@ -241,6 +241,29 @@ def test_delayed_scaling_with_transposed_data(device, kernels, dtype):
         history, scale = out[2], out[3]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_rolls_the_history_after_every_program(kernels, algo):
+    """The cast's last program to finish rolls the history: with hundreds of programs per cast (and one
+    whose largest value sits in a random program each step), 40 steps stay bit-identical to the
+    eager reference, data, history, scale and scale_inv."""
+    device = torch.device("cuda")
+    history, scale = torch.zeros(16, device=device), torch.ones((), device=device)
+    ref_history, ref_scale = history.clone(), scale.clone()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    for step in range(40):
+        rows = int(torch.randint(64, 4096, (), generator=gen)) * 4
+        x = torch.randn(rows, 1024, generator=gen).to(device, torch.bfloat16)
+        x.view(-1)[int(torch.randint(0, x.numel(), (), generator=gen))] = 50.0 * (1 + step % 7)
+        out = kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 0, algo)
+        ref = cast.delayed_scaling_step(x, ref_scale, ref_history, *E4M3, 0, algo)
+        for name, a, b in zip(("data", "history", "scale", "scale_inv"), (out[0], *out[2:]), ref):
+            _assert_same(a, b, f"step {step} ({rows} rows) {name}")
+        _, _, history, scale, _ = out
+        _, ref_history, ref_scale, _ = ref
+
+
 def test_per_tensor_transposed_data_needs_rows_in_words(device, kernels):
     """Rows not a multiple of 4 (one word of four FP8 bytes) or a 3-D x: UnsupportedLayout, so the
     quantizer takes the plain cast and transposes."""
@@ -498,15 +521,20 @@ def _compile_configs(tc):
                                   ("*fp32", ("*fp8e4nv", 448.0, 8))]:
         pt = dict(BLOCK=tc._PT_BLOCK, ITERS=tc._PT_ITERS)
         yield tc._amax_kernel, {"x_ptr": inp, "amax_ptr": "*i32", "n": "i32"}, pt, tc._PT_WARPS
-        for from_amax, record, power_2 in [(True, False, False), (True, False, True), (False, True, False)]:
+        # (SCALE_FROM_AMAX, RECORD_AMAX, POWER_2, UPDATE, ALGO_MAX): current scaling, cast_and_amax, delayed
+        for from_amax, record, power_2, update, algo_max in [(True, False, False, False, False),
+                                                             (True, False, True, False, False),
+                                                             (False, True, False, False, False),
+                                                             (False, True, False, True, True),
+                                                             (False, True, False, True, False)]:
+            hist = "*fp32" if update else "*i32"
             sig = {"x_ptr": inp, "out_ptr": f8, "scale_ptr": "*i32" if from_amax else "*fp32", "amax_ptr": "*i32",
-                   "scale_inv_ptr": "*fp32" if from_amax else "*i32", "n": "i32"}
-            yield tc._cast_per_tensor_kernel, sig, dict(FMT_MAX=fmax, SCALE_FROM_AMAX=from_amax, POWER_2=power_2,
-                                                        RECORD_AMAX=record, REVERSE=from_amax, **pt), tc._PT_WARPS
-        sig = {"amax_ptr": "*i32", "hist_ptr": "*fp32", "scale_ptr": "*fp32", "new_hist_ptr": "*fp32",
-               "new_scale_ptr": "*fp32", "new_scale_inv_ptr": "*fp32", "hist_len": "i32", "margin_mul": "fp32"}
-        for algo_max in (True, False):
-            yield tc._delayed_update_kernel, sig, dict(FMT_MAX=fmax, ALGO_MAX=algo_max, BLOCK=1024), 4
+                   "scale_inv_ptr": "*fp32" if from_amax else "*i32", "n": "i32", "hist_ptr": hist,
+                   "new_hist_ptr": hist, "new_scale_ptr": hist, "new_scale_inv_ptr": hist, "hist_len": "i32",
+                   "margin_mul": "fp32"}
+            yield tc._cast_per_tensor_kernel, sig, dict(
+                FMT_MAX=fmax, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=from_amax,
+                UPDATE=update, ALGO_MAX=algo_max, HIST_BLOCK=1024 if update else 16, **pt), tc._PT_WARPS
         for mx, group in ((False, 128), (True, 32)):
             sdt = "*u8" if mx else "*fp32"
             consts = dict(FMT_MAX=fmax, POWER_2=not mx, MX=mx, EMAX=emax, MARGIN=0, G=group)
