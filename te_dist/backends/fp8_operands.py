@@ -130,6 +130,8 @@ def columnwise_operand(q: QuantizedTensor, scale_tables: bool = True):
     blocks = R // BLOCK + 1
     if _is_block(q):
         _check_block_copy(q.columnwise, "columnwise", 1)
+        if q.columnwise.scale_inv_t is not None:  # the cast wrote this layout too
+            return q.columnwise.data, q.columnwise.scale_inv_t
         scale = q.columnwise.scale_inv  # [C, R/128]
         out = scale.new_zeros(blocks, C)
         out[: scale.shape[1]] = scale.t()

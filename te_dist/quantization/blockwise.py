@@ -102,12 +102,19 @@ class Float8BlockQuantizer(_BlockQuantizer):
         if kernels is None:
             return None
         br, bc = self.block_shape
+        # a 2-D activation's columnwise copy (a wgrad operand): its scales also in the wgrad kernel's layout
+        scales_t = columnwise and (br, bc) == (1, 128) and x2.dim() == 2
         key = ("cast_fp8_blocks", x2.dtype, self.fp8_dtype, br, bc, self.use_power_2_scales, rowwise, columnwise)
         fused = run_fused(
             key, kernels.cast_fp8_blocks, x2, br, bc, self.fp8_dtype, self.fmt_max, self.use_power_2_scales,
-            rowwise=rowwise, columnwise=columnwise,
+            rowwise=rowwise, columnwise=columnwise, col_scales_t=scales_t,
         )
-        return self._copies_from(fused, rowwise, columnwise)
+        if fused is None or not scales_t:
+            return self._copies_from(fused, rowwise, columnwise)
+        row_data, row_scale, col_data, scale_t = fused
+        copies = self._copies_from((row_data, row_scale, None, None), rowwise, False)
+        copies["columnwise"] = BlockScaledData(col_data, scale_t[:-1].t(), br, bc, transposed=True, scale_inv_t=scale_t)
+        return copies
 
     def _cast_copy(self, x_copy, transposed, hadamard):
         br, bc = self.block_shape

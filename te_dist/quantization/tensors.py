@@ -121,6 +121,9 @@ class BlockScaledData:
     transposed: bool = False
     hadamard: bool = False
     global_scale_inv: Optional[torch.Tensor] = None
+    # 1x128 columnwise copies from the fused cast: the same scales M-major, [R/128 + 1, C] with a zero
+    # last row (the FP8 wgrad kernel's layout; ``scale_inv`` is a view of it), else None
+    scale_inv_t: Optional[torch.Tensor] = None
 
     def values(self, fmt: Format) -> torch.Tensor:
         """Element values before scaling, float32, in the copy's own layout."""

@@ -299,10 +299,20 @@ def _fp8_byte(x, mult, FMT_MAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _col_scale_offsets(b, c2, rl0, R, C, G: tl.constexpr, COL_T: tl.constexpr):
+    """Where the 1xG column scales of block row rl0 / G of matrix b go: [B, C, R/G], or with COL_T (one
+    matrix) [R/G + 1, C] M-major."""
+    if COL_T:
+        return (rl0 // G) * C + c2
+    else:
+        return b * C * (R // G) + c2 * (R // G) + rl0 // G
+
+
+@triton.jit
 def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
                       FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr,
                       MARGIN: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, SUB: tl.constexpr,
-                      ROW: tl.constexpr, COL: tl.constexpr, SQUARE: tl.constexpr):
+                      ROW: tl.constexpr, COL: tl.constexpr, SQUARE: tl.constexpr, COL_T: tl.constexpr):
     """Casts that need a G-row tile: the columnwise copy of 1xG blocks (COL, plus the rowwise copy with
     ROW) and GxG square blocks (SQUARE: one scale per tile, either copy). R % G == 0, C % G == 0.
 
@@ -316,7 +326,10 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
     bytes of rows 4a..4a+3 of each column are packed into one uint32, and only these words are
     transposed ([NG, G, SUB/4]) and stored, rows contiguous. Why: transposing single bytes through
     shared memory hit bank conflicts (a row+col cast ran at 0.22 of copy bandwidth on H200), and
-    converting a transposed float32 tile to FP8 mis-placed elements with Triton 3.6."""
+    converting a transposed float32 tile to FP8 mis-placed elements with Triton 3.6.
+
+    COL_T (1xG blocks of one matrix): the columnwise scales go out M-major, [R/G + 1, C] with a zero
+    last row (``_col_scale_offsets``), the layout the FP8 wgrad kernel reads, so no per-GEMM re-layout."""
     row0 = tl.program_id(0).to(tl.int64) * G
     b = row0 // R
     rl0 = row0 - b * R
@@ -350,7 +363,10 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
                 tl.store(col_s_ptr + b * num_g * (R // G) + g * (R // G) + rl0 // G, sq_stored, mask=g < num_g)
         else:
             col_mult, col_stored = _block_scale(acc, FMT_MAX, POWER_2, MX, EMAX, MARGIN)
-            tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + rl0 // G, col_stored, mask=g[:, None] < num_g)
+            tl.store(col_s_ptr + _col_scale_offsets(b, c2, rl0, R, C, G, COL_T), col_stored, mask=g[:, None] < num_g)
+    if COL_T:
+        if rl0 + G == R:  # the last block row's programs also write the zero row after it
+            tl.store(col_s_ptr + (R // G) * C + c2, tl.zeros((NG, G), dtype=tl.float32), mask=g[:, None] < num_g)
     col_w = col_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     for i in range(G // SUB):
         r = row0 + i * SUB + a4
@@ -371,7 +387,7 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
             if SUB == G and not SQUARE:  # the sub-tile is the whole column block
                 col_mult, col_stored = _block_scale(tl.max(_abs_bits4(x0, x1, x2, x3), axis=0), FMT_MAX, POWER_2, MX,
                                                     EMAX, MARGIN)
-                tl.store(col_s_ptr + b * C * (R // G) + c2 * (R // G) + rl0 // G, col_stored,
+                tl.store(col_s_ptr + _col_scale_offsets(b, c2, rl0, R, C, G, COL_T), col_stored,
                          mask=g[:, None] < num_g)
             mult = col_mult[None, :, :]
             w = (_fp8_byte(x0, mult, FMT_MAX, FP8) | (_fp8_byte(x1, mult, FMT_MAX, FP8) << 8)
@@ -584,23 +600,31 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square):
         x, row_data, row_s, col_data, col_s, rows, cols, NG=ng, SUB=sub, SQUARE=square, num_warps=warps, **consts)
 
 
-def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, scale_dtype, rowwise, columnwise):
-    """Shared driver of the 1xG casts (Float8 1x128, MXFP8 1x32)."""
+def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, scale_dtype, rowwise, columnwise,
+                  col_scales_t=False):
+    """Shared driver of the 1xG casts (Float8 1x128, MXFP8 1x32). ``col_scales_t`` (2-D x): the
+    columnwise scales come back M-major, [rows/G + 1, cols] with a zero last row (the wgrad layout)."""
     x = x.contiguous()
     lead, m, rows, cols = _split_shape(x)
     if cols % group or (columnwise and rows % group):
         # e.g. a columnwise-only copy of x[32, 16] with 1x32 blocks: valid, but these kernels tile x's
         # columns in whole blocks; the compiled cast handles it.
         raise UnsupportedLayout(f"fused 1x{group} casts need both dims of x {tuple(x.shape)} to tile {group}")
+    col_scales_t = col_scales_t and columnwise
+    if col_scales_t and lead:
+        raise ValueError(f"M-major columnwise scales are written for a 2-D x, received shape {tuple(x.shape)}")
     dev = x.device
     row = col = (None, None)
     if rowwise:
         row = (torch.empty(x.shape, dtype=fp8_dtype, device=dev),
                torch.empty((*lead, rows, cols // group), dtype=scale_dtype, device=dev))
     if columnwise:
+        col_scale_shape = (rows // group + 1, cols) if col_scales_t else (*lead, cols, rows // group)
         col = (torch.empty((*lead, cols, rows), dtype=fp8_dtype, device=dev),
-               torch.empty((*lead, cols, rows // group), dtype=scale_dtype, device=dev))
+               torch.empty(col_scale_shape, dtype=scale_dtype, device=dev))
     if m == 0 or cols == 0:
+        if col_scales_t:
+            col[1].zero_()
         return (*row, *col)
     consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=mx, EMAX=emax, MARGIN=margin, G=group)
     split = columnwise and _ROWCOL_SPLIT[group]
@@ -610,21 +634,26 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
         launch(_cast_rows_kernel, (cdiv(nblocks, nb * iters),),
             x, *row, nblocks, NB=nb, ITERS=iters, num_warps=warps, **consts)
     if columnwise:
-        consts.update(ROW=rowwise and not split, COL=True)
+        consts.update(ROW=rowwise and not split, COL=True, COL_T=col_scales_t)
         _launch_tile(x, row, col, m, rows, cols, consts, square=False)
     return (*row, *col)
 
 
 @_on_x_device
 def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: float, power_2: bool, *,
-                    rowwise: bool = True, columnwise: bool = False):
+                    rowwise: bool = True, columnwise: bool = False, col_scales_t: bool = False):
     """cast.cast_fp8_blocks for 1x128 and 128x128 blocks, rowwise and/or columnwise in one pass.
 
     Returns (row_data, row_scale_inv, col_data, col_scale_inv) (None for a copy not asked for);
-    the columnwise copy equals ``cast.cast_fp8_blocks(x.transpose(-1, -2), ...)``."""
+    the columnwise copy equals ``cast.cast_fp8_blocks(x.transpose(-1, -2), ...)``. With
+    ``col_scales_t`` (1x128 blocks, 2-D x) col_scale_inv is M-major: [rows/128 + 1, cols], its
+    first rows/128 rows that copy's scales transposed, the last row zeros."""
     if (block_rows, block_cols) == (1, 128):
         return _one_d_blocks(x, 128, fp8_dtype, fmt_max, power_2=power_2, mx=False, emax=0, margin=0,
-                             scale_dtype=torch.float32, rowwise=rowwise, columnwise=columnwise)
+                             scale_dtype=torch.float32, rowwise=rowwise, columnwise=columnwise,
+                             col_scales_t=col_scales_t)
+    if col_scales_t:
+        raise ValueError(f"M-major columnwise scales are written for 1x128 blocks, asked for {block_rows}x{block_cols}")
     if (block_rows, block_cols) != (128, 128):
         raise ValueError(f"fused FP8 block casts support 1x128 and 128x128 blocks, got {block_rows}x{block_cols}")
     x = x.contiguous()
@@ -641,7 +670,8 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
         col = (torch.empty((*lead, cols, rows), dtype=fp8_dtype, device=dev),
                torch.empty((*lead, cols // t, rows // t), dtype=torch.float32, device=dev))
     if m and cols:
-        consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=False, EMAX=0, MARGIN=0, G=t, ROW=rowwise, COL=columnwise)
+        consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=False, EMAX=0, MARGIN=0, G=t, ROW=rowwise, COL=columnwise,
+                      COL_T=False)
         _launch_tile(x, row, col, m, rows, cols, consts, square=True)
     return (*row, *col)
 

@@ -328,3 +328,24 @@ def test_mixed_scalings_broadcast_the_per_tensor_scale():
     assert one is xq.scale_inv and data is xq.data
     _, table = rowwise_operand(xq)
     assert table.shape == (256, 2) and torch.equal(table, xq.scale_inv.expand(256, 2))
+
+
+def test_block_wgrad_operand_takes_the_scales_the_cast_laid_out():
+    """A 1x128 columnwise copy that carries its scales M-major (``scale_inv_t``, written by the fused
+    cast) is the wgrad operand as it is; without it the same layout is built: [R/128 + 1, C], the
+    scales transposed, a zero last row."""
+    from te_dist.backends.fp8_operands import columnwise_operand
+    from te_dist.quantization.tensors import BlockScaledData
+
+    x = torch.randn(384, 256)
+    q = make_quantizer(R.Float8BlockScaling(), "input")(x, rowwise=False, columnwise=True)
+    data, built = columnwise_operand(q)
+    assert data is q.columnwise.data and built.shape == (384 // 128 + 1, 256)
+    assert torch.equal(built[:-1], q.columnwise.scale_inv.t()) and not built[-1].any()
+    laid_out = built.clone()
+    col = q.columnwise
+    q.columnwise = BlockScaledData(col.data, laid_out[:-1].t(), col.block_rows, col.block_cols, transposed=True,
+                                   scale_inv_t=laid_out)
+    data2, scales2 = columnwise_operand(q)
+    assert data2 is col.data and scales2 is laid_out
+    assert torch.equal(q.dequantize(torch.float32, usage="columnwise"), q.dequantize(torch.float32))

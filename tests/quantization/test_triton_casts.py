@@ -305,6 +305,28 @@ def test_float8_blocks(device, kernels, dtype, fmt, power_2, block):
                 assert data is None and scale is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(128, 384), (640, 256), (256, 128)])
+@pytest.mark.parametrize("rowwise", [True, False], ids=["row+col", "col"])
+def test_float8_1x128_columnwise_scales_in_the_wgrad_layout(device, kernels, dtype, shape, rowwise):
+    """col_scales_t: the columnwise scales M-major, [rows/128 + 1, cols], the last row zeros (the FP8
+    wgrad kernel's layout), the data and the rowwise copy as without it."""
+    x = _data(shape, dtype, device, seed=sum(shape))
+    row_data, row_s, col_data, scale_t = kernels.cast_fp8_blocks(x, 1, 128, *E4M3, True, rowwise=rowwise,
+                                                                 columnwise=True, col_scales_t=True)
+    ref_data, ref_s = _reference_blocks(x, (1, 128), E4M3, True, True)
+    _assert_same(col_data, ref_data, "col data")
+    assert scale_t.shape == (shape[0] // 128 + 1, shape[1])
+    _assert_same(scale_t[:-1], ref_s.t().contiguous(), "M-major col scales")
+    _assert_same(scale_t[-1], torch.zeros(shape[1], device=device), "zero row")
+    if rowwise:
+        ref_row, ref_row_s = _reference_blocks(x, (1, 128), E4M3, True, False)
+        _assert_same(row_data, ref_row, "row data")
+        _assert_same(row_s, ref_row_s, "row scales")
+    with pytest.raises(ValueError, match="2-D"):
+        kernels.cast_fp8_blocks(x.reshape(1, *shape), 1, 128, *E4M3, True, columnwise=True, col_scales_t=True)
+
+
 # rows 96: a multiple of the 32-element MX block but not of the 64-row row+col tile
 _MX_CASES = [((40, 96), True, False), ((96, 160), True, True), ((96, 64), False, True), ((2, 64, 96), True, True),
              ((1, 32), True, False)]
@@ -544,8 +566,9 @@ def _compile_configs(tc):
             ng, sub, warps = tc._TILE[(group, False)]
             sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": sdt, "col_ptr": f8, "col_s_ptr": sdt,
                    "R": "i32", "C": "i32"}
-            for row in (True, False):
-                yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, **consts), warps
+            for row, col_t in ((True, False), (False, False), (True, not mx), (False, not mx)):
+                yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, COL_T=col_t,
+                                                      **consts), warps
         from te_dist.quantization import triton_nvfp4 as nv
 
         for sr in (False, True):
@@ -565,7 +588,7 @@ def _compile_configs(tc):
         ng, sub, warps = tc._TILE[(128, True)]
         for row, col in ((True, False), (True, True), (False, True)):
             yield tc._cast_tile_kernel, sig, dict(FMT_MAX=fmax, POWER_2=True, MX=False, EMAX=0, MARGIN=0, G=128, NG=ng,
-                                                  SUB=sub, ROW=row, COL=col, SQUARE=True), warps
+                                                  SUB=sub, ROW=row, COL=col, SQUARE=True, COL_T=False), warps
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET or torch.cuda.is_available(),
