@@ -49,10 +49,13 @@ def next_power_of_2(n: int) -> int:
 
 
 def _runtime_knobs():
+    """``triton.knobs`` (Triton >= 3.4), or None: then no fast path (older Triton keeps these elsewhere)."""
     global _knobs
     if _knobs is None:
-        from triton import knobs
-
+        try:
+            from triton import knobs
+        except ImportError:
+            return None
         _knobs = knobs
     return _knobs
 
@@ -88,7 +91,8 @@ class TritonLaunch:
         self.kernel = kernel
         self.params: Tuple[str, ...] = tuple(getattr(kernel, "arg_names", ()))
         self.compiled: Dict[tuple, Any] = {}
-        self.fast = bool(self.params) and _current_device is not None  # False: Triton's path every call
+        # False: Triton's path every call
+        self.fast = bool(self.params) and _current_device is not None and _runtime_knobs() is not None
 
     def key(self, grid, args, meta) -> Optional[tuple]:
         """The launch key of one call (None: Triton's path for this call)."""
@@ -106,9 +110,8 @@ class TritonLaunch:
             if k is None:
                 return None
             keys.append(k)
-        knobs = _runtime_knobs()
-        return (_current_device(), tuple(keys), tuple(meta.items()), knobs.runtime.debug,
-                knobs.compilation.instrumentation_mode)
+        return (_current_device(), tuple(keys), tuple(meta.items()), _knobs.runtime.debug,
+                getattr(_knobs.compilation, "instrumentation_mode", None))
 
     def __call__(self, grid, *args, **meta):
         key = self.key(grid, args, meta) if self.fast else None
