@@ -485,19 +485,14 @@ def current_scaling_quantize(x, fp8_dtype, fmt_max: float, power_2: bool):
     return _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
 
 
-def _cast_recording_amax(x, scale, fp8_dtype, fmt_max: float):
-    """One pass over contiguous x: its cast with ``scale`` and its amax bits (int32 [1])."""
+@_on_x_device
+def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
+    """cast.cast_fp8_per_tensor plus amax(x) from the same pass. Returns (data, amax float32 0-dim)."""
+    x = x.contiguous()
     bits = _zero_bits(x.device)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     _launch_cast(x, data, scale=_scalar_f32(scale), amax_bits=bits, fmt_max=fmt_max, from_amax=False, power_2=False,
                  record=True)
-    return data, bits
-
-
-@_on_x_device
-def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
-    """cast.cast_fp8_per_tensor plus amax(x) from the same pass. Returns (data, amax float32 0-dim)."""
-    data, bits = _cast_recording_amax(x.contiguous(), scale, fp8_dtype, fmt_max)
     return data, bits.view(torch.float32).reshape(())
 
 
