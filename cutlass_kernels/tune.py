@@ -160,7 +160,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune: no CUDA device; measured choices are per GPU model, run this on the training GPU", file=sys.stderr)
         return 2
-    autotune.configure(enabled=True, deterministic=False, bucket_ms=args.bucket_ms, total_ms=float("inf"))
+    # one call per shape, no run's calls after it: its whole bucket goes to the first call
+    autotune.configure(enabled=True, deterministic=False, bucket_ms=args.bucket_ms, total_ms=float("inf"),
+                       settle_live=False)
     device = torch.device(args.device)
     torch.cuda.set_device(device)
     print(f"tuning {len(shapes)} GEMMs on {torch.cuda.get_device_name(device)}", flush=True)

@@ -110,7 +110,7 @@ def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, o
 def describe_choice(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None,
                     group_sizes=None) -> str:
     """What a call with these operands would run, and why: ``"cutlass:2 measured"`` (the bucket's
-    tuned choice), ``"torch static"`` (the static table). Measures nothing (benchmarks, the tune CLI)."""
+    tuned choice; ``settling`` while its live calls still time candidates), ``"torch static"`` (the static table). Measures nothing (benchmarks, the tune CLI)."""
     E, K, N = w_EKN.shape
     if group_sizes is not None:
         group_sizes = tuple(group_sizes)
@@ -123,11 +123,12 @@ def describe_choice(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, 
     tuner = autotune.tuner()
     if p.device_type == "cuda" and tuner.enabled:
         index = x_TK.device.index if x_TK.device.index is not None else torch.cuda.current_device()
-        ranking = tuner.table_for(index).ranking.get(autotune.bucket_key(p, group_sizes))
+        table, key = tuner.table_for(index), autotune.bucket_key(p, group_sizes)
+        ranking = table.ranking.get(key)
         if ranking is not None and not (tuner.deterministic() and not tuner.agreed):
             choice = tuner.choose_from(ranking, p)
             if choice is not None:
-                return f"{autotune.choice_name(choice)} measured"
+                return f"{autotune.choice_name(choice)} {'settling' if key in table.settling else 'measured'}"
     if name == "cutlass":
         config = _static_config(direction, x_TK.device, x_TK.shape[0], N, K, E,
                                 None if direction == "wgrad" else group_sizes)
@@ -231,6 +232,8 @@ class _Dispatch:
             args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
             choice = _tuned(p, x_TK.device, group_sizes, choice[0], lambda c: lambda: _forward_with(c, *args),
                             lambda: _static_config("fwd", x_TK.device, x_TK.shape[0], N, K, E, group_sizes))
+            if choice.__class__ is autotune.Settling:  # the bucket's undecided candidates take turns
+                return choice.call(lambda c: _forward_with(c, *args))
         return _forward_with(choice, x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
 
     @staticmethod
@@ -246,6 +249,8 @@ class _Dispatch:
             args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
             choice = _tuned(p, dy_TN.device, group_sizes, choice[0], lambda c: lambda: _dgrad_with(c, *args),
                             lambda: _static_config("dgrad", dy_TN.device, dy_TN.shape[0], N, K, E, group_sizes))
+            if choice.__class__ is autotune.Settling:  # the bucket's undecided candidates take turns
+                return choice.call(lambda c: _dgrad_with(c, *args))
         return _dgrad_with(choice, dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
 
     @staticmethod
@@ -260,6 +265,8 @@ class _Dispatch:
             args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
             choice = _tuned(p, x_TK.device, group_sizes, choice[0], lambda c: lambda: _wgrad_with(c, *args),
                             lambda: _static_config("wgrad", x_TK.device, x_TK.shape[0], N, K, num_groups, None))
+            if choice.__class__ is autotune.Settling:  # the bucket's undecided candidates take turns
+                return choice.call(lambda c: _wgrad_with(c, *args))
         return _wgrad_with(choice, x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
 
 

@@ -13,14 +13,17 @@ Flow of one CUDA call (``choose``; forced backends and CPU calls never get here)
     miss, measuring allowed (not capturing, not deterministic, budget left, the file's lock free)
         -> reload the file (another rank of the node may have measured it), else time every
            candidate on the caller's stream (each writes a fresh output: the caller's tensors
-           are only read), keep the ranking, write the file atomically
+           are only read), keep the ranking, write the file atomically; what that left
+           undecided is settled on the bucket's next calls (``live_settling``: the call is run
+           through the returned ``Settling``), then the file is written again
     otherwise                                           -> None: the static table decides
 
 Bucket key: direction, dtype, out dtype, E, K and N exactly, the rows per expert rounded up to a
 power of two, whether the host sizes are unequal (ragged), whether they were given at all (the
 loop needs them), plus the device (name and SM count) through the table the key is looked up in.
 
-Budget: at most ``bucket_ms`` per bucket (past it only by the first candidate's probe) and
+Budget: at most ``bucket_ms`` per bucket (past it only by the first candidate's probe; the first call
+gets ``1 - LIVE_SHARE`` of it where live settling is on, its live calls the rest, as regret) and
 ``total_ms`` per process; once spent, misses take the static table. Charged: the wall time from the
 miss to the timing (building the runners, reading the file, the loop's first call), then the larger of
 every call made (timed, warm-up or heat) at its measured ms plus the sleeps queued between rounds, and
@@ -56,13 +59,16 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 import torch
 
 from .bucket_timing import Budget, CudaClock, as_clock, measure
+from .live_settling import Settling, undecided
 from .loop_plans import LoopPlans
 from .selection import Problem, why_not
 
 __all__ = [
     "ENV",
     "Choice",
+    "LIVE_SHARE",
     "Settings",
+    "Settling",
     "MissContext",
     "Autotuner",
     "bucket_rows",
@@ -84,6 +90,10 @@ FILE_VERSION = 1
 # Misses over which the slowest post-measurement time (ranking, file write) stays reserved: the write
 # took 0.1-0.7 ms on the H200 host, with stalls of 2-2.7 ms in 5 of 288 (the sweep of 2026-12-03).
 SAVE_WINDOW = 32
+# Of a bucket's budget, what its first call leaves to live settling (``live_settling``): a bucket whose
+# first call cannot decide goes on timing its undecided candidates on the run's next calls, where a
+# sample costs only its excess over the fastest.
+LIVE_SHARE = 0.3
 Choice = Tuple[str, Optional[int]]  # (backend, CUTLASS tile config or None)
 Key = tuple  # (direction, dtype, out_dtype, E, K, N, rows bucket, ragged, host sizes)
 LOOP: Choice = ("loop", None)
@@ -99,6 +109,7 @@ class Settings:
     total_ms: float = 2000.0
     persist: bool = True
     directory: Optional[Path] = None  # default: <kernel cache dir>/autotune
+    settle_live: bool = True  # a bucket the first call could not decide is settled on its next calls
 
 
 def choice_name(choice: Choice) -> str:
@@ -199,6 +210,7 @@ class _Table:
         self.path = path
         self.ranking: Dict[Key, Tuple[Choice, ...]] = {}
         self.ms: Dict[Key, Dict[str, float]] = {}
+        self.settling: Dict[Key, Settling] = {}  # buckets whose next calls time their undecided candidates
         self.file_stamp = None  # (mtime_ns, size) of the file last read
         self._encoded: Dict[Key, Tuple[tuple, dict, str]] = {}  # key -> (ranking, ms, its JSON text)
 
@@ -286,6 +298,10 @@ class Autotuner:
             return self._miss(p, key, table, group_sizes, context)
         if not ranking or (not self.agreed and (self.settings.deterministic or _deterministic_algorithms())):
             return None  # () marks a bucket with nothing to choose from
+        if table.settling and not p.capturing:
+            settling = table.settling.get(key)
+            if settling is not None:  # the caller runs this call through it (Settling.call)
+                return settling
         first = ranking[0]
         if first[0] != "loop" or (p.sizes_on_host and not p.capturing):  # allowed(), inlined
             return first
@@ -353,14 +369,51 @@ class Autotuner:
             except Exception:  # noqa: BLE001 - a candidate that fails on this shape cannot win
                 runs, host_ms = [r for r in runs if r[0] != LOOP], (time.perf_counter() - t) * 1e3
             self.loop_plans.observe(new, host_ms)
-        elapsed = (time.perf_counter() - started) * 1e3 + (self.save_ms if table.path is not None else 0.0)
-        timings = measure(runs, self.budget, self.timer, elapsed)
+        save_ms = self.save_ms if table.path is not None else 0.0
+        elapsed = (time.perf_counter() - started) * 1e3 + save_ms
+        live = self.settings.settle_live and hasattr(self.timer, "call")
+        before = self.budget.spent_ms
+        timings = measure(runs, self.budget, self.timer, elapsed,
+                          reserve_ms=LIVE_SHARE * self.settings.bucket_ms if live else 0.0)
         self.measured_at = time.perf_counter()
         self.last_miss_ms = (self.measured_at - started) * 1e3
         if not timings:
             return None
         table.put(key, timings)
+        contenders = undecided(timings, [c for c, _ in runs]) if live else []
+        # what is left of the bucket after this miss (charged with its file write still to come) and
+        # the settled ranking's write
+        allowance = min(self.settings.bucket_ms - (self.budget.spent_ms - before) - save_ms, self.budget.left())
+        if contenders and allowance > 0:
+            table.settling[key] = Settling(
+                contenders, {c: timings[c] for c in contenders if c in timings}, allowance, self.timer,
+                charge=self._charge, done=lambda ranking, ms: self._settled(table, key, ranking, ms))
         return self.choose_from(table.ranking[key], p)
+
+    def _charge(self, ms: float) -> None:
+        self.budget.spent_ms += ms
+
+    def _settled(self, table: _Table, key: Key, ranking: list, ms: dict) -> None:
+        """A bucket's live calls decided: its sampled candidates lead the ranking (fastest first), the
+        rest keep the first call's order; the file is rewritten (its wall time charged too)."""
+        started = time.perf_counter()
+        table.settling.pop(key, None)
+        first = table.ranking.get(key, ())
+        table.ranking[key] = tuple(ranking) + tuple(c for c in first if c not in ranking)
+        table.ms[key] = {**table.ms.get(key, {}), **{choice_name(c): round(v, 6) for c, v in ms.items()}}
+        if table.path is not None:
+            from .cutlass_backend import kernels_module
+
+            cache = kernels_module().cache
+            try:
+                with cache.try_locked(table.path) as mine:
+                    if mine:
+                        self._reload(table)
+                        self._save(table, cache)
+            except OSError as exc:
+                self._warn(table.path, f"te_dist autotune: cannot use {table.path} ({exc}); choices stay in memory")
+                table.path = None
+        self._charge((time.perf_counter() - started) * 1e3)
 
     # ------------------------------------------------------------------ tables and files
 
@@ -470,7 +523,7 @@ class Autotuner:
             tables[(name, int(sms))] = table
         with self._lock:
             for ident, table in self._by_identity.items():  # keep the paths, drop the entries
-                table.ranking, table.ms = {}, {}
+                table.ranking, table.ms, table.settling = {}, {}, {}
                 other = tables.pop(ident, None)
                 if other is not None:
                     table.ranking, table.ms = other.ranking, other.ms
@@ -523,11 +576,12 @@ def choose(*args, **kwargs) -> Optional[Choice]:
 
 def configure(*, enabled: Optional[bool] = None, deterministic: Optional[bool] = None,
               bucket_ms: Optional[float] = None, total_ms: Optional[float] = None, persist: Optional[bool] = None,
-              directory=None) -> Settings:
+              directory=None, settle_live: Optional[bool] = None) -> Settings:
     """Change the process's settings (a config file's ``kernels`` section lands here); returns them."""
     t = tuner()
     s = t.settings
-    for name, value in (("enabled", enabled), ("deterministic", deterministic), ("persist", persist)):
+    for name, value in (("enabled", enabled), ("deterministic", deterministic), ("persist", persist),
+                        ("settle_live", settle_live)):
         if value is not None:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, received {value!r}")

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["Budget", "CudaClock", "CallClock", "Timer", "as_clock", "measure"]
+__all__ = ["Budget", "CudaClock", "CallClock", "Timer", "as_clock", "estimate", "measure"]
 
 # How one bucket's milliseconds are spent (``measure``): a few ms of untimed calls bring the GPU out of
 # its idle clocks (a first call after idle ran 1.2-2.7x slower on H200), then interleaved rounds of one
@@ -52,7 +52,19 @@ _SLEEP_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts SM clock cycles; H2
 class CudaClock:
     """Timed samples queued on the current stream, read later: ``sample`` queues ``calls`` calls
     between two events and returns at once, ``read`` waits for that sample's end, ``cover`` queues a
-    GPU sleep. Queuing a round whole keeps the GPU busy from one sample to the next, as in training."""
+    GPU sleep. Queuing a round whole keeps the GPU busy from one sample to the next, as in training.
+    ``call`` times one call whose output is kept (a live call, ``live_settling``); ``ready`` says
+    whether a sample's end has passed, without waiting."""
+
+    def call(self, fn: Callable[[], object]):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        return out, (start, end, 1)
+
+    def ready(self, handle) -> bool:
+        return handle[1].query()
 
     def sample(self, fn: Callable[[], object], calls: int):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -80,6 +92,14 @@ class CallClock:
     def sample(self, fn, calls):
         return self.timer(fn, calls)
 
+    def call(self, fn):
+        out = []
+        ms = self.timer(lambda: out.append(fn()) or out[-1], 1)
+        return out[-1], ms
+
+    def ready(self, handle) -> bool:
+        return True
+
     def read(self, handle) -> float:
         return handle
 
@@ -91,7 +111,7 @@ def as_clock(timer):
     return timer if hasattr(timer, "sample") else CallClock(timer)
 
 
-def _estimate(samples: List[float]) -> float:
+def estimate(samples: List[float]) -> float:
     """A candidate's ms per call: the median of three or more samples, else the smallest (noise on a
     GPU only ever adds time)."""
     if len(samples) < 3:
@@ -100,13 +120,15 @@ def _estimate(samples: List[float]) -> float:
 
 
 def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budget, timer,
-            elapsed_ms: float = 0.0) -> Dict[Hashable, float]:
+            elapsed_ms: float = 0.0, reserve_ms: float = 0.0) -> Dict[Hashable, float]:
     """{choice: estimated ms per call} of the runs timed within the bucket's budget (charged to ``budget``).
     ``timer``: a clock (``CudaClock``) or a ``Timer`` callable. ``elapsed_ms``: what the bucket already
     spent before this call (the caller's own preparation); it counts against the bucket and is charged.
+    ``reserve_ms``: what the bucket keeps for later (live settling): not measured into, not charged.
 
     A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
-    HEAT_MS of untimed calls of it bring the GPU out of its idle clocks. Round one queues a sample of
+    HEAT_MS of untimed calls of it (none where those two calls were as long) bring the GPU out of
+    its idle clocks. Round one queues a sample of
     every run in order while the bucket affords it, each after one untimed call where the round then
     takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
     drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
@@ -116,7 +138,7 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     round is queued whole, with a COVER_MS sleep behind it, then read. Charged: the larger of the GPU
     work and the wall time."""
     clock = as_clock(timer)
-    cap = budget.for_bucket()
+    cap = min(budget.for_bucket(), max(0.0, budget.bucket_ms - reserve_ms))
     if not runs or cap <= 0:
         return {}
     t0 = time.perf_counter() - elapsed_ms / 1e3
@@ -128,6 +150,8 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     spent = elapsed_ms + 2 * probe
     calls = max(1, min(MAX_REPS, int(SAMPLE_MS / max(probe, 1e-6))))
     heat = min(max(1, round(HEAT_MS / max(probe, 1e-6))), int(max(0.0, cap - spent) / 4 / max(probe, 1e-6)))
+    if 2 * probe >= HEAT_MS:  # the untimed call and the probe were that much GPU work already
+        heat = 0
     for _ in range(heat):
         first()
     spent += heat * probe
@@ -135,7 +159,7 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     live = list(order)
     rounds_read = 0
     for rnd in range(MAX_ROUNDS):
-        estimates = {c: _estimate(samples[c]) for c in live if samples[c]}
+        estimates = {c: estimate(samples[c]) for c in live if samples[c]}
         if rnd > 0:
             if not estimates:  # every sample of round one failed: the probe stands for the first run
                 break
@@ -183,7 +207,7 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
             samples[c].append(ms)
         rounds_read += 1
     budget.spent_ms += max(spent, (time.perf_counter() - t0) * 1e3)  # the wall time where it was longer
-    out = {c: _estimate(samples[c]) for c in order if samples[c]}
+    out = {c: estimate(samples[c]) for c in order if samples[c]}
     if not out:  # the probe alone filled the bucket: it is still a measurement of the first run
         out[order[0]] = probe
     return out

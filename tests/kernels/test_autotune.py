@@ -305,8 +305,8 @@ def test_time_after_the_measurement_is_reserved_in_the_next_bucket(tmp_path, mon
     monkeypatch.setattr(cache, "write_atomic", lambda path, data: time.sleep(delay[0]) or real_write(path, data))
     seen = []
     real_measure = autotune.measure
-    monkeypatch.setattr(autotune, "measure", lambda runs, budget, timer, elapsed: seen.append(elapsed)
-                        or real_measure(runs, budget, timer, elapsed))
+    monkeypatch.setattr(autotune, "measure", lambda runs, budget, timer, elapsed, **kw: seen.append(elapsed)
+                        or real_measure(runs, budget, timer, elapsed, **kw))
     t = _tuner(tmp_path)
     t.choose(_p(), 0, SIZES, _context())
     reserve = t.save_ms

@@ -11,6 +11,7 @@ import torch
 
 from te_dist import kernels
 from te_dist.backends import autotune, loop_backend
+from te_dist.backends.bucket_timing import estimate
 
 pytestmark = pytest.mark.gpu
 
@@ -66,13 +67,20 @@ def test_tuned_call_matches_untuned(cuda_device, fresh_tuner, monkeypatch, direc
     assert not fresh_tuner.table_for(cuda_device.index).ranking  # off: nothing measured
     fresh_tuner.settings.enabled = True
     first = _call(direction, x, w, dy, off, sizes).float().cpu()  # measures, then runs the winner
+    table = fresh_tuner.table_for(cuda_device.index)
+    for _ in range(200):  # a bucket the first call left undecided settles on the next calls
+        if not table.settling:
+            break
+        _call(direction, x, w, dy, off, sizes).float().cpu()
     again = _call(direction, x, w, dy, off, sizes).float().cpu()  # the table's answer
+    again2 = _call(direction, x, w, dy, off, sizes).float().cpu()
     row = x if direction != "dgrad" else dy
     assert kernels.describe_choice(direction, row, w, group_sizes=sizes).endswith(" measured")
     tol = dict(rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     torch.testing.assert_close(untuned, ref, **tol)
     torch.testing.assert_close(first, ref, **tol)
-    torch.testing.assert_close(again, first, rtol=0, atol=0)  # the same kernel: bit-identical
+    torch.testing.assert_close(again, ref, **tol)
+    torch.testing.assert_close(again2, again, rtol=0, atol=0)  # the same kernel: bit-identical
 
 
 @pytest.mark.parametrize("direction", ["fwd", "dgrad", "wgrad"])
@@ -93,3 +101,31 @@ def test_every_ranked_candidate_computes_the_same_values(cuda_device, fresh_tune
         else:
             got = kernels._wgrad_with(choice, x, dy, off, w.shape[0], torch.bfloat16, tuple(sizes))
         torch.testing.assert_close(got.float().cpu(), ref, **tol, msg=f"{choice} disagrees")
+
+
+@pytest.mark.parametrize("direction", ["fwd", "dgrad", "wgrad"])
+def test_live_settling_calls_compute_the_reference_and_settle(cuda_device, fresh_tuner, monkeypatch, direction):
+    """A bucket its first call left undecided (forced here: every candidate) is timed on its next
+    calls between CUDA events read without waiting; every one of those calls returns the reference
+    values, and the bucket settles on a ranking of what it timed."""
+    monkeypatch.setattr(autotune, "undecided", lambda timings, cands: [min(timings, key=timings.get)]
+                        + [c for c in cands if c != min(timings, key=timings.get)])
+    x, w, dy, off, sizes = _operands(direction, True, cuda_device)
+    ref = _reference(direction, x, w, dy, off, sizes)
+    tol = dict(rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    row = x if direction != "dgrad" else dy
+    _call(direction, x, w, dy, off, sizes)
+    table = fresh_tuner.table_for(cuda_device.index)
+    (settling,) = table.settling.values()
+    assert kernels.describe_choice(direction, row, w, group_sizes=sizes).endswith(" settling")
+    for _ in range(200):
+        if not table.settling:
+            break
+        torch.testing.assert_close(_call(direction, x, w, dy, off, sizes).float().cpu(), ref, **tol)
+    assert not table.settling and settling.finished
+    live = {c: estimate(s) for c, s in settling.samples.items() if s}
+    assert len(live) >= 2
+    (ranking,) = table.ranking.values()
+    assert ranking[0] == min(live, key=live.get)
+    assert kernels.describe_choice(direction, row, w, group_sizes=sizes).endswith(" measured")
+    torch.testing.assert_close(_call(direction, x, w, dy, off, sizes).float().cpu(), ref, **tol)

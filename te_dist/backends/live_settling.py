@@ -1,0 +1,150 @@
+"""Settling a bucket's choice on the run's own calls, where its first call could not decide.
+
+Why: a bucket's first call times the candidates on scratch outputs within its budget, which is
+too little where one call takes milliseconds (a 7 ms GEMM with 7 candidates: one sample of the
+first three, none of the rest), and it times a GPU that has not yet reached its power limit, where
+the ranking can differ (docs/kernels.md "Measured choices"). A live call does the run's own work
+whichever candidate runs it, so timing it costs only its excess over the fastest (its regret):
+the undecided candidates take turns on the bucket's next calls, each call timed between two
+events read later without waiting, until each has its samples; then the fastest is kept.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
+from .bucket_timing import CUT, FIRST_CUT, estimate
+
+__all__ = ["SAMPLES", "MAX_SAMPLES", "SAMPLE_MS", "NEAR", "UNTIMED_GUESS", "undecided", "samples_for", "Settling"]
+
+SAMPLES, MAX_SAMPLES = 3, 9  # live samples per candidate (its estimate: their median): at least, at most
+SAMPLE_MS = 1.0  # a candidate's live samples add up to about this much GPU time (one call is one sample)
+NEAR = 1.2  # a candidate the first call timed within this of the fastest is timed live again: the power
+# limit of a busy GPU slows tiles and torch's kernel by 0-20% against each other (docs/kernels.md), so
+# the first call's order among close ones is the order of a GPU not yet at its limit
+UNTIMED_GUESS = 2.0  # a candidate never timed is expected this much slower than the fastest (the slowest
+# tile of the H200 sweep ran 1.9x the fastest): what its first sample may cost is held back for it
+
+
+def undecided(timings: Dict[Hashable, float], candidates: Sequence[Hashable]) -> List:
+    """What the live calls should time: the candidates the first call did not time, and those it
+    timed within ``NEAR`` of the fastest; [] when the first call's ranking stands (its fastest then
+    had no rival left to check). The fastest leads the list."""
+    if not timings:
+        return []
+    fastest = min(timings, key=timings.get)
+    rivals = [c for c in candidates if c != fastest and (c not in timings or timings[c] <= NEAR * timings[fastest])]
+    if not rivals:
+        return []
+    return [fastest] + rivals
+
+
+def samples_for(ms: float) -> int:
+    """Live samples per candidate for calls of ``ms``: more where one call is short (its timing is noisier)."""
+    return min(MAX_SAMPLES, max(SAMPLES, int(-(-SAMPLE_MS // max(ms, 1e-6)))))
+
+
+class Settling:
+    """One bucket's live timing. ``call(run)`` runs this call on the next candidate due
+    (``run(choice)`` makes the call and returns its output) between two clock marks; samples
+    are read when their end has passed (``clock.ready``), never waited for. Each candidate gets
+    ``samples_for`` the first call's fastest estimate. A candidate is dropped when its estimate is
+    clearly slower than the fastest (``FIRST_CUT`` with one or two samples, ``CUT`` with more) or
+    its next sample's expected regret no longer fits the allowance; samples queued and not yet read
+    hold their expected regret, so calls queued far ahead of the GPU cannot overdraw it. Each read
+    sample's regret (its ms over the fastest estimate) is charged to the allowance and to
+    ``charge``. Once nothing is due and every sample is read, ``done(ranking, estimates)`` is
+    called once with the sampled candidates fastest first; calls meanwhile take the fastest so far.
+
+    ``clock``: ``call(fn) -> (output, handle)``, ``ready(handle)``, ``read(handle) -> ms``."""
+
+    def __init__(self, contenders: Sequence[Hashable], first_ms: Dict[Hashable, float], allowance_ms: float,
+                 clock, charge: Callable[[float], None], done: Callable[[list, dict], None]):
+        self.contenders = list(contenders)
+        self.first_ms = dict(first_ms)  # the first call's estimates (scratch), for an unsampled guess
+        self.samples: Dict[Hashable, List[float]] = {c: [] for c in self.contenders}
+        self.taken = {c: 0 for c in self.contenders}
+        self.live = list(self.contenders)
+        self.per_candidate = samples_for(min(self.first_ms.values(), default=SAMPLE_MS))
+        self.pending = collections.deque()
+        self.allowance_ms = allowance_ms
+        self.committed_ms = 0.0  # the expected regret of the samples queued and not yet read
+        self.regret_ms = 0.0
+        self.calls = 0
+        self._clock, self._charge, self._done = clock, charge, done
+        self.finished = False
+
+    # ------------------------------------------------------------------ a live call
+
+    def call(self, run: Callable[[Hashable], object]):
+        self._read()
+        choice = None if self.finished else self._next()
+        if choice is None:
+            if not self.pending and not self.finished:
+                self._finish()
+            return run(self.leader())
+        self.calls += 1
+        self.taken[choice] += 1
+        expected = self._expected_regret(choice, self._estimates())
+        try:
+            out, handle = self._clock.call(lambda: run(choice))
+        except Exception:  # noqa: BLE001 - one the first call never ran may fail on this shape: it cannot
+            self.live.remove(choice)  # win, and this call is the run's own: the leader makes it
+            return run(self.leader())
+        self.pending.append((choice, handle, expected))
+        self.committed_ms += expected
+        return out
+
+    def leader(self) -> Hashable:
+        """The fastest so far: by live estimate where sampled, else the first call's."""
+        est = self._estimates()
+        if est:
+            return min(est, key=est.get)
+        return self.contenders[0]
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _estimates(self) -> Dict[Hashable, float]:
+        return {c: estimate(s) for c, s in self.samples.items() if s}
+
+    def _read(self) -> None:
+        while self.pending and self._clock.ready(self.pending[0][1]):
+            choice, handle, expected = self.pending.popleft()
+            self.committed_ms -= expected
+            self.samples[choice].append(self._clock.read(handle))
+            ms = self.samples[choice][-1]
+            regret = max(0.0, ms - min(self._estimates().values()))
+            self.regret_ms += regret
+            self.allowance_ms -= regret
+            self._charge(regret)
+
+    def _next(self) -> Optional[Hashable]:
+        est = self._estimates()
+        if est:
+            fastest = min(est.values())
+            self.live = [c for c in self.live if c not in est
+                         or est[c] <= (CUT if len(self.samples[c]) >= SAMPLES else FIRST_CUT) * fastest]
+        due = [c for c in self.live if self.taken[c] < self.per_candidate]
+        for c in sorted(due, key=lambda c: self.taken[c]):  # round robin: the fewest samples first
+            expected = self._expected_regret(c, est)
+            if expected > self.allowance_ms:
+                self.live.remove(c)  # it cannot be afforded any more: what it has stands
+            elif expected <= self.allowance_ms - self.committed_ms:
+                return c  # (samples still out count at what they were expected to cost; until they
+        return None  # are read, a sample that does not fit beside them waits)
+
+    def _expected_regret(self, c, est) -> float:
+        """A sample's expected excess over the fastest: from its own estimate (live, else the first
+        call's), or, for one never timed, ``UNTIMED_GUESS`` times the fastest."""
+        ref = min(est.values()) if est else min(self.first_ms.values(), default=0.0)
+        own = est.get(c, self.first_ms.get(c))
+        if own is None:
+            own = UNTIMED_GUESS * ref
+        return max(0.0, own - ref)
+
+    def _finish(self) -> None:
+        self.finished = True
+        est = self._estimates()
+        self._done(sorted(est, key=est.get), est)
+
