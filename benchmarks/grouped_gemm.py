@@ -233,7 +233,7 @@ def main():
     if args.summary:
         return grouped_gemm_sweep.print_summary(args.summary)
     if args.sweep:
-        return grouped_gemm_sweep.run_sweep(args, bench_interleaved)
+        return grouped_gemm_sweep.run_sweep(args, bench_interleaved, _queued_start)
     dev = torch.device("cuda")
     W, I = args.warmup, args.iters
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; per call: median over {args.rounds} interleaved rounds of the mean of {I} calls, after {W} warm-up")

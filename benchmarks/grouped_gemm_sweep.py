@@ -12,7 +12,9 @@ directions (fwd, dgrad, wgrad).
 
 Columns (ms per call, median over interleaved rounds, as in the rest of grouped_gemm.py):
   auto    te_dist.kernels with measuring on (its first call measured the bucket within
-          ``--bucket-ms``, a fresh tuning file per sweep unless ``--tune-dir``)
+          ``--bucket-ms``, a fresh tuning file per sweep unless ``--tune-dir``; then its calls until
+          the bucket settled on live calls, ``settle``, if the first call left it undecided;
+          ``--no-settle``: the first call's ranking stands)
   static  te_dist.kernels with measuring off (the static table)
   best    the fastest candidate: every built CUTLASS tile, torch._grouped_mm, the per-expert loop
   torch   torch._grouped_mm (+ the unfused epilogue where one is asked for: none here)
@@ -100,6 +102,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--write-shapes", default=None, help="--sweep: write the shape list as JSON for "
                                                          "`python -m cutlass_kernels tune --shapes` and exit")
     ap.add_argument("--directions", default="fwd,dgrad,wgrad", help="--sweep: comma-separated directions")
+    ap.add_argument("--settle-burst", type=int, default=None, help="--sweep: live calls per preconditioning "
+                                                                  "while a bucket settles (default: --iters)")
+    ap.add_argument("--no-settle", action="store_true", help="--sweep: auto without live settling (the first "
+                                                            "call's ranking stands)")
     ap.add_argument("--summary", default=None, help="print the closing lines of a saved --sweep --json FILE and exit")
 
 
@@ -175,7 +181,7 @@ def _static(fn, settings):
     return call
 
 
-def run_sweep(args, bench_interleaved) -> None:
+def run_sweep(args, bench_interleaved, queued_start) -> None:
     only = set(args.only.split(",")) if args.only else None
     gemms = sweep_gemms(args.tokens, only)
     if args.write_shapes:
@@ -186,7 +192,7 @@ def run_sweep(args, bench_interleaved) -> None:
     tune_dir = args.tune_dir or tempfile.mkdtemp(prefix="te_dist_sweep_tune_")
     autotune.reset()
     settings = autotune.configure(enabled=True, directory=tune_dir, total_ms=float("inf"),
-                                  bucket_ms=args.bucket_ms)
+                                  bucket_ms=args.bucket_ms, settle_live=not args.no_settle)
     cutlass_ok = "cutlass" in kernels.available_backends(dev)
     configs = open_tiles(ck) if cutlass_ok else []
     # cuBLAS's own start (~100 ms on its first GEMM) is paid by a training process's dense layers
@@ -207,11 +213,16 @@ def run_sweep(args, bench_interleaved) -> None:
                 auto = _entry(direction, x, w, dy, off, sizes)
                 torch.cuda.synchronize()
                 tuner = autotune.tuner()
+                table = tuner.table_for(torch.cuda.current_device())
+                keys_before = set(table.ranking)
                 charged, t0, tuner.last_miss_ms = tuner.budget.spent_ms, time.perf_counter(), None
                 auto()  # the first call measures the bucket (outside the timed rounds)
                 torch.cuda.synchronize()
                 first_ms = (time.perf_counter() - t0) * 1e3
-                tune_ms, tune_wall_ms = tuner.budget.spent_ms - charged, tuner.last_miss_ms or 0.0
+                tune_wall_ms = tuner.last_miss_ms or 0.0
+                charged_miss = tuner.budget.spent_ms - charged
+                settle_calls = settle(auto, table, queued_start, args.settle_burst or args.iters)
+                tune_ms, settle_ms = tuner.budget.spent_ms - charged, tuner.budget.spent_ms - charged - charged_miss
                 fns["auto"], fns["static"] = auto, _static(auto, settings)
                 t = bench_interleaved(fns, args.warmup, args.iters, args.rounds)
                 cands = {k: v for k, v in t.items() if k not in ("auto", "static")}
@@ -220,7 +231,8 @@ def run_sweep(args, bench_interleaved) -> None:
                 row = {"shape": g.name, "direction": direction, "routing": routing, "E": g.num_experts, "K": g.k,
                        "N": g.n, "rows_per_expert": g.rows_per_expert, "sizes": sizes, "ms": t, "best": best,
                        "auto_pick": pick, "first_call_ms": first_ms, "tune_ms": tune_ms,
-                       "tune_wall_ms": tune_wall_ms,
+                       "tune_wall_ms": tune_wall_ms, "settle_calls": settle_calls, "settle_ms": settle_ms,
+                       "tuned_ms": {autotune.key_text(k): table.ms.get(k) for k in set(table.ranking) - keys_before},
                        "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
                        "static_over_torch": t["static"] / t["torch"]}
                 rows.append(row)
@@ -232,6 +244,25 @@ def run_sweep(args, bench_interleaved) -> None:
             torch.cuda.empty_cache()
     _write_json(args, settings, rows, complete=True)
     print("\n" + "\n".join(summary_lines(rows)))
+
+
+SETTLE_CALLS = 400  # at most, per bucket (it settles within a few dozen)
+
+
+def settle(auto, table, queued_start, burst: int) -> int:
+    """Calls of ``auto`` until its bucket is no longer settling on live calls; returns how many.
+    They are queued in bursts of ``burst`` calls behind the same preconditioning GEMMs as a timed
+    sample (``queued_start``: a training step's dense work, the host ahead of the GPU), so the live
+    calls run in the power state the columns are timed in."""
+    calls = 0
+    while table.settling and calls < SETTLE_CALLS:
+        if calls % burst == 0:
+            torch.cuda.synchronize()
+            queued_start()
+        auto()
+        calls += 1
+    torch.cuda.synchronize()
+    return calls
 
 
 def _column(pick: str) -> str:
@@ -250,12 +281,18 @@ def summary_lines(rows) -> List[str]:
     own resolution: auto against the candidate column of the kernel it picked (the same kernel, timed
     in the same rounds), whose spread bounds what one row's ratio can tell."""
     firsts = [r["first_call_ms"] for r in rows]
-    walls = [r["tune_wall_ms"] for r in rows if "tune_wall_ms" in r]
+    walls = [r["tune_wall_ms"] + r.get("settle_ms", 0.0) for r in rows if "tune_wall_ms" in r]
+    settled = [r for r in rows if r.get("settle_calls")]
     to_torch = [r["auto_over_torch"] for r in rows]
     same = [r["ms"]["auto"] / r["ms"][_column(r["auto_pick"])] for r in rows if _column(r["auto_pick"]) in r["ms"]]
-    measuring = ([f"measuring a bucket (wall ms, from the miss to the choice, the file write included): median "
-                  f"{_quantile(walls, 0.5):.1f}, p90 {_quantile(walls, 0.9):.1f}, max {max(walls):.1f}; "
-                  f"over {sum(w > 50 for w in walls)} of {len(walls)} rows past 50 ms"] if walls else [])
+    measuring = ([f"measuring a bucket (wall ms from the miss to the choice, the file write included, plus live "
+                  f"settling's charge): median {_quantile(walls, 0.5):.1f}, p90 {_quantile(walls, 0.9):.1f}, max "
+                  f"{max(walls):.1f}; over {sum(w > 50 for w in walls)} of {len(walls)} rows past 50 ms"] if walls else [])
+    if settled:
+        measuring.append(
+            f"settled on live calls: {len(settled)} rows, calls median {_quantile([r['settle_calls'] for r in settled], 0.5)}"
+            f", max {max(r['settle_calls'] for r in settled)}; charged ms (regret + file write) median "
+            f"{_quantile([r['settle_ms'] for r in settled], 0.5):.1f}, max {max(r['settle_ms'] for r in settled):.1f}")
     return [
         f"first call of a bucket (measuring, then the call itself, wall ms): median {_quantile(firsts, 0.5):.1f}, p90 "
         f"{_quantile(firsts, 0.9):.1f}, max {max(firsts):.1f}; all first calls together {sum(firsts) / 1e3:.2f} s",
