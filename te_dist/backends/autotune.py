@@ -402,14 +402,8 @@ class Autotuner:
         table.ranking[key] = tuple(ranking) + tuple(c for c in first if c not in ranking)
         table.ms[key] = {**table.ms.get(key, {}), **{choice_name(c): round(v, 6) for c, v in ms.items()}}
         if table.path is not None:
-            from .cutlass_backend import kernels_module
-
-            cache = kernels_module().cache
             try:
-                with cache.try_locked(table.path) as mine:
-                    if mine:
-                        self._reload(table)
-                        self._save(table, cache)
+                self._save_unless_locked(table)
             except OSError as exc:
                 self._warn(table.path, f"te_dist autotune: cannot use {table.path} ({exc}); choices stay in memory")
                 table.path = None
@@ -500,6 +494,11 @@ class Autotuner:
         table = self.table_for(device_index)
         if table.path is None:
             return None
+        self._save_unless_locked(table)
+        return table.path
+
+    def _save_unless_locked(self, table: _Table) -> None:
+        """Merge the file and write the table, unless another rank holds the file's lock now."""
         from .cutlass_backend import kernels_module
 
         cache = kernels_module().cache
@@ -507,7 +506,6 @@ class Autotuner:
             if mine:
                 self._reload(table)
                 self._save(table, cache)
-        return table.path
 
     def export(self) -> dict:
         """Every table as {"<name>|sm<count>": entries} (what agree_tuned_choices sends)."""

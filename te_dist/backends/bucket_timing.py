@@ -128,9 +128,8 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
 
     A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
     HEAT_MS of untimed calls of it (none where those two calls were as long) bring the GPU out of
-    its idle clocks. Round one queues a sample of
-    every run in order while the bucket affords it, each after one untimed call where the round then
-    takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
+    its idle clocks. Round one queues a sample of every run in order while the bucket affords it,
+    each after one untimed call where the round then takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
     drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
     a rotated order, the fastest first where not all of them fit, until one is left, nothing fits,
     or MAX_ROUNDS, or the wall time since the start plus the next round (its GPU work at SLACK times
