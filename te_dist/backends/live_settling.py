@@ -12,7 +12,7 @@ events read later without waiting, until each has its samples; then the fastest 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .bucket_timing import CUT, FIRST_CUT, estimate
 
@@ -70,8 +70,6 @@ class Settling:
         self.pending = collections.deque()
         self.allowance_ms = allowance_ms
         self.committed_ms = 0.0  # the expected regret of the samples queued and not yet read
-        self.regret_ms = 0.0
-        self.calls = 0
         self._clock, self._charge, self._done = clock, charge, done
         self.finished = False
 
@@ -79,14 +77,12 @@ class Settling:
 
     def call(self, run: Callable[[Hashable], object]):
         self._read()
-        choice = None if self.finished else self._next()
+        choice, expected = (None, 0.0) if self.finished else self._next()
         if choice is None:
             if not self.pending and not self.finished:
                 self._finish()
             return run(self.leader())
-        self.calls += 1
         self.taken[choice] += 1
-        expected = self._expected_regret(choice, self._estimates())
         try:
             out, handle = self._clock.call(lambda: run(choice))
         except Exception:  # noqa: BLE001 - one the first call never ran may fail on this shape: it cannot
@@ -115,11 +111,11 @@ class Settling:
             self.samples[choice].append(self._clock.read(handle))
             ms = self.samples[choice][-1]
             regret = max(0.0, ms - min(self._estimates().values()))
-            self.regret_ms += regret
             self.allowance_ms -= regret
             self._charge(regret)
 
-    def _next(self) -> Optional[Hashable]:
+    def _next(self) -> Tuple[Optional[Hashable], float]:
+        """The candidate due next and its sample's expected regret, or (None, 0.0)."""
         est = self._estimates()
         if est:
             fastest = min(est.values())
@@ -131,8 +127,8 @@ class Settling:
             if expected > self.allowance_ms:
                 self.live.remove(c)  # it cannot be afforded any more: what it has stands
             elif expected <= self.allowance_ms - self.committed_ms:
-                return c  # (samples still out count at what they were expected to cost; until they
-        return None  # are read, a sample that does not fit beside them waits)
+                return c, expected  # (samples still out count at what they were expected to cost;
+        return None, 0.0  # until they are read, a sample that does not fit beside them waits)
 
     def _expected_regret(self, c, est) -> float:
         """A sample's expected excess over the fastest: from its own estimate (live, else the first
