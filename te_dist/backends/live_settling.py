@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from .bucket_timing import CUT, FIRST_CUT, estimate
+from .bucket_timing import CUT, FIRST_CUT, SLACK, estimate
 
 __all__ = ["SAMPLES", "MAX_SAMPLES", "SAMPLE_MS", "NEAR", "UNTIMED_GUESS", "undecided", "samples_for", "Settling"]
 
@@ -131,13 +131,14 @@ class Settling:
         return None, 0.0  # until they are read, a sample that does not fit beside them waits)
 
     def _expected_regret(self, c, est) -> float:
-        """A sample's expected excess over the fastest: from its own estimate (live, else the first
-        call's), or, for one never timed, ``UNTIMED_GUESS`` times the fastest."""
+        """What a sample may cost over the fastest: from its own estimate (live, else the first call's)
+        at ``SLACK`` times (a busy GPU's power limit slows a call by up to ~20% against its estimate,
+        and the whole excess is charged), or, for one never timed, ``UNTIMED_GUESS`` times the fastest."""
         ref = min(est.values()) if est else min(self.first_ms.values(), default=0.0)
         own = est.get(c, self.first_ms.get(c))
         if own is None:
-            own = UNTIMED_GUESS * ref
-        return max(0.0, own - ref)
+            return max(0.0, UNTIMED_GUESS * ref - ref)
+        return max(0.0, SLACK * own - ref)
 
     def _finish(self) -> None:
         self.finished = True
