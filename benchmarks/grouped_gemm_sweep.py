@@ -290,18 +290,22 @@ def _final(row) -> dict:
 
 
 SETTLE_CALLS = 400  # at most, per bucket (it settles within a few dozen)
+SETTLE_HEAT = 6  # preconditioning samples' GEMMs (~9 ms each) before a bucket's first live calls
 
 
 def settle(auto, table, queued_start, burst: int) -> int:
     """Calls of ``auto`` until its bucket is no longer settling on live calls; returns how many.
     They are queued in bursts of ``burst`` calls behind the same preconditioning GEMMs as a timed
-    sample (``queued_start``: a training step's dense work, the host ahead of the GPU), so the live
-    calls run in the power state the columns are timed in."""
+    sample (``queued_start``: a training step's dense work, the host ahead of the GPU), the first
+    burst behind SETTLE_HEAT of them: the live calls run in the power state the columns are timed in
+    (the GPU idled while the row's operands were made; from idle the H200 reaches its power limit
+    after 25-40 ms of GEMMs, docs/kernels.md), as a training step's calls do."""
     calls = 0
     while table.settling and calls < SETTLE_CALLS:
         if calls % burst == 0:
             torch.cuda.synchronize()
-            queued_start()
+            for _ in range(SETTLE_HEAT if calls == 0 else 1):
+                queued_start()
         auto()
         calls += 1
     torch.cuda.synchronize()
