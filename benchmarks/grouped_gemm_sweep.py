@@ -223,6 +223,7 @@ def run_sweep(args, bench_interleaved, queued_start) -> None:
                 tuner = autotune.tuner()
                 table = tuner.table_for(torch.cuda.current_device())
                 keys_before = set(table.ranking)
+                loop_ms_per_new = tuner.loop_plans.ms_per_new  # what the loop's first call was predicted at
                 charged, t0, tuner.last_miss_ms = tuner.budget.spent_ms, time.perf_counter(), None
                 auto()  # the first call measures the bucket (outside the timed rounds)
                 torch.cuda.synchronize()
@@ -240,6 +241,7 @@ def run_sweep(args, bench_interleaved, queued_start) -> None:
                        "N": g.n, "rows_per_expert": g.rows_per_expert, "sizes": sizes, "ms": t, "best": best,
                        "auto_pick": pick, "first_call_ms": first_ms, "tune_ms": tune_ms,
                        "tune_wall_ms": tune_wall_ms, "settle_calls": settle_calls, "settle_ms": settle_ms,
+                       "loop_ms_per_new_shape": loop_ms_per_new,
                        "tuned_ms": {autotune.key_text(k): table.ms.get(k) for k in set(table.ranking) - keys_before},
                        "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
                        "static_over_torch": t["static"] / t["torch"]}
