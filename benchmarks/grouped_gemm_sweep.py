@@ -245,9 +245,8 @@ def run_sweep(args, bench_interleaved, queued_start) -> None:
                        "tuned_ms": {autotune.key_text(k): table.ms.get(k) for k in set(table.ranking) - keys_before},
                        "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
                        "static_over_torch": t["static"] / t["torch"]}
-                confirm_rounds = 3 * args.rounds if args.confirm_rounds is None else args.confirm_rounds
-                if confirm_rounds and _flagged(row):
-                    row["confirm"] = confirm(fns, t, best, _column(pick), bench_interleaved, args, confirm_rounds)
+                if _confirm_rounds(args) and _flagged(row):
+                    row["confirm"] = confirm(fns, t, best, _column(pick), bench_interleaved, args, _confirm_rounds(args))
                 rows.append(row)
                 print(f"{g.name:<28}{direction:<6}{routing:<7}{t['auto']:9.4f}{t['static']:9.4f}{t[best]:9.4f} "
                       f"{best:<8}{t['torch']:9.4f}{row['auto_over_best']:10.3f}{row['auto_over_torch']:11.3f}  {pick}"
@@ -262,6 +261,10 @@ def run_sweep(args, bench_interleaved, queued_start) -> None:
 GOAL = 0.97  # auto's per-row goal against the best candidate and torch (speed ratio)
 CONFIRM_NEAR = 1.05  # re-timing takes every candidate the first pass put within this of the best
 CONFIRM_SAMPLE_MS = 20.0  # GEMM time per re-timed sample at most (fewer calls per sample for long GEMMs)
+
+
+def _confirm_rounds(args) -> int:
+    return 3 * args.rounds if args.confirm_rounds is None else args.confirm_rounds
 
 
 def _flagged(row) -> bool:
@@ -390,7 +393,7 @@ def _write_json(args, settings, rows, *, complete: bool) -> None:
     meta = {"hardware": f"1 x {torch.cuda.get_device_name()}", "torch": torch.__version__, "dtype": "bfloat16",
             "tokens_per_rank": args.tokens, "bucket_ms": settings.bucket_ms, "iters": args.iters,
             "rounds": args.rounds, "warmup": args.warmup, "complete": complete,
-            "confirm_rounds": 3 * args.rounds if args.confirm_rounds is None else args.confirm_rounds}
+            "confirm_rounds": _confirm_rounds(args)}
     tmp = f"{args.json}.tmp"
     with open(tmp, "w") as f:
         json.dump({"meta": meta, "sweep": rows,
