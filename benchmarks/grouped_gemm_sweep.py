@@ -245,8 +245,9 @@ def run_sweep(args, bench_interleaved, queued_start) -> None:
                        "tuned_ms": {autotune.key_text(k): table.ms.get(k) for k in set(table.ranking) - keys_before},
                        "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
                        "static_over_torch": t["static"] / t["torch"]}
-                if _confirm_rounds(args) and _flagged(row):
-                    row["confirm"] = confirm(fns, t, best, _column(pick), bench_interleaved, args, _confirm_rounds(args))
+                again = _confirm_rounds(args)
+                if again and _flagged(row):
+                    row["confirm"] = confirm(fns, t, best, _column(pick), bench_interleaved, args, again)
                 rows.append(row)
                 print(f"{g.name:<28}{direction:<6}{routing:<7}{t['auto']:9.4f}{t['static']:9.4f}{t[best]:9.4f} "
                       f"{best:<8}{t['torch']:9.4f}{row['auto_over_best']:10.3f}{row['auto_over_torch']:11.3f}  {pick}"
