@@ -110,7 +110,8 @@ def select_backend(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, o
 def describe_choice(direction: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, *, out_dtype=None,
                     group_sizes=None) -> str:
     """What a call with these operands would run, and why: ``"cutlass:2 measured"`` (the bucket's
-    tuned choice; ``settling`` while its live calls still time candidates), ``"torch static"`` (the static table). Measures nothing (benchmarks, the tune CLI)."""
+    tuned choice; ``settling`` while its live calls still time candidates), ``"torch static"`` (the
+    static table). Measures nothing (benchmarks, the tune CLI)."""
     E, K, N = w_EKN.shape
     if group_sizes is not None:
         group_sizes = tuple(group_sizes)

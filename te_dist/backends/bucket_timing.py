@@ -129,8 +129,8 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
     HEAT_MS of untimed calls of it (none where those two calls were as long) bring the GPU out of
     its idle clocks. Round one queues a sample of every run in order while the bucket affords it,
-    each after one untimed call where the round then takes at most half the bucket; a run that fails is left out (the first one re-raises). Each later round
-    drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
+    each after one untimed call where the round then takes at most half the bucket; a run that
+    fails is left out (the first one re-raises). Each later round drops the runs clearly slower than the fastest estimate (FIRST_CUT, CUT) and samples the rest in
     a rotated order, the fastest first where not all of them fit, until one is left, nothing fits,
     or MAX_ROUNDS, or the wall time since the start plus the next round (its GPU work at SLACK times
     the estimates, and the wall time per round the GPU clock did not see so far) passes the bucket. A
@@ -148,9 +148,10 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     probe = clock.read(clock.sample(first, 1))
     spent = elapsed_ms + 2 * probe
     calls = max(1, min(MAX_REPS, int(SAMPLE_MS / max(probe, 1e-6))))
-    heat = min(max(1, round(HEAT_MS / max(probe, 1e-6))), int(max(0.0, cap - spent) / 4 / max(probe, 1e-6)))
     if 2 * probe >= HEAT_MS:  # the untimed call and the probe were that much GPU work already
         heat = 0
+    else:
+        heat = min(max(1, round(HEAT_MS / max(probe, 1e-6))), int(max(0.0, cap - spent) / 4 / max(probe, 1e-6)))
     for _ in range(heat):
         first()
     spent += heat * probe
