@@ -118,16 +118,21 @@ def test_host_time_per_round_is_expected_again_and_charged():
     """Each round costs 8 ms of host time the GPU clock does not see (0.5 ms of GPU work): the rounds
     stop while the bucket's wall time still has room for one more, and the wall time is charged."""
     ms = {c: 0.1 for c in MS}
+    overslept = []  # ms each sleep ran past what it asked for (a loaded host wakes late)
 
     def timer(fn, calls):
-        time.sleep(0.008 / len(ms))  # host time of one round, spread over its samples
+        asked, t = 0.008 / len(ms), time.perf_counter()
+        time.sleep(asked)  # host time of one round, spread over its samples
+        overslept.append(max(0.0, time.perf_counter() - t - asked) * 1e3)
         return ms[fn()]
 
     budget = Budget(bucket_ms=50, total_ms=2000)
     t0 = time.perf_counter()
     measure([(c, (lambda c=c: c)) for c in ms], budget, timer)
     wall = (time.perf_counter() - t0) * 1e3
-    assert wall <= 50 + 2  # no round started that the wall time could not afford (2 ms: sleep jitter)
+    # no round started that the wall time could not afford: past 50 ms only by sleep jitter (2 ms, or
+    # what the sleeps overran on a loaded host, which no plan can foresee)
+    assert wall <= 50 + max(2.0, sum(overslept))
     assert budget.spent_ms >= wall - 0.5  # the wall time is what was charged
 
 
