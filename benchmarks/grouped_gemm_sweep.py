@@ -223,7 +223,7 @@ def run_sweep(args, bench_interleaved, queued_start) -> None:
                 tuner = autotune.tuner()
                 table = tuner.table_for(torch.cuda.current_device())
                 keys_before = set(table.ranking)
-                loop_ms_per_new = tuner.loop_plans.ms_per_new  # what the loop's first call was predicted at
+                loop_ms_per_new = tuner.loop_plans.ms_per_new[direction]  # what the loop's first call was predicted at
                 charged, t0, tuner.last_miss_ms = tuner.budget.spent_ms, time.perf_counter(), None
                 auto()  # the first call measures the bucket (outside the timed rounds)
                 torch.cuda.synchronize()

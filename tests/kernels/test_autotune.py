@@ -247,16 +247,28 @@ def test_a_slow_loop_plan_is_charged_to_the_bucket():
 def test_loop_plan_estimate_follows_observations_within_bounds():
     plans = LoopPlans()
     new8 = {("fwd", torch.bfloat16, 1, 1, m) for m in range(1, 9)}
-    assert plans.ms_per_new == LoopPlans.PRIOR_MS and not plans.fits(new8, 50.0)
+    assert plans.ms_per_new["fwd"] == LoopPlans.PRIOR_MS["fwd"] and not plans.fits(new8, 50.0)
     plans.observe(new8, 8 * 0.5)
-    assert plans.ms_per_new == 0.5 and plans.fits(new8, 50.0)
+    assert plans.ms_per_new["fwd"] == 0.5 and plans.fits(new8, 50.0)
     plans.observe({("fwd", torch.bfloat16, 1, 1, 99)}, 100.0)  # one new shape: no update
-    assert plans.ms_per_new == 0.5
+    assert plans.ms_per_new["fwd"] == 0.5
     plans.observe({("dgrad", torch.bfloat16, 1, 1, m) for m in (1, 2)}, 200.0)  # a one-off stall
-    assert plans.ms_per_new == LoopPlans.CEIL_MS
+    assert plans.ms_per_new["dgrad"] == LoopPlans.CEIL_MS
     plans.observe({("wgrad", torch.bfloat16, 1, 1, m) for m in (1, 2)}, 0.0)
-    assert plans.ms_per_new == LoopPlans.FLOOR_MS
+    assert plans.ms_per_new["wgrad"] == LoopPlans.FLOOR_MS
+    assert plans.ms_per_new["fwd"] == 0.5  # each direction keeps its own estimate
     assert len(plans.seen) == 8 + 1 + 2 + 2
+    assert plans.estimate(set()) == 0.0
+
+
+def test_a_slow_first_call_in_one_direction_leaves_the_loop_a_candidate_in_another():
+    """fwd's plans stalled 3 ms per new shape (kernels loaded per row count); wgrad's planning of 16
+    new shapes is still predicted to fit a quarter of the bucket (its own prior)."""
+    plans = LoopPlans()
+    plans.observe({("fwd", torch.bfloat16, 1, 1, m) for m in range(1, 17)}, 16 * 3.0)
+    wgrad16 = {("wgrad", torch.bfloat16, 1, 1, m) for m in range(1, 17)}
+    fwd16 = {("fwd", torch.bfloat16, 1, 1, m) for m in range(17, 33)}
+    assert plans.fits(wgrad16, 50.0) and not plans.fits(fwd16, 50.0)
 
 
 # ---------------------------------------------------------------------- persistence

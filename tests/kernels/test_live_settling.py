@@ -38,7 +38,7 @@ def _context():
 def _tuner(timer, tmp_path=None, **settings):
     s = Settings(persist=tmp_path is not None, directory=tmp_path, **settings)
     t = Autotuner(s, timer=timer, identity=lambda i: ("Fake GPU", 132), file_tag="test")
-    t.loop_plans.ms_per_new = 0.1  # one expert size: its first call fits the bucket
+    t.loop_plans.ms_per_new = dict.fromkeys(t.loop_plans.ms_per_new, 0.1)  # its first call fits the bucket
     return t
 
 
