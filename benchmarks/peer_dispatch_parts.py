@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 
+from gpu_timeline import busy_span_gap  # beside this file: the script's directory is on sys.path
+
 CONFIGS = {  # hidden, experts, top_k, token counts
     "mixtral": (4096, 8, 2, (2048, 8192)),
     "deepseek": (7168, 64, 8, (1024, 2048, 8192)),
@@ -85,15 +87,7 @@ def gpu_profile(dispatch, iters, device):
         for _ in range(iters):
             dispatch()
         torch.cuda.synchronize(device)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, gap, end = 0.0, 0.0, None  # merged intervals
-    for s, e in spans:
-        if end is None or s > end:
-            gap = gap if end is None else max(gap, s - end)
-            busy, end = busy + e - s, e
-        elif e > end:
-            busy, end = busy + e - end, e
+    busy, _, gap = busy_span_gap(prof.events())
     kernels = collections.defaultdict(float)  # name -> us per call
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
