@@ -45,8 +45,7 @@ class LoopPlans:
         """Predicted ms of the host stall that planning ``new`` (one bucket's new shapes) costs."""
         if not new:
             return 0.0
-        direction = next(iter(new))[0]
-        return len(new) * self.ms_per_new.get(direction, max(self.PRIOR_MS.values()))
+        return len(new) * self.ms_per_new[_direction(new)]
 
     def fits(self, new: set, bucket_ms: float) -> bool:
         return self.estimate(new) <= self.SHARE * bucket_ms
@@ -55,5 +54,9 @@ class LoopPlans:
         """The first call that planned ``new`` (shapes of one direction) took ``host_ms`` on the host."""
         self.seen |= new
         if len(new) >= self.MIN_NEW:
-            direction = next(iter(new))[0]
-            self.ms_per_new[direction] = min(self.CEIL_MS, max(self.FLOOR_MS, host_ms / len(new)))
+            self.ms_per_new[_direction(new)] = min(self.CEIL_MS, max(self.FLOOR_MS, host_ms / len(new)))
+
+
+def _direction(new: set) -> str:
+    """The direction of a set of new shapes (one bucket's: all share it)."""
+    return next(iter(new))[0]
