@@ -59,7 +59,7 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 import torch
 
 from .bucket_timing import Budget, CudaClock, as_clock, measure
-from .live_settling import Settling, undecided
+from .live_settling import Ratios, Settling, undecided
 from .loop_plans import LoopPlans
 from .selection import Problem, why_not
 
@@ -269,6 +269,7 @@ class Autotuner:
         self._lock = threading.Lock()
         self._warned = set()
         self.loop_plans = LoopPlans()
+        self.ratios = Ratios()  # each candidate's recent time over its bucket's fastest: a guess for the untimed
         self.save_ms = 1.0  # wall ms from a measurement's end to its miss's end (ranking, file write),
         # the slowest of the last SAVE_WINDOW misses: reserved in the next bucket's budget
         self._recent_saves = collections.deque(maxlen=SAVE_WINDOW)
@@ -380,14 +381,17 @@ class Autotuner:
         if not timings:
             return None
         table.put(key, timings)
+        self.ratios.observe(key[0], timings)
         contenders = undecided(timings, [c for c, _ in runs]) if live else []
         # what is left of the bucket after this miss (charged with its file write still to come) and
         # the settled ranking's write
         allowance = min(self.settings.bucket_ms - (self.budget.spent_ms - before) - save_ms, self.budget.left())
         if contenders and allowance > 0:
+            guesses = {c: self.ratios.guess(key[0], c) for c in contenders if c not in timings}
             table.settling[key] = Settling(
                 contenders, {c: timings[c] for c in contenders if c in timings}, allowance, self.timer,
-                charge=self._charge, done=lambda ranking, ms: self._settled(table, key, ranking, ms))
+                charge=self._charge, done=lambda ranking, ms: self._settled(table, key, ranking, ms),
+                guesses={c: g for c, g in guesses.items() if g is not None})
         return self.choose_from(table.ranking[key], p)
 
     def _charge(self, ms: float) -> None:
@@ -398,6 +402,7 @@ class Autotuner:
         rest keep the first call's order; the file is rewritten (its wall time charged too)."""
         started = time.perf_counter()
         table.settling.pop(key, None)
+        self.ratios.observe(key[0], ms)
         first = table.ranking.get(key, ())
         table.ranking[key] = tuple(ranking) + tuple(c for c in first if c not in ranking)
         table.ms[key] = {**table.ms.get(key, {}), **{choice_name(c): round(v, 6) for c, v in ms.items()}}

@@ -127,10 +127,11 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     ``reserve_ms``: what the bucket keeps for later (live settling): not measured into, not charged.
 
     A probe call of the first run (after an untimed one) sets the calls per sample (SAMPLE_MS); then
-    HEAT_MS of untimed calls of it (none where those two calls were as long) bring the GPU out of
-    its idle clocks. Round one queues a sample of every run in order while the bucket affords it,
-    each after one untimed call where the round then takes at most half the bucket; a run that
-    fails is left out (the first one re-raises). Each later round drops the runs clearly slower
+    HEAT_MS of untimed calls of it (none where those two calls were as long: the probe is then that
+    run's first sample) bring the GPU out of its idle clocks. Round one queues a sample of every
+    run not yet sampled, in order, while the bucket affords it, each after one untimed call where
+    the round then takes at most half the bucket; a run that fails is left out (the first one
+    re-raises). Each later round drops the runs clearly slower
     than the fastest estimate (FIRST_CUT, CUT) and samples the rest in a rotated order, the fastest
     first where not all of them fit, until one is left, nothing fits, or MAX_ROUNDS, or the wall
     time since the start plus the next round (its GPU work at SLACK times the estimates, and the
@@ -157,6 +158,8 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
         first()
     spent += heat * probe
     samples: Dict[Hashable, List[float]] = {c: [] for c in order}
+    if heat == 0 and calls == 1:  # a call as long as the heat, after an untimed one: a sample as round one's
+        samples[order[0]].append(probe)  # would be, so round one starts with the next run
     live = list(order)
     rounds_read = 0
     for rnd in range(MAX_ROUNDS):
@@ -173,7 +176,7 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
             queue = sorted(live, key=estimates.get)  # who is sampled when not all fit
             rotated = live[k:] + live[:k]
         else:
-            queue = rotated = list(order)
+            queue = rotated = [c for c in order if not samples[c]]
         # A first call may pay one-off host costs (a kernel's first load, a library's plan): round one
         # makes one untimed call first where the round then still takes at most half the bucket.
         warm = rnd == 0 and len(queue) * ((calls + 1) * probe) <= cap / 2

@@ -88,6 +88,23 @@ def test_expensive_calls_reach_every_candidate_and_spend_the_rest_on_the_close_o
     assert counts[("loop", None)] >= 2
     assert budget.spent_ms <= 50
 
+def test_a_call_as_long_as_the_heat_makes_its_probe_the_first_sample():
+    """7 ms calls: the untimed call and the probe of the static choice are already 14 ms of GPU work.
+    The probe is then the static choice's first sample, and round one starts with the next
+    candidate, so one more candidate is timed within the same 35 ms."""
+    ms = {("cutlass", 0): 7.0, ("torch", None): 7.4, ("cutlass", 2): 7.2, ("cutlass", 10): 11.0, ("loop", None): 6.3}
+    timer = FakeTimer(ms)
+    budget = Budget(bucket_ms=35, total_ms=2000)
+    got = measure([(c, (lambda c=c: c)) for c in ms], budget, timer)
+    assert [c for c, _ in timer.calls].count(("cutlass", 0)) == 1  # the probe, and no sample after it
+    assert list(got) == [("cutlass", 0), ("torch", None), ("cutlass", 2)]  # was: c0 and torch
+    assert budget.spent_ms <= 35
+    short = {c: 0.05 for c in ms}  # short calls: heat runs after the probe, which is no sample then
+    timer = FakeTimer(short)
+    measure([(c, (lambda c=c: c)) for c in short], Budget(bucket_ms=50, total_ms=2000), timer)
+    assert timer.calls[1] == (("cutlass", 0), bucket_timing.MAX_REPS)  # round one samples it again
+
+
 def test_the_bucket_is_never_overspent():
     for per_call in (0.01, 0.3, 2.0, 7.0, 12.0):
         ms = {c: per_call * (1 + 0.01 * i) for i, c in enumerate(MS)}

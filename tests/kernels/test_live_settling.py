@@ -14,7 +14,7 @@ import torch
 from te_dist.backends import autotune, live_settling
 from te_dist.backends.autotune import Autotuner, MissContext, Settings, bucket_key
 from te_dist.backends.bucket_timing import SLACK, CallClock
-from te_dist.backends.live_settling import Settling, undecided
+from te_dist.backends.live_settling import UNTIMED_GUESS, Ratios, Settling, undecided
 from te_dist.backends.selection import Problem
 from fake_timing import FakeTimer
 
@@ -194,6 +194,101 @@ def test_samples_not_yet_read_hold_their_expected_cost():
         h["ready"] = True
     ran = [s.call(lambda c: c) for _ in range(3)]
     assert C10 in ran or LOOP in ran  # read back: c2 cost 0.2 ms over, the room is there again
+
+
+def test_a_candidate_with_a_record_is_held_at_its_record_not_at_the_blind_guess():
+    """Untimed c2 and c10 ran close to their buckets' fastest before (``Ratios``): each is held at that
+    record (1.2 x its ratio x 7 ms, less 7), so both fit beside c0's sample where 2x would fit one;
+    the cheapest due is taken first, and the loop, with no record, still waits at 2x."""
+    ratios = Ratios()
+    ratios.observe("fwd", {C0: 1.0, C2: 1.05, C10: 1.0})
+    ratios.observe("fwd", {C0: 2.0, C2: 2.02})  # the slowest of its records counts
+    ratios.observe("dgrad", {C0: 1.0, LOOP: 0.9})  # another direction says nothing of fwd
+    assert ratios.guess("fwd", C2) == pytest.approx(1.05) and ratios.guess("fwd", C10) == pytest.approx(1.0)
+    assert ratios.guess("fwd", LOOP) is None and ratios.guess("fwd", C0) == pytest.approx(1.0)
+    guesses = {c: ratios.guess("fwd", c) for c in (C2, C10, LOOP)}
+    clock = _LateClock()
+    s = Settling([C0, C2, C10, LOOP], {C0: 7.0}, 10.0, clock, charge=lambda ms: None, done=lambda r, ms: None,
+                 guesses={c: g for c, g in guesses.items() if g is not None})
+    ran = [s.call(lambda c: c) for _ in range(6)]
+    assert ran == [C0, C10, C2] * 2  # (c10's guess is below c2's)
+    assert s.committed_ms == pytest.approx(2 * ((SLACK - 1) * 7.0 + (SLACK * 1.0 - 1) * 7.0 + (SLACK * 1.05 - 1) * 7.0))
+    blind = Settling([C0, C2, C10, LOOP], {C0: 7.0}, 10.0, _LateClock(), charge=lambda ms: None,
+                     done=lambda r, ms: None)
+    assert blind._expected_regret(C2, {}) == pytest.approx((UNTIMED_GUESS - 1) * 7.0)
+    assert [blind.call(lambda c: c) for _ in range(6)][:2] == [C0, C2] and blind.committed_ms < 10.0
+
+
+def test_records_put_the_likely_fast_untimed_candidate_before_the_likely_slow_one():
+    """Two never-timed candidates and room for one blind: c10 (11 ms) listed before the loop (6.3,
+    the fastest). Blind, c10 is sampled first, its 4 ms over the fastest is charged, and the loop
+    no longer fits; with records (c10 1.6x, the loop 0.95x) the loop goes first and wins."""
+    def settle(guesses):
+        clock = _LateClock()
+        s = Settling([C0, C10, LOOP], {C0: 7.0}, 10.0, clock, charge=lambda ms: None, done=lambda r, ms: None,
+                     guesses=guesses)
+        ran = []
+        for _ in range(40):
+            ran.append(s.call(lambda c: c))
+            for h in clock.out:  # every sample is read by the next call
+                h["ready"] = True
+            if s.finished:
+                break
+        return ran, s.leader()
+
+    ran, leader = settle({})
+    assert LOOP not in ran and leader == C0
+    ran, leader = settle({C10: 1.6, LOOP: 0.95})
+    assert ran.index(LOOP) < 3 and leader == LOOP
+
+
+def test_the_tuner_records_each_bucket_and_hands_the_records_to_settling():
+    """What the first call timed and what live settling measured become records (``Ratios``) of the
+    bucket's direction; the next bucket's settling holds its untimed candidates at them."""
+    clock = _LateClock()
+    t = _tuner(clock)
+    t.timer = _BothClock(clock)
+    t.choose(_p(), 0, SIZES, _context())
+    first = t.table_for(0).settling[bucket_key(_p(), SIZES)]
+    untimed = [c for c in first.contenders if c not in first.first_ms]
+    assert untimed and first.guesses == {}  # nothing recorded before this bucket
+    assert t.ratios.guess("fwd", C0) is not None  # its first call's timings are recorded
+    for _ in range(60):
+        got = t.choose(_p(), 0, SIZES, _context())
+        if not isinstance(got, Settling):
+            break
+        got.call(lambda c: c)
+        for h in clock.out:
+            h["ready"] = True
+    assert t.ratios.guess("fwd", LOOP) == pytest.approx(1.0)  # live: the loop was the fastest
+    other = _p(k=4096)
+    t.choose(other, 0, SIZES, _context())
+    second = t.table_for(0).settling[bucket_key(other, SIZES)]
+    assert set(second.guesses) == {c for c in second.contenders if c not in second.first_ms}
+    assert second.guesses[LOOP] == pytest.approx(1.0)
+    assert t.ratios.guess("dgrad", LOOP) is None
+
+
+class _BothClock:
+    """The first call's clock (scratch samples read at once, SLOW ms) beside a late clock's live calls."""
+
+    def __init__(self, late):
+        self.late = late
+
+    def sample(self, fn, calls):
+        return SLOW[fn()]
+
+    def read(self, handle):
+        return handle if isinstance(handle, float) else self.late.read(handle)
+
+    def ready(self, handle):
+        return self.late.ready(handle)
+
+    def call(self, fn):
+        return self.late.call(fn)
+
+    def cover(self, ms):
+        pass
 
 
 def test_a_candidate_that_fails_on_a_live_call_is_dropped_and_the_call_still_made():
