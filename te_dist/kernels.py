@@ -166,6 +166,8 @@ def _tuned(p: Problem, device, group_sizes, name: str, run, static_config) -> tu
 
 
 def _miss_context(p: Problem, device, name: str, run, static_config) -> autotune.MissContext:
+    if torch_backend.is_available():  # its kernels loaded by a tiny call, not in a timed sample
+        torch_backend.load(device)
     cutlass_ok = p.capability == (9, 0) and _cutlass_built(device)
     static = (name, static_config() if name == "cutlass" else None)
     if not cutlass_ok:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from te_dist import kernels
+from te_dist.backends import torch_backend
 from te_dist.kernels import grouped_mm, grouped_mm_dgrad, grouped_mm_forward, grouped_mm_wgrad
 
 
@@ -172,6 +173,18 @@ def test_available_backends_cpu():
     x, w = torch.randn(4, 8), _weight(2, 8, 8)
     assert kernels.select_backend("fwd", x, w) == "loop"
     assert kernels.select_backend("fwd", x, w, backend="torch") == "torch"
+
+
+def test_torch_backend_loads_its_kernels_with_one_tiny_call_per_device(monkeypatch):
+    """The tuner's misses call ``load`` before timing: the first torch._grouped_mm of a process (which
+    loads torch's kernels) is a 32-row one, once per device, not a timed sample."""
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda x, w, offs: calls.append((tuple(x.shape), offs.tolist())),
+                        raising=False)
+    monkeypatch.setattr(torch_backend, "_LOADED", set())
+    for _ in range(3):
+        torch_backend.load(torch.device("cpu"))
+    assert calls == [((32, 64), [16, 32])]
 
 
 def test_torch_backend_accepts_expanded_gradients():
