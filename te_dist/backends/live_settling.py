@@ -163,8 +163,9 @@ class Settling:
                          or est[c] <= (CUT if len(self.samples[c]) >= SAMPLES else FIRST_CUT) * fastest]
         due = [c for c in self.live if self.taken[c] < self.per_candidate]
         expected = {c: self._expected_regret(c, est) for c in due}
-        for c in sorted(due, key=lambda c: (self.taken[c], expected[c])):  # the fewest samples, then the cheapest,
-            expected_c = expected[c]  # first (round robin)
+        # round robin: the fewest samples first, and of those the cheapest to sample
+        for c in sorted(due, key=lambda c: (self.taken[c], expected[c])):
+            expected_c = expected[c]
             if expected_c > self.allowance_ms:
                 self.live.remove(c)  # it cannot be afforded any more: what it has stands
             elif expected_c <= self.allowance_ms - self.committed_ms:
