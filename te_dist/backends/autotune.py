@@ -387,11 +387,10 @@ class Autotuner:
         # the settled ranking's write
         allowance = min(self.settings.bucket_ms - (self.budget.spent_ms - before) - save_ms, self.budget.left())
         if contenders and allowance > 0:
-            guesses = {c: self.ratios.guess(key[0], c) for c in contenders if c not in timings}
             table.settling[key] = Settling(
                 contenders, {c: timings[c] for c in contenders if c in timings}, allowance, self.timer,
                 charge=self._charge, done=lambda ranking, ms: self._settled(table, key, ranking, ms),
-                guesses={c: g for c, g in guesses.items() if g is not None})
+                guesses=self.ratios.guesses(key[0], [c for c in contenders if c not in timings]))
         return self.choose_from(table.ranking[key], p)
 
     def _charge(self, ms: float) -> None:

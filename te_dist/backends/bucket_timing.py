@@ -131,13 +131,12 @@ def measure(runs: Sequence[Tuple[Hashable, Callable[[], object]]], budget: Budge
     run's first sample) bring the GPU out of its idle clocks. Round one queues a sample of every
     run not yet sampled, in order, while the bucket affords it, each after one untimed call where
     the round then takes at most half the bucket; a run that fails is left out (the first one
-    re-raises). Each later round drops the runs clearly slower
-    than the fastest estimate (FIRST_CUT, CUT) and samples the rest in a rotated order, the fastest
-    first where not all of them fit, until one is left, nothing fits, or MAX_ROUNDS, or the wall
-    time since the start plus the next round (its GPU work at SLACK times the estimates, and the
-    wall time per round the GPU clock did not see so far) passes the bucket. A round is queued
-    whole, with a COVER_MS sleep behind it, then read. Charged: the larger of the GPU work and the
-    wall time."""
+    re-raises). Each later round drops the runs clearly slower than the fastest estimate
+    (FIRST_CUT, CUT) and samples the rest in a rotated order, the fastest first where not all of
+    them fit, until one is left, nothing fits, or MAX_ROUNDS, or the wall time since the start plus
+    the next round (its GPU work at SLACK times the estimates, and the wall time per round the GPU
+    clock did not see so far) passes the bucket. A round is queued whole, with a COVER_MS sleep
+    behind it, then read. Charged: the larger of the GPU work and the wall time."""
     clock = as_clock(timer)
     cap = min(budget.for_bucket(), max(0.0, budget.bucket_ms - reserve_ms))
     if not runs or cap <= 0:

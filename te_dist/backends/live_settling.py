@@ -80,6 +80,11 @@ class Ratios:
         seen = self._seen.get((direction, choice))
         return max(seen) if seen else None
 
+    def guesses(self, direction: str, choices) -> Dict[Hashable, float]:
+        """{choice: guess} of those of ``choices`` with a record in ``direction``."""
+        out = {c: self.guess(direction, c) for c in choices}
+        return {c: g for c, g in out.items() if g is not None}
+
 
 class Settling:
     """One bucket's live timing. ``call(run)`` runs this call on the next candidate due
@@ -162,14 +167,14 @@ class Settling:
             self.live = [c for c in self.live if c not in est
                          or est[c] <= (CUT if len(self.samples[c]) >= SAMPLES else FIRST_CUT) * fastest]
         due = [c for c in self.live if self.taken[c] < self.per_candidate]
-        expected = {c: self._expected_regret(c, est) for c in due}
+        cost = {c: self._expected_regret(c, est) for c in due}
         # round robin: the fewest samples first, and of those the cheapest to sample
-        for c in sorted(due, key=lambda c: (self.taken[c], expected[c])):
-            expected_c = expected[c]
-            if expected_c > self.allowance_ms:
+        for c in sorted(due, key=lambda c: (self.taken[c], cost[c])):
+            expected = cost[c]
+            if expected > self.allowance_ms:
                 self.live.remove(c)  # it cannot be afforded any more: what it has stands
-            elif expected_c <= self.allowance_ms - self.committed_ms:
-                return c, expected_c  # (samples still out count at what they were expected to cost;
+            elif expected <= self.allowance_ms - self.committed_ms:
+                return c, expected  # (samples still out count at what they were expected to cost;
         return None, 0.0  # until they are read, a sample that does not fit beside them waits)
 
     def _expected_regret(self, c, est) -> float:
