@@ -4,12 +4,13 @@
 
 Why: the sweep's columns (benchmarks/grouped_gemm.py) time ten calls of one candidate in a row, while
 live settling (te_dist/backends/live_settling.py) times one call at a time, alternating candidates.
-A call's time depends on what ran just before it (the H200's power state), so two close tiles can
-rank one way in ten-in-a-row and tie call by call. Contexts, each behind the sweep's preconditioning
-GEMMs: ``in_a_row`` ten calls of one between two events (the sweep's columns); ``each_in_a_row``
-ten calls of one, an event pair per call; ``alternating`` A, B, A, B... an event pair per call.
-Each cell: the median ms over ``--rounds`` rounds (A and B swap places every round), and B / A.
-Rows: the two near-ties the sweep of 2026-12-03 missed (docs/benchmarks.md "Measured choices").
+Were a call's time to depend on what ran just before it (the H200's power state), two close tiles
+could rank one way ten in a row and another call by call: this shows whether they do. Contexts, each
+behind the sweep's preconditioning GEMMs: ``in_a_row`` ten calls of one between two events (the
+sweep's columns); ``each_in_a_row`` ten calls of one, an event pair per call; ``alternating`` A, B,
+A, B... an event pair per call. Each cell: the median ms over ``--rounds`` rounds (A and B swap
+places every round), and B / A. Rows: the two near-ties the sweep of 2026-12-03 missed
+(docs/benchmarks.md "Measured choices").
 """
 
 from __future__ import annotations
