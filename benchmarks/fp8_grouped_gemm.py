@@ -4,9 +4,12 @@
 
 Rows: one per (shape, split, direction). Columns (TFLOP/s, median of do_bench):
   * fp8 block   te_dist.kernels.grouped_mm_quantized_* on Float8BlockScaling operands (1x128
-                activations and gradients, 128x128 weights): our CUTLASS SM90 block-scaled kernels.
+                activations and gradients, 128x128 weights), the group sizes given: our CUTLASS
+                SM90 block-scaled kernels, or cuBLAS per expert where the selector picks it
+                (te_dist/backends/fp8_selection.py); then "grouped" = the CUTLASS kernels forced.
   * fp8 tensor  the same entry points on Float8CurrentScaling operands (HYBRID: e5m2 gradients):
-                the tensor-scaled kernels, which apply each operand's one scale in the epilogue.
+                the tensor-scaled kernels, which apply each operand's one scale in the epilogue
+                (or cuBLAS per expert, as above; "grouped" = the kernels forced).
   * tables      the same per-tensor operands on the block-scaled kernels, their scales broadcast
                 into block tables per call (the A/B baseline of the tensor-scaled kernels).
   * bf16        te_dist.kernels.grouped_mm_forward/_dgrad/_wgrad on bf16 operands (auto backend).
@@ -30,6 +33,7 @@ import torch
 
 from te_dist import kernels as K
 from te_dist import recipe as R
+from te_dist.backends import fp8_selection
 from te_dist.quantization import make_quantizer
 
 from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
@@ -107,13 +111,14 @@ def run_shape(name, split, args, gen):
     w_EKN = w.transpose(1, 2)
     calls = {
         "fwd": (2 * T * Kin * N,
-                lambda q: K.grouped_mm_quantized_forward(q[0], q[1], offs, group_sizes=sizes),
+                lambda q, b=None: K.grouped_mm_quantized_forward(q[0], q[1], offs, group_sizes=sizes, backend=b),
                 lambda: K.grouped_mm_forward(x, w_EKN, offs, group_sizes=sizes)),
         "dgrad": (2 * T * Kin * N,
-                  lambda q: K.grouped_mm_quantized_dgrad(q[2], q[1], offs, group_sizes=sizes),
+                  lambda q, b=None: K.grouped_mm_quantized_dgrad(q[2], q[1], offs, group_sizes=sizes, backend=b),
                   lambda: K.grouped_mm_dgrad(dy, w_EKN, offs, group_sizes=sizes)),
         "wgrad": (2 * T * Kin * N,
-                  lambda q: K.grouped_mm_quantized_wgrad(q[0], q[2], offs, num_groups=E),
+                  lambda q, b=None: K.grouped_mm_quantized_wgrad(q[0], q[2], offs, num_groups=E, group_sizes=sizes,
+                                                                 backend=b),
                   lambda: K.grouped_mm_wgrad(x, dy, offs, num_groups=E)),
     }
     torch_fp8 = _torch_rowwise(x, w, dy, offs) if hasattr(torch, "_scaled_grouped_mm") else {}
@@ -132,10 +137,13 @@ def run_shape(name, split, args, gen):
                 row["bf16_err_vs_fp32"] = rel(emu, reference(direction, q[0], q[1], q[2], sizes))
                 del emu
             row[f"fp8_{label}"] = flops / bench(lambda: quant_call(q)) / 1e9
+            row[f"{label}_pick"] = "loop" if fp8_selection.loop_wins(T, Kin, N, E, label == "block") else "grouped"
+            if row[f"{label}_pick"] == "loop":  # the grouped kernels on the same call, for the A/B
+                row[f"{label}_grouped"] = flops / bench(lambda: quant_call(q, "cutlass")) / 1e9
             if label == "tensor":
                 def tables(q=q, call=quant_call):
                     with scale_tables():
-                        return call(q)
+                        return call(q, "cutlass")
 
                 row["tensor_tables"] = flops / bench(tables) / 1e9
                 row["tensor_vs_tables_err"] = rel(got, tables())
@@ -148,8 +156,8 @@ def run_shape(name, split, args, gen):
                     column = f"{'t' if label == 'tensor' else 'c'}{config}"
                     fp8_block.CONFIG_OVERRIDE = config
                     try:
-                        row[f"{column}_err"] = rel(quant_call(q), got)
-                        row[column] = flops / bench(lambda: quant_call(q)) / 1e9
+                        row[f"{column}_err"] = rel(quant_call(q, "cutlass"), got)
+                        row[column] = flops / bench(lambda: quant_call(q, "cutlass")) / 1e9
                     except Exception as exc:
                         print(f"config {config} {label} {direction}: {type(exc).__name__}: {str(exc)[:300]}")
                     finally:
@@ -205,12 +213,15 @@ def main():
             rows += run_shape(name, split, args, gen)
             torch.cuda.empty_cache()
     print(f"\nFP8 grouped GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__}), TFLOP/s")
-    head = (f"{'shape':<12} {'split':<7} {'dir':<6} {'fp8 block':>9} {'fp8 tensor':>10} {'tables':>7} {'bf16':>7} "
+    head = (f"{'shape':<12} {'split':<7} {'dir':<6} {'fp8 block':>9} {'grouped':>7} {'fp8 tensor':>10} {'grouped':>7} "
+            f"{'tables':>7} {'bf16':>7} "
             f"{'torch fp8':>9} {'blk/bf16':>8} {'ten/tables':>10} {'err/emu':>8} {'err/fp32':>8} {'bf16 emu/fp32':>13}")
     print(head)
     for r in rows:
         tf = r.get("torch_fp8")
-        print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} {r['fp8_block']:9.0f} {r['fp8_tensor']:10.0f} "
+        bg, tg = r.get("block_grouped"), r.get("tensor_grouped")
+        print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} {r['fp8_block']:9.0f} {(f'{bg:7.0f}' if bg else '      -')} "
+              f"{r['fp8_tensor']:10.0f} {(f'{tg:7.0f}' if tg else '      -')} "
               f"{r['tensor_tables']:7.0f} {r['bf16']:7.0f} {(f'{tf:9.0f}' if tf else '        -')} "
               f"{r['fp8_block'] / r['bf16']:8.2f} {r['fp8_tensor'] / r['tensor_tables']:10.2f} {r['err_vs_emulated']:8.1e} "
               f"{r['err_vs_fp32']:8.1e} {r['bf16_err_vs_fp32']:13.1e}")

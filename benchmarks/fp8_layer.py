@@ -7,7 +7,9 @@ A recipe name with the suffix ``:bf16h`` (e.g. ``block:bf16h``) runs that recipe
 The suffix ``:tables`` (per-tensor recipes, e.g. ``current:tables``) runs their GEMMs on the
 block-scaled kernels with each one scale broadcast into block tables per call, the A/B baseline of
 the tensor-scaled kernels. The suffix ``:c<N>`` (e.g. ``block:c4``) runs every FP8 grouped GEMM on
-tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a tile.
+tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a tile. The suffix
+``:grouped`` keeps every FP8 GEMM on the grouped kernels (no cuBLAS per expert,
+``te_dist/backends/fp8_selection.py``): the A/B of that choice.
 
 Rows: one per (config, recipe). Columns: step time (mean of --iters steps after --warmup, one
 forward+backward each, CUDA events), speed against bf16 in the same run (bf16 time / recipe
@@ -28,6 +30,7 @@ import torch
 
 import te_dist as td
 from cutlass_kernels import fp8_block
+from te_dist.backends import fp8_selection
 from te_dist.moe import MoELayer
 from te_dist.recipe import recipe_from_name
 
@@ -96,15 +99,19 @@ def main():
                 recipe.fp8_swiglu_input = False
             elif option.startswith("c") and option[1:].isdigit():
                 config = int(option[1:])
-            elif option not in ("", "tables"):
-                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, c<N>)")
+            elif option not in ("", "tables", "grouped"):
+                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, c<N>)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
             fp8_block.CONFIG_OVERRIDE = config
+            loop_min = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT
+            if option in ("grouped", "tables") or config is not None:
+                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = float("inf")
             try:
                 with scale_tables(option == "tables"):
                     ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
             finally:
                 fp8_block.CONFIG_OVERRIDE = None
+                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = loop_min
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, speed=base_ms / ms, held_gb=held / 1e9,
                              mem=held / max(base_held, 1), path="native" if native else "emulated", diff=diff))

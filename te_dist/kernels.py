@@ -16,9 +16,11 @@ launches.
 Quantized (FP8) grouped GEMMs are entry points of the same stack:
 ``grouped_mm_quantized_forward / _dgrad / _wgrad`` take the operands as the recipe's quantizers
 made them (``Float8Tensor`` or ``Float8BlockTensor`` activations, a weight prepared once per
-version by ``prepare_quantized_weight``) and run on our block-scaled CUTLASS kernels, or on the
-emulated reference (dequantize the same operands, then the bf16 GEMM) wherever those cannot run.
-Both backends multiply the same quantized values; only the accumulation differs.
+version by ``prepare_quantized_weight``) and run on our block-scaled CUTLASS kernels; as cuBLAS per
+expert where every expert's GEMM is large and the group sizes are on the host
+(``te_dist.backends.fp8_selection``); or on the emulated reference (dequantize the same operands,
+then the bf16 GEMM) wherever the kernels cannot run. All multiply the same quantized values; only
+the accumulation differs.
 
 Legend: T rows (tokens), K in-features, N out-features, E experts.
 """
@@ -29,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from .backends import autotune, loop_backend, torch_backend, validation
-from .backends.fp8_operands import BLOCK, QuantizedWeight, copy_format, dequantized, fp8_format
+from .backends import autotune, fp8_selection, loop_backend, torch_backend, validation
+from .backends.fp8_operands import BLOCK, QuantizedWeight, copy_format, dequantized, fp8_format, tensor_scales
 from .backends.fp8_operands import prepare_weight as prepare_quantized_weight
 from .backends.grouped_mm_function import GroupedMM
 from .backends.selection import BACKENDS, Problem, choose_backend
@@ -348,7 +350,7 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
 
 # --------------------------------------------------------------------------- quantized (FP8) grouped GEMMs
 
-QUANTIZED_BACKENDS = ("cutlass", "emulated")
+QUANTIZED_BACKENDS = ("cutlass", "loop", "emulated")
 _QUANTIZED_OUT = (torch.bfloat16, torch.float32)
 
 
@@ -359,6 +361,12 @@ def _fp8_backend():
 
         _CUTLASS["fp8"] = module
     return module
+
+
+def _fp8_loop():
+    from .backends import fp8_loop_backend
+
+    return fp8_loop_backend
 
 
 def _quantized_why_not(device: torch.device, k: int, n: int, out_dtype, b_format: str) -> Optional[str]:
@@ -381,19 +389,36 @@ def _quantized_why_not(device: torch.device, k: int, n: int, out_dtype, b_format
 
 
 def select_quantized_backend(device, k: int, n: int, *, out_dtype=torch.bfloat16, b_format: str = "e4m3",
-                             backend: Optional[str] = None) -> str:
-    """"cutlass" where our FP8 kernels can run the call, else "emulated"; a forced backend that
-    cannot run raises ValueError saying why."""
+                             backend: Optional[str] = None, group_sizes=None, num_rows: int = 0, num_groups: int = 0,
+                             block_scales: bool = False, a_format: str = "e4m3", epilogue: bool = False,
+                             wgrad: bool = False, contraction: Optional[int] = None) -> str:
+    """"cutlass" where our FP8 kernels can run the call, "loop" where cuBLAS per expert beats them
+    (backends/fp8_selection.py: the group sizes on the host and large experts), else "emulated";
+    a forced backend that cannot run raises ValueError saying why. ``contraction``: the GEMM's
+    contracted extent (default ``k``: fwd; dgrad contracts ``n``, wgrad the rows)."""
     if backend is not None and backend not in QUANTIZED_BACKENDS:
         raise ValueError(f"backend must be None or one of {QUANTIZED_BACKENDS}, received {backend!r}")
     if backend == "emulated":
         return backend
-    reason = _quantized_why_not(torch.device(device), k, n, out_dtype, b_format)
-    if reason is None:
+    device = torch.device(device)
+    reason = _quantized_why_not(device, k, n, out_dtype, b_format)
+    if reason is not None:
+        if backend is not None:
+            raise ValueError(f"backend={backend!r} cannot run this FP8 grouped GEMM: {reason}")
+        return "emulated"
+    if backend == "cutlass" or (backend is None and not fp8_selection.loop_wins(num_rows, k, n, num_groups, block_scales)):
         return "cutlass"
-    if backend == "cutlass":
-        raise ValueError(f"backend='cutlass' cannot run this FP8 grouped GEMM: {reason}")
-    return "emulated"
+    if group_sizes is not None:  # checked only where the loop may run: the other paths only hint with them
+        group_sizes = validation.check_group_sizes(group_sizes, num_groups, num_rows)
+    loop_reason = fp8_selection.loop_why_not(
+        device=device, group_sizes=group_sizes, out_dtype=out_dtype, block_scales=block_scales,
+        formats=(a_format, b_format), epilogue=epilogue, wgrad=wgrad,
+        contraction=k if contraction is None else contraction)
+    if loop_reason is None:
+        return "loop"
+    if backend == "loop":
+        raise ValueError(f"backend='loop' cannot run this FP8 grouped GEMM: {loop_reason}")
+    return "cutlass"
 
 
 def _check_quantized(name: str, q, ndim: int) -> None:
@@ -431,7 +456,12 @@ def grouped_mm_quantized_forward(xq, wq: QuantizedWeight, offsets_E, *, bias_EN=
         raise ValueError(f"xq has {xq.shape[1]} features but the weight [E={E}, N={N}, K={K}] takes K={K}")
     device = _data_device(xq)
     _check_quantized_offsets(offsets_E, E, device)
-    name = select_quantized_backend(device, K, N, out_dtype=out_dtype, b_format=_weight_format(wq), backend=backend)
+    name = select_quantized_backend(
+        device, K, N, out_dtype=out_dtype, b_format=_weight_format(wq), backend=backend, group_sizes=group_sizes,
+        num_rows=xq.shape[0], num_groups=E, block_scales=not tensor_scales(xq, wq), a_format=copy_format(xq, "rowwise"),
+        epilogue=bias_EN is not None or row_scale_T is not None, contraction=K)
+    if name == "loop":
+        return _fp8_loop().forward(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
     if name == "cutlass":
         fb = _fp8_backend()
         return fb.guarded(fb.forward, _emulated_forward)(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
@@ -448,7 +478,12 @@ def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype
         raise ValueError(f"dyq has {dyq.shape[1]} features but the weight [E={E}, N={N}, K={K}] gives N={N}")
     device = _data_device(dyq)
     _check_quantized_offsets(offsets_E, E, device)
-    name = select_quantized_backend(device, K, N, out_dtype=out_dtype, b_format=_weight_format(wq), backend=backend)
+    name = select_quantized_backend(
+        device, K, N, out_dtype=out_dtype, b_format=_weight_format(wq), backend=backend, group_sizes=group_sizes,
+        num_rows=dyq.shape[0], num_groups=E, block_scales=not tensor_scales(dyq, wq),
+        a_format=copy_format(dyq, "rowwise"), contraction=N)
+    if name == "loop":
+        return _fp8_loop().dgrad(dyq, wq, offsets_E, out_dtype, group_sizes)
     if name == "cutlass":
         fb = _fp8_backend()
         return fb.guarded(fb.dgrad, _emulated_dgrad)(dyq, wq, offsets_E, out_dtype, group_sizes)
@@ -456,7 +491,7 @@ def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype
 
 
 def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype=torch.bfloat16,
-                               backend=None) -> torch.Tensor:
+                               backend=None, group_sizes=None) -> torch.Tensor:
     """dw[e] = dy_e^T @ x_e as [E, N, K] from the columnwise copies of quantized x [T, K] and
     dy [T, N]. Every group's first row must be a multiple of the recipe's split alignment (128 for
     block scales, 16 for per-tensor): the caller guarantees it (the support predicates ask)."""
@@ -468,9 +503,13 @@ def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype
     N = dyq.shape[1]
     device = _data_device(xq)
     _check_quantized_offsets(offsets_E, num_groups, device)
-    copy_format(dyq, "columnwise")
+    a_format = copy_format(dyq, "columnwise")
     b_format = copy_format(xq, "columnwise")
-    name = select_quantized_backend(device, K, N, out_dtype=out_dtype, b_format=b_format, backend=backend)
+    name = select_quantized_backend(
+        device, K, N, out_dtype=out_dtype, b_format=b_format, backend=backend, group_sizes=group_sizes, num_rows=T,
+        num_groups=num_groups, block_scales=not tensor_scales(xq, dyq), a_format=a_format, wgrad=True, contraction=T)
+    if name == "loop":
+        return _fp8_loop().wgrad(xq, dyq, offsets_E, num_groups, out_dtype, group_sizes)
     if name == "cutlass":
         fb = _fp8_backend()
         return fb.guarded(fb.wgrad, _emulated_wgrad)(xq, dyq, offsets_E, num_groups, out_dtype)

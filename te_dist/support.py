@@ -459,7 +459,8 @@ def explain_path(recipe, dtype, *, device=None) -> Tuple[str, str]:
         if spec.tag == "none":
             return "native", "bf16 grouped kernels (CUTLASS SM90, else torch._grouped_mm)"
         return "native", (f"CUTLASS SM90 FP8 grouped GEMMs ({'block' if spec.tag == 'fp8_block' else 'per-tensor'} "
-                          f"scales), expert rows padded to {alignment}")
+                          f"scales; cuBLAS per expert where each expert's GEMM is large), expert rows padded to "
+                          f"{alignment}")
     if cap is None:
         return ("emulated" if spec.tag != "none" else "split"), f"{dev.type}: the float32 reference path"
     if spec.tag == "none":

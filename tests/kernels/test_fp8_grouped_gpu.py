@@ -100,16 +100,47 @@ def test_per_tensor_native_on_16_row_groups(cuda_device, name, case):
     _check_native(cuda_device, name, case)
 
 
-def _check_native(cuda_device, name, case):
+@pytest.mark.parametrize("name", ["block", "current", "delayed"])
+@pytest.mark.parametrize("case", CASES + CASES_16 + [(2, 512, 1024, [256, 384])],
+                         ids=lambda c: f"E{c[0]}_K{c[1]}_N{c[2]}_{len(c[3])}")
+def test_cublas_per_expert_matches_the_quantized_reference(cuda_device, name, case):
+    """backend="loop" (torch._scaled_mm per expert, the group sizes on the host): the same checks,
+    block scales on 128-row groups only. Block-scaled fwd/dgrad with a contraction that is not a
+    multiple of 512 are refused (cuBLAS returned wrong values there): the check is that they raise."""
+    if name == "block" and any(s % 128 for s in case[3]):
+        pytest.skip("block scales: 128-row groups")
+    _check_native(cuda_device, name, case, backend="loop")
+
+
+def _refused_by_the_loop(name, direction, Kin, N):
+    contraction = {"fwd": Kin, "dgrad": N}.get(direction)
+    return name.startswith("block") and contraction is not None and contraction % 512 != 0
+
+
+def test_cublas_per_expert_refuses_what_it_cannot_run(cuda_device):
+    xq, wq, dyq, offs = _operands(RECIPES["block_hybrid"](), 2, 256, 256, [128, 128], cuda_device)
+    with pytest.raises(ValueError, match="e4m3 operands"):
+        K.grouped_mm_quantized_dgrad(dyq, wq, offs, backend="loop", group_sizes=[128, 128])
+    with pytest.raises(ValueError, match="group sizes on the host"):
+        K.grouped_mm_quantized_forward(xq, wq, offs, backend="loop")
+    assert K.grouped_mm_quantized_forward(xq, wq, offs, group_sizes=[128, 128]).shape == (256, 256)
+
+
+def _check_native(cuda_device, name, case, backend="cutlass"):
     E, Kin, N, sizes = case
     torch.manual_seed(1)
     xq, wq, dyq, offs = _operands(RECIPES[name](), E, Kin, N, sizes, cuda_device)
+    g = sizes if backend == "loop" else None
     for direction, call in {
-        "fwd": lambda b: K.grouped_mm_quantized_forward(xq, wq, offs, backend=b),
-        "dgrad": lambda b: K.grouped_mm_quantized_dgrad(dyq, wq, offs, backend=b),
-        "wgrad": lambda b: K.grouped_mm_quantized_wgrad(xq, dyq, offs, num_groups=E, backend=b),
+        "fwd": lambda b: K.grouped_mm_quantized_forward(xq, wq, offs, backend=b, group_sizes=g),
+        "dgrad": lambda b: K.grouped_mm_quantized_dgrad(dyq, wq, offs, backend=b, group_sizes=g),
+        "wgrad": lambda b: K.grouped_mm_quantized_wgrad(xq, dyq, offs, num_groups=E, backend=b, group_sizes=g),
     }.items():
-        native = call("cutlass")
+        if backend == "loop" and _refused_by_the_loop(name, direction, Kin, N):
+            with pytest.raises(ValueError, match="multiple of 512"):
+                call(backend)
+            continue
+        native = call(backend)
         assert torch.isfinite(native).all(), direction
         assert _rel(native, _reference(direction, xq, wq, dyq, sizes)) <= 2.5e-3, direction
         if name.startswith("block"):

@@ -318,7 +318,8 @@ class GroupedLinear(BasicOperation):
             dx = k.grouped_mm_quantized_dgrad(dyq, wq, offsets, out_dtype=dy.dtype, group_sizes=group_sizes)
         dw = None
         if weight_rg:
-            dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype)
+            dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype,
+                                              group_sizes=group_sizes)
         db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
         return dx, dw, db
 
