@@ -86,6 +86,12 @@ def test_selection_through_the_kernels_entry(fake_sm90, monkeypatch):
     assert pick(CUDA, 4096, 4096, block_scales=True, **mid) == "cutlass"
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert pick(CUDA, 4096, 28672, **big) == "cutlass"
+    # kernels disabled (TE_DIST_DISABLE_CUTLASS, a failed build): the layer runs emulated, so does the call
+    monkeypatch.setattr(K._fp8_backend(), "available", lambda: False)
+    monkeypatch.setattr(K._fp8_backend(), "unavailable_reason", lambda: "disabled for the test")
+    assert pick(CUDA, 4096, 28672, **big) == "emulated"
+    with pytest.raises(ValueError, match="backend='loop' cannot run.*disabled for the test"):
+        pick(CUDA, 4096, 28672, backend="loop", **big)
 
 
 def _per_tensor_operands(E, Kin, N, sizes):
