@@ -9,14 +9,15 @@ kernels (``fp8_cutlass_backend``): a rule on host-side facts only (no launches, 
 | cutlass  | otherwise |
 
 The thresholds are measured on the H200 (`python benchmarks/fp8_ceiling.py` and
-`benchmarks/fp8_grouped_gemm.py`, docs/kernels.md "FP8 grouped GEMMs"). Per-tensor scales: cuBLAS
-per expert beat the grouped kernels in every direction from 30 GFLOP per expert GEMM up
-(DeepSeek-like fc1 with 512 rows: 1.04-1.13x; 1.06-1.27x at 60-240) and lost at 15 (its fc2:
-0.82-1.09x: launches and short GEMMs' tails). Block scales: at 120-240 GFLOP (Mixtral-like, 1024
-rows per expert) 1.04-1.15x, at 60 (DeepSeek-V3 fc1, 1024 rows) 0.96-1.09x. The thresholds keep a
-margin over the last even point; a GEMM of 50 GFLOP runs ~45 us, longer than its launch takes.
-cuBLAS reads a 128x128 scale table with rows padded to 4 entries: with a contraction of 128 or 256
-modulo 512 it refused the call or returned wrong values, so those stay on the grouped kernels.
+`benchmarks/fp8_grouped_gemm.py`, docs/kernels.md "FP8 grouped GEMMs"; two runs). Per-tensor scales:
+cuBLAS per expert beat the grouped kernels in every direction from 30 GFLOP per expert GEMM up
+(DeepSeek-like fc1 with 512 rows: 1.04-1.13x; 1.05-1.34x at 60-240) and lost at 15 (its fc2:
+0.82-1.09x: launches and short GEMMs' tails). Block scales: 1.04-1.20x at 120-240 GFLOP
+(Mixtral-like, 1024 rows per expert), 0.96-1.09x at 60 (DeepSeek-V3 fc1, 1024 rows). The thresholds
+keep a margin over the last even point; a GEMM of 50 GFLOP runs ~45 us, longer than its launch.
+Newer torch asks for 128x128 scale tables with rows padded to 4 entries; with a contraction of 256 cuBLAS
+refused the call (fwd) or returned wrong values (dgrad), so a block-scaled fwd or dgrad whose
+contraction is not a multiple of 512 stays on the grouped kernels.
 """
 
 from __future__ import annotations
