@@ -138,7 +138,9 @@ def run_shape(name, split, args, gen):
                 del emu
             row[f"fp8_{label}"] = flops / bench(lambda: quant_call(q)) / 1e9
             row[f"{label}_pick"] = "loop" if fp8_selection.loop_wins(T, Kin, N, E, label == "block") else "grouped"
-            if row[f"{label}_pick"] == "loop":  # the grouped kernels on the same call, for the A/B
+            # the size rule only (the selector's other conditions hold on these shapes); where it says
+            # "loop", the grouped kernels are timed on the same call too, for the A/B
+            if row[f"{label}_pick"] == "loop":
                 row[f"{label}_grouped"] = flops / bench(lambda: quant_call(q, "cutlass")) / 1e9
             if label == "tensor":
                 def tables(q=q, call=quant_call):

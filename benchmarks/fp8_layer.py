@@ -9,7 +9,8 @@ block-scaled kernels with each one scale broadcast into block tables per call, t
 the tensor-scaled kernels. The suffix ``:c<N>`` (e.g. ``block:c4``) runs every FP8 grouped GEMM on
 tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a tile. The suffix
 ``:grouped`` keeps every FP8 GEMM on the grouped kernels (no cuBLAS per expert,
-``te_dist/backends/fp8_selection.py``): the A/B of that choice.
+``te_dist/backends/fp8_selection.py``): the A/B of that choice. ``:tables`` and ``:c<N>`` keep them
+there too, since they compare variants of those kernels.
 
 Rows: one per (config, recipe). Columns: step time (mean of --iters steps after --warmup, one
 forward+backward each, CUDA events), speed against bf16 in the same run (bf16 time / recipe
