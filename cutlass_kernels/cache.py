@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -106,12 +107,15 @@ def _locked(target: Path, timeout_s: float) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + timeout_s
+        deadline, announced = time.monotonic() + timeout_s, False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not announced:
+                    announced = True
+                    _notice(f"waiting for another process building kernel {target.name}")
                 if time.monotonic() > deadline:
                     raise BuildError(f"waited {timeout_s:.0f} s for another process building {target.name} "
                                      f"(lock {path}); remove the lock file if no build is running") from None
@@ -181,15 +185,26 @@ def _build(target: Path, command: Command, name: str, verbose: bool) -> None:
     _fsync(target.parent)
 
 
+def _notice(message: str) -> None:
+    """One line on stderr: a first-use build stalls the caller (a training step) for about a minute
+    per kernel, which must not look like a hang."""
+    print(f"te_dist: {message}", file=sys.stderr, flush=True)
+
+
 def build_cached(target: Path, command: Command, name: str, verbose: bool = False, *,
                  timeout_s: float = LOCK_TIMEOUT_S) -> Path:
-    """``target``, built first if its entry is absent or not whole; concurrent callers build it once."""
+    """``target``, built first if its entry is absent or not whole; concurrent callers build it once.
+    A build says so on stderr, before and after (``python -m cutlass_kernels`` builds ahead of time)."""
     if entry_is_whole(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target, timeout_s):
         if not entry_is_whole(target):  # the lock holder before us may have built it
+            _notice(f"building kernel {name} on first use (about a minute; cache {target.parent}; "
+                    f"`python -m cutlass_kernels` builds them ahead of time)")
+            start = time.monotonic()
             _build(target, command, name, verbose)
+            _notice(f"built kernel {name} in {time.monotonic() - start:.0f} s")
     return target
 
 

@@ -92,6 +92,29 @@ def test_concurrent_processes_build_a_missing_kernel_once(fake_nvcc, source):
     assert not leftovers, f"temp build dirs left behind: {leftovers}"
 
 
+def test_a_build_says_so_and_a_hit_is_silent(fake_nvcc, source, capsys):
+    """A first-use build stalls its caller for about a minute: it names the kernel on stderr, before and after."""
+    build.build_plain_source(source)
+    err = capsys.readouterr().err
+    assert f"te_dist: building kernel {source.stem} on first use" in err, err
+    assert f"te_dist: built kernel {source.stem} in" in err, err
+    build.build_plain_source(source)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_process_waiting_for_another_build_says_so(fake_nvcc, source):
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", FAKE_NVCC_SECONDS="2")
+    script = "import sys; from pathlib import Path; from cutlass_kernels import build; " \
+             "print(build.build_plain_source(Path(sys.argv[1])))"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(source)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+    builders = [e for e in errs if "te_dist: building kernel" in e]
+    waiters = [e for e in errs if "waiting for another process building kernel" in e]
+    assert len(builders) == 1 and len(waiters) == 1, errs
+
+
 def test_truncated_library_is_detected_and_rebuilt(fake_nvcc, source):
     _, log = fake_nvcc
     path = build.build_plain_source(source)
