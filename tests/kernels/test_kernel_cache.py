@@ -4,6 +4,7 @@ once, then ``BuildError`` (the backends' signal to fall back)."""
 
 import ctypes
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -103,16 +104,20 @@ def test_a_build_says_so_and_a_hit_is_silent(fake_nvcc, source, capsys):
 
 
 def test_a_process_waiting_for_another_build_says_so(fake_nvcc, source):
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", FAKE_NVCC_SECONDS="2")
+    """While another process holds the build lock, a caller says it waits (then builds once it may)."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     script = "import sys; from pathlib import Path; from cutlass_kernels import build; " \
              "print(build.build_plain_source(Path(sys.argv[1])))"
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(source)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    errs = [p.communicate(timeout=60)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errs
-    builders = [e for e in errs if "te_dist: building kernel" in e]
-    waiters = [e for e in errs if "waiting for another process building kernel" in e]
-    assert len(builders) == 1 and len(waiters) == 1, errs
+    with cache.try_locked(build._plain_target(source)) as held:  # this test is the other process's build
+        assert held
+        proc = subprocess.Popen([sys.executable, "-c", script, str(source)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([proc.stderr], [], [], 60)
+        first = proc.stderr.readline() if ready else ""
+    out, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 0, first + rest
+    assert first.startswith("te_dist: waiting for another process building kernel"), first + rest
+    assert "te_dist: building kernel" in rest, rest
 
 
 def test_truncated_library_is_detected_and_rebuilt(fake_nvcc, source):
