@@ -1,7 +1,7 @@
 """Where one MoELayer step's GPU time goes, per kernel category, under each recipe (torch.profiler; one GPU).
 
     python benchmarks/fp8_layer_profile.py [--configs deepseek,qwen3] [--recipes none,block,current] [--top 12]
-        [--host] [--gaps N]
+        [--host] [--gaps N] [--cprofile N]
 
 Prints, per (config, recipe), the GPU time per step by category (the FP8 and bf16 GEMMs, casts,
 expert-row padding, activation, permutation, router, the rest) and the --top kernels, so a gap
@@ -20,12 +20,18 @@ host's own work. A step whose host work is near its wall time is host-bound: the
 ``--gaps N`` prints the N longest GPU idle gaps of two profiled steps with the te_dist frames that
 launched the kernel ending each gap (torch.profiler with Python stacks; the stacks slow the host, so
 the gaps are longer than unprofiled), and the idle time summed per launching frame.
+``--cprofile N`` runs 10 steps under cProfile and prints the N functions with the most host time of
+their own, and the N te_dist functions with the most host time including their callees: where the
+host's own work goes (cProfile roughly doubles it; compare rows, not absolute times).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import json
 import os
 import tempfile
@@ -162,6 +168,23 @@ def idle_gaps(step, top):
     return sorted(gaps, reverse=True)[:top], sorted(per_frame.items(), key=lambda kv: -kv[1])
 
 
+def host_functions(step, top):
+    """cProfile of 10 queued steps: the ``top`` functions by own time, and te_dist's by cumulative time."""
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("te_dist", top)
+    return out.getvalue()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="deepseek,qwen3,mixtral")
@@ -170,6 +193,7 @@ def main():
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--host", action="store_true", help="add host ms per step and the part blocked in host reads")
     p.add_argument("--gaps", type=int, default=0, metavar="N", help="print the N longest GPU idle gaps and who launched")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N functions with most host time")
     args = p.parse_args()
     cats = [c for c, _ in CATEGORIES] + ["other"]
     summary, steps = [], []
@@ -198,6 +222,8 @@ def main():
                       f"{', '.join(f'{us:.0f} {frame}' for frame, us in per_frame[:4])})")
                 for us, kernel, stack in gaps:
                     print(f"  {us:8.1f} µs before {kernel} launched in {stack[:200]}")
+            if args.cprofile:
+                print(f"  host time by function, 10 steps under cProfile:\n{host_functions(step, args.cprofile)}")
         del layer, x, grad
         torch.cuda.empty_cache()
     print(f"\nGPU ms per step by category ({torch.cuda.get_device_name()}, torch {torch.__version__})")

@@ -5,8 +5,10 @@ blocks (128 rows for Float8BlockScaling, 16-row TMA alignment for per-tensor FP8
 expert's first row must sit on a block boundary. The rows reach the experts grouped by local
 expert with the sizes on the host; a :class:`PaddingPlan` maps them into a buffer whose groups
 start on multiples of ``alignment`` (the zero rows contribute nothing to the weight gradients and
-their outputs are dropped). No host sync: the maps are built on the device from the host sizes,
-copied once, asynchronously.
+their outputs are dropped). No host sync: the maps are built on the device, from the counts
+already there (:func:`queue_padding_plan`, queued before the dispatcher's host read, then cut to
+the sizes the read brings) or from host sizes copied once, asynchronously (:func:`plan_padding`).
+On CUDA two Triton kernels write all maps (te_dist.moe.padding_triton), elsewhere torch ops.
 
 Two ways to apply a plan:
   * folded into a row gather the dispatcher runs anyway (:meth:`PaddingPlan.compose`: the
@@ -20,8 +22,7 @@ Legend: N rows received, P padded rows, H hidden, El local experts.
 
 from __future__ import annotations
 
-import functools
-import operator
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -29,7 +30,8 @@ import torch
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
 
-__all__ = ["PaddedRows", "PaddingPlan", "needs_padding", "pad_expert_rows", "padded_sizes", "plan_padding"]
+__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "needs_padding", "pad_expert_rows", "padded_sizes", "plan_padding",
+           "queue_padding_plan"]
 
 
 def padded_sizes(sizes, alignment: int) -> tuple:
@@ -61,43 +63,112 @@ class PaddingPlan(NamedTuple):
         return gather_N.index_select(0, self.src_P), self.row_map_N.index_select(0, scatter)
 
 
+class QueuedPadding(NamedTuple):
+    """The maps of a padding plan, queued on the device from device counts for up to ``rows_bound``
+    received rows, before the sizes reach the host; :meth:`sized` cuts them to the real sizes.
+
+    Why: a dispatcher knows its local experts' row counts on the device before its one host read, and
+    queuing the maps there takes no host→device copy and, on CUDA, two kernel launches (the maps of
+    :func:`plan_padding` from host sizes were ~40 small ops on a host-bound step)."""
+
+    alignment: int
+    offsets: torch.Tensor  # int32 [El]: padded end row of each expert
+    row_map: torch.Tensor  # [rows_bound]: padded position of each received row
+    src: torch.Tensor  # [rows_bound + El*(alignment-1)]: received row read by each padded position
+    pad_rows: torch.Tensor  # [El*(alignment-1)]: padded position of each padding row
+
+    def sized(self, sizes) -> PaddingPlan:
+        """The plan for these sizes (host ints, the counts the maps were queued from; their sum at
+        most ``rows_bound``): views of the queued maps, no device work."""
+        alignment = self.alignment
+        padded, bits = [], 0
+        for s in sizes:
+            s += -s % alignment
+            padded.append(s)
+            bits |= s
+        padded = tuple(padded)
+        remember_split_alignment(padded, bits)  # the GEMMs' predicate asks next
+        splits = GroupSplits(self.offsets, padded)
+        num_rows, num_padded = sum(sizes), sum(padded)
+        if num_rows > self.row_map.numel():
+            raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} the plan was queued for")
+        if num_padded == num_rows:
+            return PaddingPlan(splits, None)
+        return PaddingPlan(splits, self.row_map[:num_rows], self.pad_rows[:num_padded - num_rows],
+                           self.src[:num_padded])
+
+
+def queue_padding_plan(counts: torch.Tensor, alignment: int, rows_bound: int) -> QueuedPadding:
+    """Queue the maps that spread groups of ``counts`` (int64 [El] on the rows' device, summing to at
+    most ``rows_bound``) to multiples of ``alignment``. No host sync: counts are read on the device only."""
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"alignment must be a positive int, received {alignment!r}")
+    if counts.dim() != 1 or counts.dtype != torch.int64:
+        raise ValueError(f"counts must be an int64 vector, received {counts.dtype} {tuple(counts.shape)}")
+    counts = counts.contiguous()
+    if counts.numel() == 0:  # no local experts: no rows
+        none = counts.new_empty(0)
+        return QueuedPadding(alignment, none.to(torch.int32), none, none, none)
+    triton_maps = _triton_module() if counts.is_cuda and counts.numel() <= _MAX_TRITON_EXPERTS else None
+    if triton_maps is None:
+        maps = _padding_maps_eager(counts, alignment, rows_bound)
+    elif counts.device.index == torch.cuda.current_device():
+        maps = triton_maps(counts, alignment, rows_bound)
+    else:
+        with torch.cuda.device(counts.device):
+            maps = triton_maps(counts, alignment, rows_bound)
+    return QueuedPadding(alignment, *maps)
+
+
+def _lookup(ends: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``values`` of the group each index falls in, for groups ending (exclusive) at sorted ``ends``."""
+    group = torch.searchsorted(ends, idx, right=True).clamp_(max=ends.numel() - 1)
+    return values.index_select(0, group)
+
+
+def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int):
+    """The maps of :func:`queue_padding_plan` in torch ops (CPU, and the reference of the Triton kernels)."""
+    pad = (-counts).remainder_(alignment)
+    ends, pends, pad_ends = counts.cumsum(0), (counts + pad).cumsum(0), pad.cumsum(0)
+    shift = pad_ends - pad  # padding rows before the expert: how far its rows move
+    pad_bound = counts.numel() * (alignment - 1)
+    index = torch.arange(rows_bound + pad_bound, device=counts.device)
+    row_map = index[:rows_bound] + _lookup(ends, shift, index[:rows_bound])
+    # padded position p of an expert reads received row p - shift; padding reads a neighbour, then zeroed
+    src = torch.minimum(index - _lookup(pends, shift, index), ends[-1:] - 1).clamp_(min=0)
+    # padding row j of expert e sits at (its first padding row) + j - (padding rows before e)
+    pad_rows = index[:pad_bound] + _lookup(pad_ends, pends - pad - shift, index[:pad_bound])
+    return pends.to(torch.int32), row_map, src, pad_rows
+
+
+_MAX_TRITON_EXPERTS = 8192  # padding_triton.MAX_EXPERTS, without importing Triton to read it
+_triton_state: dict = {}
+
+
+def _triton_module():
+    """The Triton maps (:mod:`.padding_triton`), imported on first CUDA use; None (one warning) without Triton."""
+    if "maps" not in _triton_state:
+        try:
+            from .padding_triton import padding_maps as maps
+        except Exception as exc:  # no Triton (CI) or a broken install: the torch ops serve
+            maps = None
+            warnings.warn(f"te_dist padding Triton kernels unavailable ({exc!r:.200}); using torch ops")
+        _triton_state["maps"] = maps
+    return _triton_state["maps"]
+
+
 def plan_padding(sizes, alignment: int, device) -> PaddingPlan:
     """The plan that spreads groups of ``sizes`` (host ints) to multiples of ``alignment``."""
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"alignment must be a positive int, received {alignment!r}")
-    # Per expert (columns of one host table, one copy to the device): padded end, shift of its rows,
-    # its rows, first padding row, padding rows, padded rows. Whole-tensor host ops, not a loop over
-    # the experts in Python: the plan is on every step's host path (docs/benchmarks.md, FP8 expert MLP).
-    rows = torch.as_tensor(sizes, dtype=torch.int64, device="cpu").reshape(-1)
-    if rows.numel() and int(rows.min()) < 0:
-        raise ValueError(f"expert sizes must be >= 0, received {tuple(rows.tolist())}")
-    pad = (-rows).remainder_(alignment)
-    padded_rows = rows + pad
-    sizes, padded = tuple(rows.tolist()), tuple(padded_rows.tolist())
-    num_rows, num_padded = sum(sizes), sum(padded)
-    remember_split_alignment(padded, functools.reduce(operator.or_, padded, 0))  # the GEMMs' predicate asks next
-    ends = padded_rows.cumsum(0)
-    padded_starts = ends - padded_rows
-    shift = padded_starts - (rows.cumsum(0) - rows)
-    first_pad = padded_starts + rows - (pad.cumsum(0) - pad)
-    host = torch.stack((ends, shift, rows, first_pad, pad, padded_rows))
+    sizes = tuple(int(s) for s in sizes)
+    if sizes and min(sizes) < 0:
+        raise ValueError(f"expert sizes must be >= 0, received {sizes}")
+    counts = torch.tensor(sizes, dtype=torch.int64)
     device = torch.device(device)
     if device.type == "cuda":
-        host = host.pin_memory()
-    on_device = host.to(device, non_blocking=True)
-    splits = GroupSplits(on_device[0].to(torch.int32), padded)
-    if padded == sizes:
-        return PaddingPlan(splits, None)
-    row_map_N = torch.arange(num_rows, device=device) + torch.repeat_interleave(on_device[1], on_device[2],
-                                                                                 output_size=num_rows)
-    # padding row j of expert e sits at (its first padding row) + j = base_e + (global padding index)
-    num_pad = num_padded - num_rows
-    pad_rows = torch.arange(num_pad, device=device) + torch.repeat_interleave(on_device[3], on_device[4],
-                                                                               output_size=num_pad)
-    # padded position p of expert e reads received row p - (shift of e); padding reads a neighbour, then zeroed
-    src_P = (torch.arange(num_padded, device=device)
-             - torch.repeat_interleave(on_device[1], on_device[5], output_size=num_padded)).clamp_(0, max(num_rows - 1, 0))
-    return PaddingPlan(splits, row_map_N, pad_rows, src_P)
+        counts = counts.pin_memory()
+    return queue_padding_plan(counts.to(device, non_blocking=True), alignment, sum(sizes)).sized(sizes)
 
 
 def _spread(rows, src_P, pad_rows):

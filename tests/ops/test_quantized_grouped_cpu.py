@@ -90,6 +90,28 @@ def test_padding_plan_places_every_row_as_a_per_expert_walk_does(alignment):
         assert all(src[row_map[i]] == i for i in range(len(row_map)))  # each row read back from its slot
 
 
+def test_padding_queued_from_device_counts_for_more_rows_is_the_plan_of_the_host_sizes():
+    """A dispatcher queues the maps from the counts on the device for an upper bound of the rows
+    (before its host read), then cuts them to the sizes the read brings: the same plan as from the
+    host sizes. More rows than the bound is an error, not a short map."""
+    from te_dist.moe.padding import plan_padding, queue_padding_plan
+
+    sizes = (67, 0, 128, 3, 200)
+    for alignment in (8, 128):
+        queued = queue_padding_plan(torch.tensor(sizes), alignment, sum(sizes) + 250)
+        got, want = queued.sized(sizes), plan_padding(sizes, alignment, "cpu")
+        assert got.splits.sizes == want.splits.sizes == padded_sizes(sizes, alignment)
+        assert got.splits.offsets.tolist() == want.splits.offsets.tolist()
+        for name in ("row_map_N", "pad_rows", "src_P"):
+            assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    with pytest.raises(ValueError, match="more than the 10"):
+        queue_padding_plan(torch.tensor(sizes), 8, 10).sized(sizes)
+    with pytest.raises(ValueError, match="int64 vector"):
+        queue_padding_plan(torch.tensor(sizes, dtype=torch.int32), 8, 400)
+    aligned = queue_padding_plan(torch.tensor((16, 32)), 16, 48).sized((16, 32))
+    assert aligned.row_map_N is None and aligned.splits.sizes == (16, 32)
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_entry_points_emulated_equal_dequantized_reference(recipe):
     torch.manual_seed(0)

@@ -51,7 +51,7 @@ import torch
 
 from ...distributed.all_to_all import all_to_all_tokens, exchange_counts
 from ...distributed.bounded import check_timeout_s
-from ..padding import needs_padding, plan_padding
+from ..padding import needs_padding, queue_padding_plan
 from ..payload import pack_expand, unpack_rows
 from ..permutation import (
     PermutationState,
@@ -120,6 +120,10 @@ class AllToAllDispatcher(TokenDispatcher):
         if sort_rows:
             bound = min(R, _BOUND_FACTOR) * rows_S.shape[0]  # see _BOUND_FACTOR
             chunk_idx, chunk_inv = _chunk_indices(counts_recv_RL, bound)
+        # the padding maps, for as many rows as the sort indices (cut to the sizes after the read)
+        pad_here = row_alignment is not None and (R == 1 or sort_rows)
+        if pad_here:
+            queued = queue_padding_plan(split_sizes_El, row_alignment, bound if sort_rows else perm.sort_idx_S.numel())
         # The single device→host read of the step: the all-to-all needs host split lists.
         host = torch.cat([counts_send, counts_recv]).tolist()
         sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
@@ -131,8 +135,10 @@ class AllToAllDispatcher(TokenDispatcher):
         output_splits = [sum(c) for c in recv_RL]
         local_expert_sizes = [sum(col) for col in zip(*recv_RL)] if recv_RL else []
         plan = None  # the padding, where this dispatch folds it into its last gather
-        if row_alignment is not None and (R == 1 or sort_rows) and needs_padding(local_expert_sizes, row_alignment):
-            plan = plan_padding(local_expert_sizes, row_alignment, x_TH.device)
+        if pad_here and needs_padding(local_expert_sizes, row_alignment):
+            if sum(local_expert_sizes) > queued.row_map.numel():  # more rows than the bound (_BOUND_FACTOR)
+                queued = queue_padding_plan(split_sizes_El, row_alignment, sum(local_expert_sizes))
+            plan = queued.sized(local_expert_sizes)
         if local_pad:
             if plan is not None:
                 perm = _padded_permutation(perm, plan)
