@@ -23,8 +23,10 @@ Dispatch (combine runs the same steps backwards; autograd reverses every step):
 
 With ``row_alignment`` (the native FP8 GEMMs' padding, te_dist.moe.padding) and sizes that lack
 it, the last row gather writes the padded layout itself: the expand gather at EP size 1 (queued
-after the host read then, since it needs the sizes), the local-expert sort otherwise. A rank that
-receives one expert's rows (El = 1, no sort) leaves the padding to the layer.
+after the host read then, since it needs the sizes), the local-expert sort otherwise. The padding's
+row maps are queued before the read, from the counts on the device, for as many rows as the sort
+indices, and cut to the sizes after it. A rank that receives one expert's rows (El = 1, no sort)
+leaves the padding to the layer.
 
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
 token all-to-all(s) and the row gathers come after it. Everything that needs the counts only on the
@@ -124,6 +126,8 @@ class AllToAllDispatcher(TokenDispatcher):
         pad_here = row_alignment is not None and (R == 1 or sort_rows)
         if pad_here:
             queued = queue_padding_plan(split_sizes_El, row_alignment, bound if sort_rows else perm.sort_idx_S.numel())
+            if local_pad:  # the permutation into the padded layout, for the bound too
+                padded_perm = _padded_permutation(perm, queued)
         # The single device→host read of the step: the all-to-all needs host split lists.
         host = torch.cat([counts_send, counts_recv]).tolist()
         sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
@@ -141,7 +145,7 @@ class AllToAllDispatcher(TokenDispatcher):
             plan = queued.sized(local_expert_sizes)
         if local_pad:
             if plan is not None:
-                perm = _padded_permutation(perm, plan)
+                perm = _cut(padded_perm, plan)
             rows_S = expand_tokens(x_TH, perm)
             probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
             output_splits = input_splits = [rows_S.shape[0]]
@@ -182,8 +186,15 @@ class AllToAllDispatcher(TokenDispatcher):
         return unpermute_tokens(y_SH, state.permutation, state.probs_TK)
 
 
-def _padded_permutation(perm: PermutationState, plan) -> PermutationState:
-    """``perm`` writing the padded layout of ``plan`` (EP size 1: the permuted rows are the received ones)."""
-    sort_idx, inverse = plan.compose(perm.sort_idx_S, perm.inverse_S)
-    return PermutationState(sort_idx, perm.counts_E, perm.num_tokens, perm.top_k, inverse,
-                            perm.token_S.index_select(0, plan.src_P), plan.pad_rows)
+def _padded_permutation(perm: PermutationState, queued) -> PermutationState:
+    """``perm`` writing the padded layout of ``queued`` (EP size 1: the permuted rows are the received
+    ones), for all the rows the maps were queued for: cut to the real sizes by :func:`_cut`."""
+    return PermutationState(perm.sort_idx_S.index_select(0, queued.src), perm.counts_E, perm.num_tokens, perm.top_k,
+                            queued.row_map.index_select(0, perm.inverse_S), perm.token_S.index_select(0, queued.src))
+
+
+def _cut(padded: PermutationState, plan) -> PermutationState:
+    """The padded permutation of the sizes of ``plan`` (views)."""
+    num_padded = len(plan.src_P)
+    return PermutationState(padded.sort_idx_S[:num_padded], padded.counts_E, padded.num_tokens, padded.top_k,
+                            padded.inverse_S, padded.token_S[:num_padded], plan.pad_rows)
