@@ -80,6 +80,9 @@ class QueuedPadding(NamedTuple):
     def sized(self, sizes) -> PaddingPlan:
         """The plan for these sizes (host ints, the counts the maps were queued from; their sum at
         most ``rows_bound``): views of the queued maps, no device work."""
+        num_rows = sum(sizes)
+        if num_rows > self.row_map.numel():
+            raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} the plan was queued for")
         alignment = self.alignment
         padded, bits = [], 0
         for s in sizes:
@@ -89,9 +92,7 @@ class QueuedPadding(NamedTuple):
         padded = tuple(padded)
         remember_split_alignment(padded, bits)  # the GEMMs' predicate asks next
         splits = GroupSplits(self.offsets, padded)
-        num_rows, num_padded = sum(sizes), sum(padded)
-        if num_rows > self.row_map.numel():
-            raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} the plan was queued for")
+        num_padded = sum(padded)
         if num_padded == num_rows:
             return PaddingPlan(splits, None)
         return PaddingPlan(splits, self.row_map[:num_rows], self.pad_rows[:num_padded - num_rows],
@@ -141,7 +142,7 @@ def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int):
     return pends.to(torch.int32), row_map, src, pad_rows
 
 
-_MAX_TRITON_EXPERTS = 8192  # padding_triton.MAX_EXPERTS, without importing Triton to read it
+_MAX_TRITON_EXPERTS = 8192  # the Triton tables kernel holds every local expert in one program
 _triton_state: dict = {}
 
 

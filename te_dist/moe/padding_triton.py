@@ -18,13 +18,13 @@ import triton.language as tl
 
 from ..quantization.triton_launch import cdiv, launch, next_power_of_2
 
-__all__ = ["padding_maps", "MAX_EXPERTS"]
+__all__ = ["padding_maps"]
 
-MAX_EXPERTS = 8192  # the tables kernel holds one row of every local expert in one program
 _BLOCK = 1024  # map entries per program of the maps kernel
-# table rows of the int64 scratch: row ends, padded ends, padding ends, shift (rows before the
-# expert's first row in the padded layout minus in the received one), first padding row - padding index
-_ENDS, _PENDS, _PADENDS, _SHIFT, _BASE = range(5)
+# The tables (int64 [5, El], one row each): 0 row ends, 1 padded ends, 2 padding ends, 3 shift (padding
+# rows before the expert: how far its rows move), 4 base (an expert's first padding row minus the
+# padding rows before it). Every expert sits in the one program of the tables kernel: El <= 8192
+# (te_dist.moe.padding checks).
 
 
 @triton.jit
@@ -85,8 +85,8 @@ def _maps_kernel(tab_ptr, row_map_ptr, src_ptr, pad_rows_ptr, num_experts, num_r
 
 def padding_maps(counts: torch.Tensor, alignment: int, rows_bound: int):
     """(offsets int32 [El], row_map [rows_bound], src [rows_bound + El*(alignment-1)],
-    pad_rows [El*(alignment-1)]) for int64 ``counts`` [El] (1 <= El <= MAX_EXPERTS), on the current
-    CUDA device (the caller's: counts' device)."""
+    pad_rows [El*(alignment-1)]) for int64 ``counts`` [El] (1 <= El <= 8192), on the current CUDA
+    device (the caller's: counts' device)."""
     num_experts = counts.numel()
     pad_bound = num_experts * (alignment - 1)
     padded_bound = rows_bound + pad_bound
