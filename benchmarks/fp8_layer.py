@@ -12,8 +12,10 @@ tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a t
 ``te_dist/backends/fp8_selection.py``): the A/B of that choice. ``:tables`` and ``:c<N>`` keep them
 there too, since they compare variants of those kernels.
 
-Rows: one per (config, recipe). Columns: step time (mean of --iters steps after --warmup, one
-forward+backward each, CUDA events), speed against bf16 in the same run (bf16 time / recipe
+Rows: one per (config, recipe). Columns: step time (median of --iters steps after --warmup, one
+forward+backward each, queued back to back, a CUDA event between steps; "max" is the slowest step,
+so a stall in the timed steps shows instead of moving the figure), speed against bf16 in the same run
+(bf16 time / recipe
 time), memory held for backward (allocated after the forward minus before it) against bf16's,
 the path the fused grouped MLP took (native: the quantized grouped kernels, emulated:
 fake-quantize then bf16) and the loss-free output difference against bf16 (relative Frobenius).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -57,13 +60,14 @@ def step_stats(layer, x, recipe, iters, warmup):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
         y = step()
-    end.record()
+        events[i + 1].record()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    ms, slowest = statistics.median(times), max(times)
     # memory held between forward and backward
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -72,7 +76,7 @@ def step_stats(layer, x, recipe, iters, warmup):
     held = torch.cuda.memory_allocated() - before
     y2.backward(grad)
     native = getattr(layer.fc1, "_weight_copy", None) is not None
-    return ms, held, y.detach(), native
+    return ms, slowest, held, y.detach(), native
 
 
 def main():
@@ -89,9 +93,9 @@ def main():
         torch.manual_seed(0)
         layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], dtype=torch.bfloat16, device="cuda")
         x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        base_ms, base_held, base_y, _ = step_stats(layer, x, None, args.iters, args.warmup)
-        rows.append(dict(config=name, recipe="bf16", ms=base_ms, speed=1.0, held_gb=base_held / 1e9, mem=1.0,
-                         path="-", diff=0.0))
+        base_ms, base_max, base_held, base_y, _ = step_stats(layer, x, None, args.iters, args.warmup)
+        rows.append(dict(config=name, recipe="bf16", ms=base_ms, max_ms=base_max, speed=1.0, held_gb=base_held / 1e9,
+                         mem=1.0, path="-", diff=0.0))
         for rname in args.recipes.split(","):
             base_name, _, option = rname.partition(":")
             recipe = recipe_from_name(base_name)
@@ -109,21 +113,23 @@ def main():
                 fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = float("inf")
             try:
                 with scale_tables(option == "tables"):
-                    ms, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
+                    ms, slowest, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
             finally:
                 fp8_block.CONFIG_OVERRIDE = None
                 fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = loop_min
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
-            rows.append(dict(config=name, recipe=rname, ms=ms, speed=base_ms / ms, held_gb=held / 1e9,
-                             mem=held / max(base_held, 1), path="native" if native else "emulated", diff=diff))
+            rows.append(dict(config=name, recipe=rname, ms=ms, max_ms=slowest, speed=base_ms / ms,
+                             held_gb=held / 1e9, mem=held / max(base_held, 1), path="native" if native else "emulated",
+                             diff=diff))
             print(f"row {name} {rname} {base_ms / ms:.3f}x mem {held / max(base_held, 1):.3f}", flush=True)
         del layer, x
         torch.cuda.empty_cache()
     print(f"\nMoELayer fwd+bwd, EP=1, {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'config':<9} {'recipe':<12} {'ms':>8} {'vs bf16':>8} {'held GB':>8} {'mem/bf16':>8} {'path':>9} {'diff':>8}")
+    print(f"{'config':<9} {'recipe':<12} {'ms':>8} {'max':>8} {'vs bf16':>8} {'held GB':>8} {'mem/bf16':>8} "
+          f"{'path':>9} {'diff':>8}")
     for r in rows:
-        print(f"{r['config']:<9} {r['recipe']:<12} {r['ms']:8.2f} {r['speed']:7.2f}x {r['held_gb']:8.2f} {r['mem']:8.2f} "
-              f"{r['path']:>9} {r['diff']:8.1e}")
+        print(f"{r['config']:<9} {r['recipe']:<12} {r['ms']:8.2f} {r['max_ms']:8.2f} {r['speed']:7.2f}x "
+              f"{r['held_gb']:8.2f} {r['mem']:8.2f} {r['path']:>9} {r['diff']:8.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

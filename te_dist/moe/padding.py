@@ -30,8 +30,8 @@ import torch
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
 
-__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "needs_padding", "pad_expert_rows", "padded_sizes", "plan_padding",
-           "queue_padding_plan"]
+__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "needs_padding", "pad_expert_rows", "padded_sizes",
+           "plan_padding", "queue_padding_plan"]
 
 
 def padded_sizes(sizes, alignment: int) -> tuple:
@@ -82,7 +82,8 @@ class QueuedPadding(NamedTuple):
         most ``rows_bound``): views of the queued maps, no device work."""
         num_rows = sum(sizes)
         if num_rows > self.row_map.numel():
-            raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} the plan was queued for")
+            raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} "
+                             "the plan was queued for")
         alignment = self.alignment
         padded, bits = [], 0
         for s in sizes:
