@@ -1,23 +1,37 @@
-"""The padding maps' Triton kernels against the torch ops they replace (skipped without CUDA)."""
+"""The padding maps' Triton kernels against the torch ops they replace.
+
+Two places run them: the GPU (``-m gpu``), and the CPU under Triton's interpreter where Triton is
+installed and ``TRITON_INTERPRET=1`` is set before it is imported (CI has no Triton: skipped there):
+``TRITON_INTERPRET=1 python -m pytest -q tests/moe/test_padding_triton.py``.
+"""
+
+import importlib.util
+import os
 
 import pytest
 import torch
 
 from te_dist.moe import padding
 
-pytestmark = pytest.mark.gpu
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+        reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_experts", [1, 3, 64, 128, 257])
 @pytest.mark.parametrize("alignment", [1, 16, 128])
-def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    maps = padding._triton_module()
-    assert maps is not None, "Triton padding kernels did not load"
+def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment, device):
+    from te_dist.moe.padding_triton import padding_maps as maps
+
     gen = torch.Generator().manual_seed(num_experts * alignment)
     counts = (torch.randint(0, 3, (num_experts,), generator=gen) * 67
-              + torch.randint(0, 2, (num_experts,), generator=gen) * 128).cuda()
+              + torch.randint(0, 2, (num_experts,), generator=gen) * 128).to(device)
     rows = int(counts.sum())
     for bound in (rows, rows + 1000):  # exact, and queued for more rows than arrive
         want = padding._padding_maps_eager(counts, alignment, bound)
@@ -28,18 +42,18 @@ def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment):
         for i, (g, w) in enumerate(zip(got, want)):
             assert g.shape == w.shape and g.dtype == w.dtype, (i, g.shape, w.shape)
             assert torch.equal(g[:used[i]], w[:used[i]]), (i, g[:used[i]], w[:used[i]])
-    sizes = tuple(counts.tolist())
-    plan = padding.queue_padding_plan(counts, alignment, rows).sized(sizes)  # the Triton path on CUDA
-    ref = padding._padding_maps_eager(counts.cpu(), alignment, rows)
-    assert plan.splits.offsets.tolist() == ref[0].tolist()
+    if device == "cuda":  # the dispatcher's entry point takes the Triton path there
+        assert padding._triton_module() is not None, "Triton padding kernels did not load"
+        plan = padding.queue_padding_plan(counts, alignment, rows).sized(tuple(counts.tolist()))
+        assert plan.splits.offsets.tolist() == padding._padding_maps_eager(counts.cpu(), alignment, rows)[0].tolist()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("alignment", [16, 128])
 def test_padded_dispatch_on_cuda_equals_unpadded(alignment):
     """EP size 1 on the GPU (the Triton maps folded into the expand gather): the padded rows are zero,
     and dispatch -> probability scale -> combine gives the unpadded result and gradients."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from te_dist.moe.transports.all_to_all import AllToAllDispatcher
 
     torch.manual_seed(0)
