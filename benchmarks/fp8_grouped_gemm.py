@@ -46,6 +46,9 @@ SHAPES = {  # name: (experts, rows per expert, K in, N out)
     "qwen3_fc1": (128, 512, 2048, 1536),
     "qwen3_fc2": (128, 512, 768, 2048),
     "long_k": (4, 1024, 16384, 2048),
+    # the DeepSeek-like MoE layer of benchmarks/fp8_layer.py (EP=1: 64 experts, 4096 tokens x top-8)
+    "dslayer_fc1": (64, 512, 7168, 4096),
+    "dslayer_fc2": (64, 512, 2048, 7168),
 }
 
 
