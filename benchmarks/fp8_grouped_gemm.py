@@ -1,6 +1,7 @@
 """FP8 grouped GEMMs against bf16 and torch's row-wise FP8, in one run (one H200).
 
-    python benchmarks/fp8_grouped_gemm.py [--shapes dsv3_fc1,dsv3_fc2,...] [--json PATH]
+    python benchmarks/fp8_grouped_gemm.py [--shapes dsv3_fc1,dsv3_fc2,...] [--splits even,ragged] [--dirs fwd,dgrad,wgrad]
+        [--sweep 0,1,...] [--json PATH]
 
 Rows: one per (shape, split, direction). Columns (TFLOP/s, median of do_bench):
   * fp8 block   te_dist.kernels.grouped_mm_quantized_* on Float8BlockScaling operands (1x128
@@ -126,6 +127,8 @@ def run_shape(name, split, args, gen):
     }
     torch_fp8 = _torch_rowwise(x, w, dy, offs) if hasattr(torch, "_scaled_grouped_mm") else {}
     for direction, (flops, quant_call, bf16_call) in calls.items():
+        if direction not in args.dirs.split(","):
+            continue
         row = {"shape": name, "split": split, "dir": direction, "E": E, "T": T, "K": Kin, "N": N}
         for label in ("block", "tensor"):
             q = quantized[label]
@@ -207,6 +210,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3_fc1,dsv3_fc2,mixtral_fc1,mixtral_fc2,qwen3_fc1,qwen3_fc2,long_k")
     p.add_argument("--splits", default="even,ragged")
+    p.add_argument("--dirs", default="fwd,dgrad,wgrad", help="the GEMM directions to time")
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", default=None, help="comma-separated FP8 tile configs to time, block (c<id>) and tensor-scaled (t<id>)")
     args = p.parse_args()

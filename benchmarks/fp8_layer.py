@@ -10,7 +10,8 @@ the tensor-scaled kernels. The suffix ``:c<N>`` (e.g. ``block:c4``) runs every F
 tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a tile. The suffix
 ``:grouped`` keeps every FP8 GEMM on the grouped kernels (no cuBLAS per expert,
 ``te_dist/backends/fp8_selection.py``): the A/B of that choice. ``:tables`` and ``:c<N>`` keep them
-there too, since they compare variants of those kernels.
+there too, since they compare variants of those kernels. The suffix ``:w<N>`` runs every wgrad on tile
+config N and leaves fwd and dgrad as chosen (``fp8_block.WGRAD_CONFIG``).
 
 Rows: one per (config, recipe). Columns: step time (median of --iters steps after --warmup, one
 forward+backward each, queued back to back, a CUDA event between steps; "max" is the slowest step,
@@ -100,14 +101,19 @@ def main():
             base_name, _, option = rname.partition(":")
             recipe = recipe_from_name(base_name)
             config = None
+            wgrad_config = fp8_block.WGRAD_CONFIG
             if option == "bf16h":
                 recipe.fp8_swiglu_input = False
             elif option.startswith("c") and option[1:].isdigit():
                 config = int(option[1:])
+            elif option.startswith("w") and option[1:].isdigit():
+                wgrad_config = int(option[1:])
             elif option not in ("", "tables", "grouped"):
-                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, c<N>)")
+                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, c<N>, "
+                                 "w<N>)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
             fp8_block.CONFIG_OVERRIDE = config
+            default_wgrad, fp8_block.WGRAD_CONFIG = fp8_block.WGRAD_CONFIG, wgrad_config
             loop_min = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT
             if option in ("grouped", "tables") or config is not None:
                 fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = float("inf")
@@ -116,6 +122,7 @@ def main():
                     ms, slowest, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
             finally:
                 fp8_block.CONFIG_OVERRIDE = None
+                fp8_block.WGRAD_CONFIG = default_wgrad
                 fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = loop_min
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, max_ms=slowest, speed=base_ms / ms,

@@ -14,6 +14,7 @@ Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 | 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= 192 on average): 64-row padding, epilogue overlapped |
 | 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
 | 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only: a wider tile (B's scales are per column there, not 128-blocks) |
+| 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: one warpgroup's epilogue under the other's mainloop, with registers for the promotion |
 
 A tile's N must be a multiple of B's scale block along N: 128 for the weights of fwd and dgrad, 1 for
 wgrad and for tensor scales (``config_fits``).
@@ -45,8 +46,10 @@ FP8_CONFIGS = {
     1: ("pingpong", 64, 128, (1, 1)),
     2: ("cooperative", 128, 128, (2, 1)),
     3: ("cooperative", 128, 192, (1, 1)),
+    4: ("pingpong", 128, 96, (1, 1)),
 }
 CONFIG_OVERRIDE = None
+WGRAD_CONFIG = 0  # every wgrad's tile (its M is the out-features, always large)
 SMALL_M_ROWS = 192  # average rows per expert at or below which the 64-row ping-pong tile runs
 
 
@@ -62,7 +65,7 @@ def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_size
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if direction == "wgrad":
-        return 0
+        return WGRAD_CONFIG
     return 1 if num_rows <= SMALL_M_ROWS * max(num_groups, 1) else 0
 
 
