@@ -14,7 +14,7 @@ Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 | 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= 192 on average): 64-row padding, epilogue overlapped |
 | 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
 | 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only: a wider tile (B's scales are per column there, not 128-blocks) |
-| 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: one warpgroup's epilogue under the other's mainloop, with registers for the promotion |
+| 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: epilogue overlapped, registers left for the promotion (measured slower than 0) |
 
 A tile's N must be a multiple of B's scale block along N: 128 for the weights of fwd and dgrad, 1 for
 wgrad and for tensor scales (``config_fits``).
