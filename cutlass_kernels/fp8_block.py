@@ -15,8 +15,6 @@ Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 | 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
 | 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only: a wider tile (B's scales are per column there, not 128-blocks) |
 | 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: epilogue overlapped, registers left for the promotion (measured slower than 0) |
-| 5  | ping-pong   | 128 x 128  | 1 x 1   | candidate, tensor scales only: no promotion (the FP8 accumulator alone), epilogue overlapped |
-| 6  | cooperative | 128 x 128  | 1 x 2   | candidate, tensor scales only: config 0 without promotion |
 
 A tile's N must be a multiple of B's scale block along N: 128 for the weights of fwd and dgrad, 1 for
 wgrad and for tensor scales (``config_fits``).
@@ -40,7 +38,7 @@ __all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config
 
 SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
-SCHEDULES = {"cooperative": 0, "pingpong": 1, "cooperative_fast": 2, "pingpong_fast": 3}
+SCHEDULES = {"cooperative": 0, "pingpong": 1}
 FORMATS = ("e4m3", "e5m2")
 # id: (schedule, tile M, tile N, (cluster M, cluster N))
 FP8_CONFIGS = {
@@ -49,8 +47,6 @@ FP8_CONFIGS = {
     2: ("cooperative", 128, 128, (2, 1)),
     3: ("cooperative", 128, 192, (1, 1)),
     4: ("pingpong", 128, 96, (1, 1)),
-    5: ("pingpong_fast", 128, 128, (1, 1)),
-    6: ("cooperative_fast", 128, 128, (1, 2)),
 }
 CONFIG_OVERRIDE = None
 WGRAD_CONFIG = 0  # every wgrad's tile (its M is the out-features, always large)
@@ -58,11 +54,8 @@ SMALL_M_ROWS = 192  # average rows per expert at or below which the 64-row ping-
 
 
 def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:
-    """The tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad;
-    and fast accumulation (no promotion) takes tensor scales only."""
-    schedule, _, tile_n, _ = FP8_CONFIGS[config]
-    if schedule.endswith("_fast") and not tensor_scales:
-        return False
+    """The tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad."""
+    tile_n = FP8_CONFIGS[config][2]
     return direction == "wgrad" or tensor_scales or tile_n % 128 == 0
 
 
@@ -94,11 +87,8 @@ class Fp8Instance:
             if getattr(self, name) not in FORMATS:
                 raise ValueError(f"{name} must be one of {FORMATS}, received {getattr(self, name)!r}")
         if not config_fits(self.direction, self.config, self.tensor_scales):
-            schedule, _, tile_n, _ = FP8_CONFIGS[self.config]
-            why = ("its fast accumulation takes tensor scales only" if schedule.endswith("_fast") else
-                   f"its tile N {tile_n} must be a multiple of the weights' 128-column scale blocks")
-            raise ValueError(f"config {self.config} does not fit {self.direction} with "
-                             f"{'tensor' if self.tensor_scales else 'block'} scales: {why}")
+            raise ValueError(f"config {self.config} (tile N {FP8_CONFIGS[self.config][2]}) does not fit {self.direction}: "
+                             f"its N must be a multiple of the weights' 128-column scale blocks")
 
     @property
     def name(self) -> str:

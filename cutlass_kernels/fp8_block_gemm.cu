@@ -16,8 +16,7 @@
 //   TE_FB_OUT_F32: fp32 output instead of bf16.
 //   TE_FB_TENSOR_SCALES: sfa and sfb each point at ONE float (the per-tensor scale_inv); the
 //     operands' layouts are as above, and wgrad's groups need only start on a 16-row boundary.
-//   TE_FB_SCHEDULE, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}: the tile (TILE_K is the scale block, 128);
-//     schedules 2 and 3 (cooperative, ping-pong) accumulate without promotion (tensor scales only).
+//   TE_FB_SCHEDULE, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}: the tile (TILE_K is the scale block, 128).
 //
 // Accumulation: the tensor cores accumulate each 128-long K block in their FP8 accumulator; the
 // mainloop then multiplies it by the two blocks' scales and adds it into an fp32 accumulator
@@ -117,17 +116,8 @@ using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperativ
 using KernelSchedule = cute::conditional_t<kTensorScales, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise>;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-#elif TE_FB_SCHEDULE == 2 || TE_FB_SCHEDULE == 3
-// Tensor scales only: the tensor cores' FP8 accumulator alone, no promotion into an fp32 one (CUTLASS's
-// "fast accumulation"), which frees the registers of the second accumulator.
-static_assert(kTensorScales, "fast accumulation (TE_FB_SCHEDULE 2, 3) takes tensor scales only");
-using KernelSchedule = cute::conditional_t<TE_FB_SCHEDULE == 2,
-                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
-                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum>;
-using EpilogueSchedule = cute::conditional_t<TE_FB_SCHEDULE == 2, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-                                             cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 #else
-#error "TE_FB_SCHEDULE must be 0 (cooperative), 1 (ping-pong), 2 / 3 (the same with fast accumulation)"
+#error "TE_FB_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
 #endif
 
 // Tensor scales: out = fma(row_scale, alpha * acc, bias), alpha read once per CTA from the workspace.
