@@ -15,9 +15,8 @@ config N and leaves fwd and dgrad as chosen (``fp8_block.WGRAD_CONFIG``).
 
 Rows: one per (config, recipe). Columns: step time (median of --iters steps after --warmup, one
 forward+backward each, queued back to back, a CUDA event between steps; "max" is the slowest step,
-so a stall in the timed steps shows instead of moving the figure), speed against bf16 in the same run
-(bf16 time / recipe
-time), memory held for backward (allocated after the forward minus before it) against bf16's,
+so a stall in the timed steps shows instead of moving the figure), speed against bf16 in the same
+run (bf16 time / recipe time), memory held for backward (allocated after the forward minus before it) against bf16's,
 the path the fused grouped MLP took (native: the quantized grouped kernels, emulated:
 fake-quantize then bf16) and the loss-free output difference against bf16 (relative Frobenius).
 Configs are the issue's: Mixtral-like (H 4096, F 14336, 8 experts, top-2, 4096 tokens),
