@@ -26,11 +26,6 @@ from te_dist.moe import padding
 from te_dist.moe.transports.all_to_all import AllToAllDispatcher
 
 
-def padding_maps_with(torch_ops: bool, triton_maps):
-    """Select the padding maps' implementation: torch ops, or the Triton kernels (None: torch ops too)."""
-    padding._triton_state["maps"] = None if torch_ops else triton_maps
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=8192)
@@ -52,11 +47,10 @@ def main():
     grad = torch.randn_like(x)
     dispatcher = AllToAllDispatcher(args.experts)
     alignments = args.alignments.split(",")
-    triton_maps = padding._triton_module() if device.type == "cuda" else None
 
     def forward(name):
         rows, _, option = name.partition(":")
-        padding_maps_with(option == "torch", triton_maps)
+        padding.USE_TRITON = option != "torch"
         alignment = None if rows == "none" else int(rows)
         x_NH, _, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=True, row_alignment=alignment)
         return dispatcher.combine(x_NH * probs_N[:, None], state)

@@ -22,11 +22,11 @@ Legend: N rows received, P padded rows, H hidden, El local experts.
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
 
+from ..lazy_import import optional_module
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
 
@@ -111,7 +111,7 @@ def queue_padding_plan(counts: torch.Tensor, alignment: int, rows_bound: int) ->
     if counts.numel() == 0:  # no local experts: no rows
         none = counts.new_empty(0)
         return QueuedPadding(alignment, none.to(torch.int32), none, none, none)
-    triton_maps = _triton_module() if counts.is_cuda and counts.numel() <= _MAX_TRITON_EXPERTS else None
+    triton_maps = _triton_maps() if counts.is_cuda and counts.numel() <= _MAX_TRITON_EXPERTS else None
     if triton_maps is None:
         maps = _padding_maps_eager(counts, alignment, rows_bound)
     elif counts.device.index == torch.cuda.current_device():
@@ -144,19 +144,15 @@ def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int):
 
 
 _MAX_TRITON_EXPERTS = 8192  # the Triton tables kernel holds every local expert in one program
-_triton_state: dict = {}
+USE_TRITON = True  # False: torch ops on CUDA too (the A/B of benchmarks/dispatch_host_time.py)
 
 
-def _triton_module():
+def _triton_maps():
     """The Triton maps (:mod:`.padding_triton`), imported on first CUDA use; None (one warning) without Triton."""
-    if "maps" not in _triton_state:
-        try:
-            from .padding_triton import padding_maps as maps
-        except Exception as exc:  # no Triton (CI) or a broken install: the torch ops serve
-            maps = None
-            warnings.warn(f"te_dist padding Triton kernels unavailable ({exc!r:.200}); using torch ops")
-        _triton_state["maps"] = maps
-    return _triton_state["maps"]
+    if not USE_TRITON:
+        return None
+    module = optional_module(".padding_triton", __package__, "te_dist padding Triton kernels", "torch ops")
+    return None if module is None else module.padding_maps
 
 
 def plan_padding(sizes, alignment: int, device) -> PaddingPlan:

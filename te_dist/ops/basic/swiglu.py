@@ -8,11 +8,11 @@ returns the gradient of the scales too.
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
 
+from ...lazy_import import optional_module
 from ..op import BasicOperation
 
 __all__ = ["SwiGLU", "ScaledSwiGLU", "swiglu_forward", "swiglu_backward", "scaled_swiglu_forward",
@@ -151,19 +151,9 @@ def scaled_swiglu_backward(da: torch.Tensor, h, probs: torch.Tensor, limit: Opti
     return out if want_scaled else (*out[:2], None)
 
 
-_triton_state: dict = {}
-
-
 def _triton_module():
     """:mod:`.swiglu_triton`, imported on first CUDA use; None (with one warning) without Triton."""
-    if "module" not in _triton_state:
-        try:
-            from . import swiglu_triton as module
-        except Exception as exc:  # no Triton (CI) or a broken install: the compiled function serves
-            module = None
-            warnings.warn(f"te_dist SwiGLU Triton kernel unavailable ({exc!r:.200}); using the compiled function")
-        _triton_state["module"] = module
-    return _triton_state["module"]
+    return optional_module(".swiglu_triton", __package__, "te_dist SwiGLU Triton kernel", "the compiled function")
 
 
 def _scaled_swiglu_backward_eager(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
