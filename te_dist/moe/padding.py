@@ -67,9 +67,10 @@ class QueuedPadding(NamedTuple):
     """The maps of a padding plan, queued on the device from device counts for up to ``rows_bound``
     received rows, before the sizes reach the host; :meth:`sized` cuts them to the real sizes.
 
-    Why: a dispatcher knows its local experts' row counts on the device before its one host read, and
-    queuing the maps there takes no host→device copy and, on CUDA, two kernel launches (the maps of
-    :func:`plan_padding` from host sizes were ~40 small ops on a host-bound step)."""
+    Why: a dispatcher knows its local experts' row counts on the device before its one host read;
+    queued there, the maps need no host→device copy, run while the host waits in the read, and take
+    two kernel launches on CUDA: after the read only views remain (the step's host work is what
+    bounds a padded MoE layer, docs/benchmarks.md "FP8 expert MLP")."""
 
     alignment: int
     offsets: torch.Tensor  # int32 [El]: padded end row of each expert
