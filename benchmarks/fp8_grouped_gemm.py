@@ -7,10 +7,11 @@ Rows: one per (shape, split, direction). Columns (TFLOP/s, median of do_bench):
   * fp8 block   te_dist.kernels.grouped_mm_quantized_* on Float8BlockScaling operands (1x128
                 activations and gradients, 128x128 weights), the group sizes given: our CUTLASS
                 SM90 block-scaled kernels, or cuBLAS per expert where the selector picks it
-                (te_dist/backends/fp8_selection.py); then "grouped" = the CUTLASS kernels forced.
+                (te_dist/backends/fp8_selection.py); then "other" = the backend not picked, forced
+                (the CUTLASS kernels where the loop was picked, else cuBLAS per expert where it can run).
   * fp8 tensor  the same entry points on Float8CurrentScaling operands (HYBRID: e5m2 gradients):
                 the tensor-scaled kernels, which apply each operand's one scale in the epilogue
-                (or cuBLAS per expert, as above; "grouped" = the kernels forced).
+                (or cuBLAS per expert, as above; "other" as above).
   * tables      the same per-tensor operands on the block-scaled kernels, their scales broadcast
                 into block tables per call (the A/B baseline of the tensor-scaled kernels).
   * bf16        te_dist.kernels.grouped_mm_forward/_dgrad/_wgrad on bf16 operands (auto backend).
@@ -144,10 +145,15 @@ def run_shape(name, split, args, gen):
                 del emu
             row[f"fp8_{label}"] = flops / bench(lambda: quant_call(q)) / 1e9
             row[f"{label}_pick"] = "loop" if fp8_selection.loop_wins(T, Kin, N, E, label == "block") else "grouped"
-            # the size rule only (the selector's other conditions hold on these shapes); where it says
-            # "loop", the grouped kernels are timed on the same call too, for the A/B
+            # the size rule only (the selector's other conditions hold on these shapes); the backend it
+            # did not pick is timed on the same call too, for the A/B
             if row[f"{label}_pick"] == "loop":
                 row[f"{label}_grouped"] = flops / bench(lambda: quant_call(q, "cutlass")) / 1e9
+            else:
+                try:
+                    row[f"{label}_loop"] = flops / bench(lambda: quant_call(q, "loop")) / 1e9
+                except ValueError as exc:  # the loop cannot run this call (e.g. a block contraction)
+                    print(f"{name} {split} {direction} {label}: no loop: {exc}")
             if label == "tensor":
                 def tables(q=q, call=quant_call):
                     with scale_tables():
@@ -222,13 +228,13 @@ def main():
             rows += run_shape(name, split, args, gen)
             torch.cuda.empty_cache()
     print(f"\nFP8 grouped GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__}), TFLOP/s")
-    head = (f"{'shape':<12} {'split':<7} {'dir':<6} {'fp8 block':>9} {'grouped':>7} {'fp8 tensor':>10} {'grouped':>7} "
+    head = (f"{'shape':<12} {'split':<7} {'dir':<6} {'fp8 block':>9} {'other':>7} {'fp8 tensor':>10} {'other':>7} "
             f"{'tables':>7} {'bf16':>7} "
             f"{'torch fp8':>9} {'blk/bf16':>8} {'ten/tables':>10} {'err/emu':>8} {'err/fp32':>8} {'bf16 emu/fp32':>13}")
     print(head)
     for r in rows:
         tf = r.get("torch_fp8")
-        bg, tg = r.get("block_grouped"), r.get("tensor_grouped")
+        bg, tg = (r.get(f"{label}_grouped", r.get(f"{label}_loop")) for label in ("block", "tensor"))
         print(f"{r['shape']:<12} {r['split']:<7} {r['dir']:<6} {r['fp8_block']:9.0f} {(f'{bg:7.0f}' if bg else '      -')} "
               f"{r['fp8_tensor']:10.0f} {(f'{tg:7.0f}' if tg else '      -')} "
               f"{r['tensor_tables']:7.0f} {r['bf16']:7.0f} {(f'{tf:9.0f}' if tf else '        -')} "
