@@ -11,7 +11,11 @@ tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a t
 ``:grouped`` keeps every FP8 GEMM on the grouped kernels (no cuBLAS per expert,
 ``te_dist/backends/fp8_selection.py``): the A/B of that choice. ``:tables`` and ``:c<N>`` keep them
 there too, since they compare variants of those kernels. The suffix ``:w<N>`` runs every wgrad on tile
-config N and leaves fwd and dgrad as chosen (``fp8_block.WGRAD_CONFIG``).
+config N and leaves fwd and dgrad as chosen (``fp8_block.WGRAD_CONFIG``). The suffix ``:loop<G>`` (e.g.
+``current:loop25``) moves both of ``fp8_selection``'s per-expert thresholds to G GFLOP: the same-run A/B
+of where cuBLAS per expert takes over. The suffix ``:copy`` has the dispatcher copy the expert rows
+(``te_dist.moe.layer.GATHER_IN_EXPERTS = False``) instead of leaving the gather to the first GEMM,
+which under per-tensor recipes gathers FP8 bytes of the quantized tokens (te_dist.ops.RowGather).
 
 Rows: one per (config, recipe). Columns: step time (median of --iters steps after --warmup, one
 forward+backward each, queued back to back, a CUDA event between steps; "max" is the slowest step,
@@ -36,6 +40,7 @@ import te_dist as td
 from cutlass_kernels import fp8_block
 from te_dist.backends import fp8_selection
 from te_dist.moe import MoELayer
+from te_dist.moe import layer as moe_layer
 from te_dist.recipe import recipe_from_name
 
 from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
@@ -101,28 +106,35 @@ def main():
             recipe = recipe_from_name(base_name)
             config = None
             wgrad_config = fp8_block.WGRAD_CONFIG
+            loop_gflop = None
             if option == "bf16h":
                 recipe.fp8_swiglu_input = False
             elif option.startswith("c") and option[1:].isdigit():
                 config = int(option[1:])
             elif option.startswith("w") and option[1:].isdigit():
                 wgrad_config = int(option[1:])
-            elif option not in ("", "tables", "grouped"):
-                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, c<N>, "
-                                 "w<N>)")
+            elif option.startswith("loop") and option[4:].isdigit():
+                loop_gflop = int(option[4:])
+            elif option not in ("", "tables", "grouped", "copy"):
+                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, copy, "
+                                 "c<N>, w<N>, loop<G>)")
             layer.fc1._weight_copy = layer.fc2._weight_copy = None
             fp8_block.CONFIG_OVERRIDE = config
             default_wgrad, fp8_block.WGRAD_CONFIG = fp8_block.WGRAD_CONFIG, wgrad_config
-            loop_min = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT
+            loop_min = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT, fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK
             if option in ("grouped", "tables") or config is not None:
-                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = float("inf")
+                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK = float("inf")
+            elif loop_gflop is not None:
+                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK = loop_gflop * 1e9
+            moe_layer.GATHER_IN_EXPERTS = option != "copy"
             try:
                 with scale_tables(option == "tables"):
                     ms, slowest, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
             finally:
                 fp8_block.CONFIG_OVERRIDE = None
                 fp8_block.WGRAD_CONFIG = default_wgrad
-                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = loop_min
+                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT, fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK = loop_min
+                moe_layer.GATHER_IN_EXPERTS = True
             diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
             rows.append(dict(config=name, recipe=rname, ms=ms, max_ms=slowest, speed=base_ms / ms,
                              held_gb=held / 1e9, mem=held / max(base_held, 1), path="native" if native else "emulated",

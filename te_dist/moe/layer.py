@@ -7,7 +7,8 @@ El = E / R local experts, N rows this rank's experts receive.
               ─dispatcher.dispatch─▶ x_NH (rows by local expert), split_sizes_El, probs_N
               (each expert's rows on a block boundary, when the active FP8 recipe's native
                grouped path needs it: the dispatcher's last row gather writes them padded, or
-               pad_expert_rows pads them here; the padding rows are dropped again at combine)
+               pad_expert_rows pads them here; the padding rows are dropped again at combine;
+               at EP size 1 that gather is left to fc1, which reads its rows from x_TH)
               (transport: "all_to_all" over ep_group, or "peer" memory on the GPUs of one host;
                "auto" picks peer where every rank can run it)
               ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
@@ -50,6 +51,9 @@ from .transports.selector import check_transport
 
 __all__ = ["MoELayer"]
 
+# The experts' first GEMM takes the dispatch's expand gather where it can (EP size 1, native FP8 path:
+# te_dist.ops.RowGather). False: the dispatcher copies the rows (the A/B of benchmarks/fp8_layer.py ":copy").
+GATHER_IN_EXPERTS = True
 _PROBS_POSITIONS = ("expert", "combine")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -227,9 +231,11 @@ class MoELayer(nn.Module):
         invalid = ~torch.isfinite(routing.logits_TE).all()
         probs_in_expert = self.probs_position == "expert"
         alignment = self._native_row_alignment(x_TH, recipe)
+        # With the native FP8 path at EP size 1 the experts' first GEMM takes the expand gather (it then
+        # moves FP8 bytes under per-tensor recipes: te_dist.ops.RowGather); x_NH is x_TH then.
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag,
-            row_alignment=alignment,
+            row_alignment=alignment, gather_in_experts=GATHER_IN_EXPERTS and alignment is not None,
         )
         self._agreement.verify(state.peer_tags)  # every rank's tag: a change on some ranks raises on all
         # The experts get the split both ways: the offsets the dispatcher queued on the device before
@@ -237,14 +243,16 @@ class MoELayer(nn.Module):
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
         # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
         splits = state.group_splits()
+        fc2_splits = splits if splits.rows is None else splits._replace(rows=None)  # the rows are fc1's input's
         padded = None
         if needs_padding(splits.sizes, alignment):  # the dispatcher did not pad them: pad on their own
             padded = pad_expert_rows(x_NH, probs_N if probs_in_expert else None, splits.sizes, alignment)
             x_NH, probs_N, splits = padded.x_PH, padded.probs_P, padded.splits
+            fc2_splits = splits
         if probs_in_expert:
-            y_NH = self.mlp(x_NH, splits, probs_N, splits)
+            y_NH = self.mlp(x_NH, splits, probs_N, fc2_splits)
         else:
-            y_NH = self.mlp(x_NH, splits, splits)
+            y_NH = self.mlp(x_NH, splits, fc2_splits)
         if padded is not None:
             y_NH = padded.unpad(y_NH)
         # Statistics only: set after the MLP is queued, for the same reason (nn.Module attributes are slow).

@@ -23,16 +23,20 @@ before it reads the counts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from ..ops import RowGather
 
 __all__ = [
     "PermutationState",
     "sort_by_expert",
     "permute_tokens",
     "expand_tokens",
+    "expand_rows",
     "expert_counts_from_sorted",
     "permute_probs",
     "unpermute_tokens",
@@ -201,6 +205,15 @@ def permute_tokens(x_TH: torch.Tensor, indices_TK: torch.Tensor, num_experts: in
 def expand_tokens(x_TH: torch.Tensor, state: PermutationState) -> torch.Tensor:
     """The permuted rows of ``state``: token copies by expert, padding rows zero (differentiable)."""
     return _ExpandGather.apply(x_TH, state.token_S, state.inverse_S, state.top_k, state.pad_rows)
+
+
+def expand_rows(state: PermutationState) -> RowGather:
+    """The rows of :func:`expand_tokens` left to the experts' first GEMM, which reads them from x_TH
+    (te_dist.ops.RowGather: under a per-tensor FP8 recipe it gathers FP8 bytes of x_TH). Every token
+    is copied at least once, so the gather covers its source; the gradient's way back is the
+    expand's own fixed-order K-sum."""
+    return RowGather(state.token_S, state.pad_rows,
+                     functools.partial(gather_sum, inverse_S=state.inverse_S, top_k=state.top_k), covers_source=True)
 
 
 def permute_probs(probs_TK: torch.Tensor, state: PermutationState) -> torch.Tensor:

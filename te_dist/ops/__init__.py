@@ -17,6 +17,7 @@ from .basic import (
     Quantize,
     ReduceScatter,
     ReLU,
+    RowGather,
     ScaledSwiGLU,
     SwiGLU,
 )
@@ -30,7 +31,7 @@ __all__ = [
     "FusibleOperation", "BasicOperation", "FusedOperation", "OpContext",
     "OperationFuser", "FusionPlan", "PlanStep", "Sequential",
     "FusionRule", "FusionRuleRegistry", "fusion_rules_scope", "default_fusion_rules",
-    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "Quantize",
-    "AllGather", "ReduceScatter", "AllReduce",
+    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "RowGather",
+    "Quantize", "AllGather", "ReduceScatter", "AllReduce",
     "ForwardLinearBiasActivation", "BackwardActivationBias", "GroupedMLP",
 ]

@@ -49,6 +49,7 @@ def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
 
 class DelayedScalingQuantizer(Quantizer):
     recipe_type = DelayedScaling
+    per_tensor = True
 
     def __init__(self, recipe: DelayedScaling, role: str, *, group=None):
         super().__init__(recipe, role, group=group)
@@ -151,6 +152,7 @@ class CurrentScalingQuantizer(Quantizer):
     """Scale from this tensor's own amax (all-reduced MAX over ``group`` when one is given)."""
 
     recipe_type = Float8CurrentScaling
+    per_tensor = True
 
     def __init__(self, recipe: Float8CurrentScaling, role: str, *, group=None):
         super().__init__(recipe, role, group=group)

@@ -32,6 +32,10 @@ class Quantizer:
     recipe_type: type = Recipe
     #: (rows, cols) multiples a copy's own layout [..., R, C] must have (C = quantized dim)
     block_shape: Tuple[int, int] = (1, 1)
+    #: one scale for the whole tensor (the FP8 bytes of a row do not depend on the other rows' layout),
+    #: so quantizing x and then gathering rows of its data equals quantizing the gathered rows,
+    #: when the gather keeps every row of x (the amax is the same): Float8Tensor.take_rows
+    per_tensor: bool = False
 
     def __init__(self, recipe: Recipe, role: str, *, group=None):
         if not isinstance(recipe, self.recipe_type):

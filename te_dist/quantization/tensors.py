@@ -109,6 +109,29 @@ class Float8Tensor(QuantizedTensor):
         data = self.data if self.data is not None else self.data_t.transpose(-1, -2)
         return (data.to(torch.float32) * self.scale_inv).to(dtype or self.dtype)
 
+    def take_rows(self, index: torch.Tensor, zero_rows: Optional[torch.Tensor] = None, *,
+                  transposed: bool = False) -> "Float8Tensor":
+        """Rows ``index`` of a 2-D tensor's data, the rows ``zero_rows`` of the result zero, same scale;
+        ``transposed`` adds the result's transposed data (the wgrad operand).
+
+        Why: with one scale per tensor, this is the quantization of the gathered rows whenever the
+        gather keeps every row (same amax; FP8 zero is the zero byte), and it moves one byte per
+        element instead of the two of a bf16 gather plus the cast (the MoE expert rows at EP size 1:
+        te_dist.ops.basic.row_gather)."""
+        if self.data is None or self.data.dim() != 2:
+            raise ValueError(f"take_rows needs the rowwise data of a 2-D tensor, got shape {tuple(self.shape)} "
+                             f"with{'out' if self.data is None else ''} rowwise data")
+        rows = self.data.view(torch.uint8).index_select(0, index)
+        if zero_rows is not None:
+            rows.index_fill_(0, zero_rows, 0)
+        data = rows.view(self.data.dtype)
+        data_t = None
+        if transposed:
+            from .fused import transpose_fp8
+
+            data_t = transpose_fp8(data)
+        return Float8Tensor(data, self.scale_inv, self.fmt, self.dtype, data_t=data_t)
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockScaledData:

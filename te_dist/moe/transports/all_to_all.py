@@ -25,7 +25,8 @@ With ``row_alignment`` (the native FP8 GEMMs' padding, te_dist.moe.padding) and 
 it, the last row gather writes the padded layout itself: the expand gather at EP size 1 (queued
 after the host read then, since it needs the sizes), the local-expert sort otherwise. The padding's
 row maps are queued before the read, from the counts on the device, for as many rows as the sort
-indices, and cut to the sizes after it. A rank that receives one expert's rows (El = 1, no sort)
+indices, and cut to the sizes after it. At EP size 1 with ``gather_in_experts`` the expand gather is
+left to the experts' first GEMM (``state.rows``, te_dist.ops.RowGather): x_TH is handed out as it is. A rank that receives one expert's rows (El = 1, no sort)
 leaves the padding to the layer.
 
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
@@ -59,6 +60,7 @@ from ..permutation import (
     PermutationState,
     chunk_sort_index,
     chunk_unsort_index,
+    expand_rows,
     expand_tokens,
     permute_probs,
     permute_rows,
@@ -96,7 +98,7 @@ class AllToAllDispatcher(TokenDispatcher):
         super().__init__(num_experts, ep_group)
 
     def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
-                 row_alignment=None):  # TokenDispatcher's
+                 row_alignment=None, gather_in_experts=False):  # TokenDispatcher's
         R, El = self.ep_size, self.num_local_experts
         sort_rows = R > 1 and El > 1
         # With an all-to-all and a local sort, the probabilities ride in the token rows: one
@@ -143,14 +145,20 @@ class AllToAllDispatcher(TokenDispatcher):
             if sum(local_expert_sizes) > queued.row_map.numel():  # more rows than the bound (_BOUND_FACTOR)
                 queued = queue_padding_plan(split_sizes_El, row_alignment, sum(local_expert_sizes))
             plan = queued.sized(local_expert_sizes)
+        rows = None  # the expand gather, where the experts take it (gather_in_experts)
         if local_pad:
             if plan is not None:
                 perm = _cut(padded_perm, plan)
-            rows_S = expand_tokens(x_TH, perm)
+            if gather_in_experts:
+                rows = expand_rows(perm)
+                rows_S = x_TH
+            else:
+                rows_S = expand_tokens(x_TH, perm)
             probs_S = permute_probs(probs_TK, perm) if probs_in_expert else None
-            output_splits = input_splits = [rows_S.shape[0]]
-        rows_N = all_to_all_tokens(rows_S, output_splits, input_splits, self.ep_group,
-                                   op="token dispatch (all_to_all)", timeout_s=self.timeout_s)
+            output_splits = input_splits = [perm.token_S.shape[0]]
+        rows_N = rows_S if rows is not None else all_to_all_tokens(
+            rows_S, output_splits, input_splits, self.ep_group, op="token dispatch (all_to_all)",
+            timeout_s=self.timeout_s)
         probs_N = None
         pad_rows = None
         if sort_rows:
@@ -173,7 +181,7 @@ class AllToAllDispatcher(TokenDispatcher):
         state = DispatchState(
             perm, input_splits, output_splits, chunk_idx, chunk_inv, None if probs_in_expert else probs_TK,
             local_expert_sizes, offsets_El, peer_tags=peer_tags, transport="all_to_all" if R > 1 else "local",
-            padded_splits=None if plan is None else plan.splits, pad_rows=pad_rows,
+            padded_splits=None if plan is None else plan.splits, pad_rows=pad_rows, rows=rows,
         )
         return x_NH, split_sizes_El, probs_N, state
 

@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...distributed.groups import group_rank, group_size
-from ...ops import GroupSplits
+from ...ops import GroupSplits, RowGather
 from ..permutation import PermutationState
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "DispatchState", "RoutingError", "TokenDispatcher"]
@@ -51,14 +51,17 @@ class DispatchState:
     transport: str = "all_to_all"  # the transport that made this state: "local", "all_to_all" or "peer"
     padded_splits: Optional[GroupSplits] = None  # the split of the rows handed out, when the dispatch padded them
     pad_rows: Optional[torch.Tensor] = None  # the padding rows of the local reorder (chunk_idx), when padded
+    rows: Optional[RowGather] = None  # the last row gather, when left to the experts (gather_in_experts)
 
     def group_splits(self) -> GroupSplits:
         """The split of the rows the dispatch handed out over the local experts, both ways: offsets
         on the device (queued before the host read) and sizes on the host (that read's by-product);
-        with padding (``row_alignment``), the padded split."""
-        if self.padded_splits is not None:
-            return self.padded_splits
-        return GroupSplits(self.local_expert_offsets, tuple(self.local_expert_sizes))
+        with padding (``row_alignment``), the padded split; with ``rows``, the split carries them
+        (the experts' first GEMM reads its rows from the dispatch's x, te_dist.ops.RowGather)."""
+        splits = self.padded_splits
+        if splits is None:
+            splits = GroupSplits(self.local_expert_offsets, tuple(self.local_expert_sizes))
+        return splits if self.rows is None else splits._replace(rows=self.rows)
 
 
 class TokenDispatcher:
@@ -90,6 +93,7 @@ class TokenDispatcher:
         invalid: Optional[torch.Tensor] = None,
         tag: Optional[torch.Tensor] = None,
         row_alignment: Optional[int] = None,
+        gather_in_experts: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], DispatchState]:
         """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``; rows grouped by local expert.
 
@@ -102,6 +106,10 @@ class TokenDispatcher:
         FP8 GEMMs' padding, te_dist.moe.padding); a transport that can fold the padding into its
         last row gather does, and ``state.group_splits()`` is then the padded split (the returned
         ``split_sizes_El`` stays the received counts). Others ignore it: check the split.
+        ``gather_in_experts``: a transport whose last row gather reads x_TH itself (the expand at EP
+        size 1) may leave it to the experts: it returns x_TH as ``x_NH`` and the gather in
+        ``state.group_splits().rows`` (te_dist.ops.RowGather; the experts' first GEMM takes it, the
+        next one a split without it). Others ignore it: check ``state.rows``.
         """
         raise NotImplementedError
 

@@ -6,9 +6,10 @@ from .communication import AllGather, AllReduce, ReduceScatter
 from .grouped_linear import GroupedLinear, GroupSplits
 from .linear import BasicLinear
 from .quantize import Quantize
+from .row_gather import RowGather
 from .swiglu import ScaledSwiGLU, SwiGLU
 
 __all__ = [
-    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "Quantize",
+    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "RowGather", "Quantize",
     "AllGather", "ReduceScatter", "AllReduce",
 ]

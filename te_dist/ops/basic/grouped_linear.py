@@ -8,7 +8,9 @@ when the split sizes already live there, so no host sync. CPU split sizes are va
 summing to T) before any kernel runs, and are also handed to the GEMMs as host ints
 (``group_sizes``): the backend then sees the actual group sizes, and cuBLAS per expert may run
 where it beats the grouped kernels (te_dist.backends.selection), without reading the offsets.
-A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher, see there).
+A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher, see there); its
+``rows`` (a :class:`~te_dist.ops.basic.row_gather.RowGather`) may name the GEMM's rows as rows of
+the op's input instead of the input itself: the input is then the gather's source.
 
 ``grouped_forward`` / ``grouped_backward`` are the functional core the grouped-MLP fused op calls.
 The saved input may carry a per-row scale (``input = x * row_scale[:, None]``) so the fused op can
@@ -32,9 +34,10 @@ import torch
 
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
+from .row_gather import RowGather
 
-__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
-           "remember_split_alignment"]
+__all__ = ["GroupedLinear", "GroupSplits", "RowGather", "split_sizes_to_groups", "host_split_alignment",
+           "remember_split_alignment", "row_gather_of"]
 
 _kernels = None
 _support = None
@@ -62,7 +65,9 @@ def kernels():
 
 class GroupSplits(NamedTuple):
     """A row split given both ways: ``offsets``, int32 cumulative end rows [E] on the data's device,
-    and ``sizes``, the rows of each group as host ints.
+    and ``sizes``, the rows of each group as host ints; ``rows``: where the rows come from, when the
+    op's input is not the rows themselves but their source (a :class:`RowGather`; for this op's
+    input only: the next op of the MLP takes a split without it).
 
     Why: the MoE dispatcher builds the offsets on the device before its one host read of the
     counts, and the read brings the sizes. Handing both over spares the op the host→device copy of
@@ -72,10 +77,11 @@ class GroupSplits(NamedTuple):
 
     offsets: torch.Tensor
     sizes: tuple
+    rows: Optional[RowGather] = None
 
 
-def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor):
-    offsets, sizes = splits
+def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor, num_rows: Optional[int]):
+    offsets, sizes, rows = splits
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (num_groups,):
         got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
         raise TypeError(f"GroupSplits.offsets must be an int32 tensor of shape [{num_groups}], got {got}")
@@ -84,8 +90,27 @@ def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor):
     sizes = tuple(sizes)
     if len(sizes) != num_groups:
         raise ValueError(f"GroupSplits.sizes must have {num_groups} entries (one per group), got {len(sizes)}")
-    _check_host_sizes(sizes, x.shape[0], "GroupSplits.sizes")
+    if rows is not None:
+        _check_rows(rows, x)
+        num_rows = rows.num_rows
+    _check_host_sizes(sizes, x.shape[0] if num_rows is None else num_rows, "GroupSplits.sizes")
     return offsets, sizes
+
+
+def _check_rows(rows, x: torch.Tensor) -> None:
+    if not isinstance(rows, RowGather):
+        raise TypeError(f"GroupSplits.rows must be a RowGather or None, got {type(rows).__name__}")
+    index = rows.index
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
+        got = f"{index.dtype} {tuple(index.shape)}" if isinstance(index, torch.Tensor) else type(index).__name__
+        raise TypeError(f"RowGather.index must be a 1-D int64 tensor, got {got}")
+    if index.device != x.device:
+        raise ValueError(f"RowGather.index on {index.device} but the input is on {x.device}")
+
+
+def row_gather_of(split_sizes) -> Optional[RowGather]:
+    """The :class:`RowGather` a split carries (None for every other form of split sizes)."""
+    return split_sizes.rows if isinstance(split_sizes, GroupSplits) else None
 
 
 _last_alignment = (None, None)  # (the last sizes tuple, its alignment): one entry, replaced whole
@@ -127,13 +152,13 @@ def _check_host_sizes(sizes, num_rows: int, name: str) -> None:
         raise ValueError(f"{name} sum to {sum(sizes)} but the input has {num_rows} rows: {sizes}")
 
 
-def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor):
+def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor, num_rows: Optional[int] = None):
     """``(offsets, group_sizes)``: int32 cumulative end offsets [E] on ``x.device``, and the sizes as a
     tuple of host ints when they live on the host (else None: a device tensor is never read).
     CPU split sizes are validated, without a device sync; a :class:`GroupSplits` is taken as it is
-    (its sizes validated)."""
+    (its sizes validated against its rows', else ``num_rows``, else x's row count)."""
     if isinstance(split_sizes, GroupSplits):
-        return _check_group_splits(split_sizes, num_groups, x)
+        return _check_group_splits(split_sizes, num_groups, x, num_rows)
     if isinstance(split_sizes, (list, tuple)):
         split_sizes = torch.tensor(split_sizes, dtype=torch.int64)
     if not isinstance(split_sizes, torch.Tensor):
@@ -144,7 +169,7 @@ def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor):
         raise ValueError(f"split_sizes must have shape [{num_groups}] (one per group), got {tuple(split_sizes.shape)}")
     if split_sizes.is_cpu:
         sizes = split_sizes.tolist()
-        _check_host_sizes(sizes, x.shape[0], "split_sizes")
+        _check_host_sizes(sizes, x.shape[0] if num_rows is None else num_rows, "split_sizes")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
         if not x.is_cpu:
             # From pinned memory the copy is queued on the stream and the host moves on (no wait for the GPU).
@@ -190,9 +215,10 @@ class GroupedLinear(BasicOperation):
     def quantizers(self) -> GemmQuantizers:
         return self._quantizers
 
-    def groups(self, split_sizes, x: torch.Tensor):
-        """``(offsets, group_sizes)`` of ``split_sizes`` for input ``x`` (see split_sizes_to_groups)."""
-        return split_sizes_to_groups(split_sizes, self.num_groups, x)
+    def groups(self, split_sizes, x: torch.Tensor, num_rows: Optional[int] = None):
+        """``(offsets, group_sizes)`` of ``split_sizes`` for input ``x`` of ``num_rows`` GEMM rows (default:
+        x's; see split_sizes_to_groups)."""
+        return split_sizes_to_groups(split_sizes, self.num_groups, x, num_rows)
 
     def check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
@@ -220,13 +246,20 @@ class GroupedLinear(BasicOperation):
         return supported and x.is_cuda  # on CPU the grouped answer is the reference path
 
     def grouped_forward(self, ctx: OpContext, x, groups, *, row_scale: Optional[torch.Tensor] = None,
-                        native: Optional[bool] = None):
+                        native: Optional[bool] = None, rows: Optional[RowGather] = None):
         """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only).
         ``groups``: the ``(offsets, group_sizes)`` pair of :meth:`groups`, kept together for the backward.
-        ``native``: the caller's predicate answer (the fused op asks once for both GEMMs); None asks here."""
+        ``native``: the caller's predicate answer (the fused op asks once for both GEMMs); None asks here.
+        ``rows``: the GEMM reads ``rows`` of x (x is their source; the input gradient is the source's)."""
         offsets, group_sizes = groups
         q = self._quantizers
         w = self.weight
+        if rows is not None:
+            if q.active and native is None:
+                native = self.native_path(x, group_sizes)
+            if native and q.input.per_tensor and rows.covers_source:
+                return self._quantized_forward(ctx, x, groups, rows, x_is_source=True)  # RowGather says why
+            x = rows.take(x)
         if not q.active:
             backend = None
             if x.device.type == "cuda" and not support().is_module_grouped_tensor_supported(
@@ -234,13 +267,13 @@ class GroupedLinear(BasicOperation):
                 backend = "loop"  # no single-launch grouped kernel for this dtype or device: split path
             y = kernels().grouped_mm_forward(x, w.transpose(1, 2), offsets, bias_EN=self.bias, row_scale_T=row_scale,
                                              check_offsets=False, group_sizes=group_sizes, backend=backend)
-            self._save(ctx, x, row_scale, w.transpose(1, 2), groups)
+            self._save(ctx, x, row_scale, w.transpose(1, 2), groups, rows)
             return y
         assert row_scale is None, "quantized inputs must be scaled before quantization"
         if native is None:
             native = self.native_path(x, group_sizes)
         if native:
-            return self._quantized_forward(ctx, x, groups)
+            return self._quantized_forward(ctx, x, groups, rows)
         xq = fake_quantize_or_identity(x, q.input)
         wq_EKN = fake_quantize_or_identity(w, q.weight).transpose(1, 2)
         y = kernels().grouped_mm_forward(
@@ -248,26 +281,33 @@ class GroupedLinear(BasicOperation):
         )
         # The weight is saved as the [E, K, N] view the GEMMs take (dgrad uses it as is).
         saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
-        self._save(ctx, saved_x, None, saved_w, groups)
+        self._save(ctx, saved_x, None, saved_w, groups, rows)
         return y
 
-    def _save(self, ctx, x, row_scale, w, groups) -> None:
+    def _save(self, ctx, x, row_scale, w, groups, rows=None) -> None:
+        """``rows``: the RowGather the input went through (backward maps the input gradient with it)."""
         if ctx.requires_grad:
             weight_rg = self.weight.requires_grad
             bias_rg = self.bias is not None and self.bias.requires_grad
-            ctx.saved = (x if weight_rg else None, row_scale, w, groups, weight_rg, bias_rg)
+            ctx.saved = (x if weight_rg else None, row_scale, w, groups, weight_rg, bias_rg, rows)
 
-    def _quantized_forward(self, ctx, x, groups):
+    def _quantized_forward(self, ctx, x, groups, rows=None, *, x_is_source=False):
         """The native path: x quantized once (rowwise for fprop, columnwise for wgrad), the weight's
-        copy reused while its version lasts; only the FP8 copies backward needs are saved."""
+        copy reused while its version lasts; only the FP8 copies backward needs are saved.
+        ``rows``: the RowGather of the input (its backward maps the input gradient); ``x_is_source``:
+        x is its source, quantized before its FP8 bytes are gathered (per-tensor scales), else x holds
+        the gathered rows already."""
         offsets, group_sizes = groups
         q = self._quantizers
         need_wgrad = ctx.requires_grad and self.weight.requires_grad
-        xq = q.input(x, rowwise=True, columnwise=need_wgrad)
+        if x_is_source:
+            xq = q.input(x, rowwise=True, columnwise=False).take_rows(rows.index, rows.zero_rows, transposed=need_wgrad)
+        else:
+            xq = q.input(x, rowwise=True, columnwise=need_wgrad)
         wq = self.quantized_weight()
         y = kernels().grouped_mm_quantized_forward(xq, wq, offsets, bias_EN=self.bias, out_dtype=x.dtype,
                                                    group_sizes=group_sizes)
-        self._save(ctx, _wgrad_copy(xq) if need_wgrad else None, None, wq, groups)
+        self._save(ctx, _wgrad_copy(xq) if need_wgrad else None, None, wq, groups, rows)
         return y
 
     @property
@@ -308,7 +348,7 @@ class GroupedLinear(BasicOperation):
 
     def _quantized_backward(self, ctx, dy):
         """dgrad and wgrad from one quantization of dy (rowwise for dgrad, columnwise for wgrad)."""
-        xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg = ctx.saved
+        xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg, rows = ctx.saved
         ctx.saved = ()
         need_dx = ctx.input_requires_grad
         dyq = self._quantizers.grad_output(dy, rowwise=need_dx, columnwise=weight_rg)
@@ -316,6 +356,8 @@ class GroupedLinear(BasicOperation):
         dx = None
         if need_dx:
             dx = k.grouped_mm_quantized_dgrad(dyq, wq, offsets, out_dtype=dy.dtype, group_sizes=group_sizes)
+            if rows is not None:
+                dx = rows.backward(dx)
         dw = None
         if weight_rg:
             dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype,
@@ -327,16 +369,17 @@ class GroupedLinear(BasicOperation):
         """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: dy as quantized."""
         if not ctx.input_requires_grad:
             return None
-        saved_w_EKN, (offsets, group_sizes) = ctx.saved[2], ctx.saved[3]
+        saved_w_EKN, (offsets, group_sizes), rows = ctx.saved[2], ctx.saved[3], ctx.saved[6]
         # Operands checked by this op's forward (autograd fixes dy's shape and dtype): no re-validation.
-        return kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, group_sizes=group_sizes, validate=False)
+        dx = kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, group_sizes=group_sizes, validate=False)
+        return dx if rows is None else rows.backward(dx)
 
     def grouped_wgrad(self, ctx: OpContext, dy, dyq, x_in):
         """``(dweight, dbias)`` from the GEMM input ``x_in`` (None when unused); releases the saved tensors.
 
         Separate from dgrad so the grouped-MLP fusion can form ``x_in`` in the same pass as its
         activation backward, which needs dgrad's result."""
-        _, _, _, (offsets, group_sizes), weight_rg, bias_rg = ctx.saved
+        _, _, _, (offsets, group_sizes), weight_rg, bias_rg, _ = ctx.saved
         ctx.saved = ()
         dw = None
         if weight_rg:
@@ -349,7 +392,8 @@ class GroupedLinear(BasicOperation):
     # ------------------------------------------------------------------ op interface
     def op_forward(self, ctx, x, extra_inputs, recipe):
         self.check_input(x)
-        return self.grouped_forward(ctx, x, self.groups(extra_inputs[0], x)), ()
+        splits = extra_inputs[0]
+        return self.grouped_forward(ctx, x, self.groups(splits, x), rows=row_gather_of(splits)), ()
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         dx, dw, db = self.grouped_backward(ctx, dy)

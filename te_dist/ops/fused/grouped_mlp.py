@@ -23,7 +23,7 @@ from __future__ import annotations
 
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
-from ..basic.grouped_linear import host_split_alignment, support
+from ..basic.grouped_linear import GroupSplits, host_split_alignment, row_gather_of, support
 from ..basic.swiglu import (scaled_swiglu_backward, scaled_swiglu_forward, scaled_swiglu_forward_keeping_fp8,
                              swiglu_forward)
 from ..op import FusedOperation
@@ -38,13 +38,17 @@ class GroupedMLP(FusedOperation):
         c1, c2, c3 = ctxs
         splits1, splits2 = extra_inputs[0][0], extra_inputs[2][0]
         fc1.check_input(x)
+        rows = row_gather_of(splits1)  # fc1 reads these rows of x (fc2 reads fc1's output as it is)
         groups1 = fc1.groups(splits1, x)
-        groups2 = groups1 if splits2 is splits1 else fc2.groups(splits2, x)
+        if splits2 is splits1 or _same_split(splits1, splits2):
+            groups2 = groups1
+        else:
+            groups2 = fc2.groups(splits2, x, num_rows=None if rows is None else rows.num_rows)
         native = None
         if fc1.quantizers.active:  # one predicate answer per fused forward, for both GEMMs
             native = fc1.native_path(x, groups1[1], _op_fuser_predicate()) and fc2.native_shape_ok and (
                 groups2 is groups1 or host_split_alignment(groups2[1]) == host_split_alignment(groups1[1]))
-        h = fc1.grouped_forward(c1, x, groups1, native=native)
+        h = fc1.grouped_forward(c1, x, groups1, native=native, rows=rows)
         if isinstance(act, ScaledSwiGLU):
             probs_in = extra_inputs[1][0]
             probs = act.check_scales(h, probs_in)
@@ -96,6 +100,13 @@ class GroupedMLP(FusedOperation):
         g1 = [dw1] if fc1.bias is None else [dw1, db1]
         g2 = [dw2] if fc2.bias is None else [dw2, db2]
         return dx, [g1, [], g2], [(None,), act_extra, (None,)]
+
+
+def _same_split(a, b) -> bool:
+    """Two GroupSplits of the same offsets and sizes objects (the MoE layer hands fc2 fc1's split
+    without its rows): validated once."""
+    return (isinstance(a, GroupSplits) and isinstance(b, GroupSplits) and a.offsets is b.offsets
+            and a.sizes is b.sizes and b.rows is None)
 
 
 def _op_fuser_predicate():

@@ -49,7 +49,8 @@ class PeerDispatcher(TokenDispatcher):
             self._checked.add((device, row_bytes))
 
     def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
-                 row_alignment=None):  # TokenDispatcher's (rows arrive unpadded: the layer pads them)
+                 row_alignment=None, gather_in_experts=False):  # TokenDispatcher's (rows arrive unpadded: the
+        # layer pads them; the gather is the peer copy's own, never left to the experts)
         self.check(x_TH.device, x_TH.shape[1] * x_TH.element_size())
         E, R, El = self.num_experts, self.ep_size, self.num_local_experts
         perm = sort_by_expert(x_TH, indices_TK, E)

@@ -1,0 +1,40 @@
+"""RowGather: the rows a grouped GEMM reads, named as rows of a source tensor instead of copied out.
+
+Row i of the GEMM's input is ``source[index[i]]``; the rows in ``zero_rows`` are zero (the padding
+rows that put each expert's first row on a block boundary). A GroupedLinear handed one (in its
+:class:`~te_dist.ops.basic.grouped_linear.GroupSplits`) takes its input as the source.
+
+Why: under a per-tensor FP8 recipe the GEMM reads FP8 bytes, and quantizing the source and then
+gathering its bytes is the same operand as quantizing the gathered copy whenever every source row
+is gathered at least once (``covers_source``: the amax is the same). The MoE layer at EP size 1
+gathers each token K times (top-k), so its first GEMM then quantizes T rows instead of T*K and its
+row gather moves one byte per element instead of two (docs/moe.md "FP8 rows"). Other recipes and
+paths take the rows as a copy (:meth:`take`), the same gather as before.
+
+``backward`` maps the gradient of the gathered rows to the source's (its fixed-order sum over each
+source row's copies is the caller's: te_dist.moe.permutation builds it for the token expand).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+__all__ = ["RowGather"]
+
+
+class RowGather(NamedTuple):
+    index: torch.Tensor  # int64 [N]: the source row of each GEMM row
+    zero_rows: Optional[torch.Tensor]  # int64: GEMM rows that are zero (padding), or None
+    backward: Callable[[torch.Tensor], torch.Tensor]  # gradient of the N rows -> gradient of the source
+    covers_source: bool  # every source row is gathered at least once
+
+    @property
+    def num_rows(self) -> int:
+        return self.index.shape[0]
+
+    def take(self, source: torch.Tensor) -> torch.Tensor:
+        """The gathered rows as a copy (no autograd: ``backward`` is the gradient's way back)."""
+        rows = source.index_select(0, self.index)
+        return rows if self.zero_rows is None else rows.index_fill_(0, self.zero_rows, 0)
