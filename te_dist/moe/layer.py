@@ -8,7 +8,8 @@ El = E / R local experts, N rows this rank's experts receive.
               (each expert's rows on a block boundary, when the active FP8 recipe's native
                grouped path needs it: the dispatcher's last row gather writes them padded, or
                pad_expert_rows pads them here; the padding rows are dropped again at combine;
-               at EP size 1 that gather is left to fc1, which reads its rows from x_TH)
+               at EP size 1 that gather is left to the experts: fc1 reads its rows from x_TH and,
+               with the probabilities in the expert, fc2 returns out_TH, the combine done)
               (transport: "all_to_all" over ep_group, or "peer" memory on the GPUs of one host;
                "auto" picks peer where every rank can run it)
               ─OperationFuser[GroupedLinear(El,H,2F) → ScaledSwiGLU → GroupedLinear(El,F,H)]─▶ y_NH
@@ -231,8 +232,9 @@ class MoELayer(nn.Module):
         invalid = ~torch.isfinite(routing.logits_TE).all()
         probs_in_expert = self.probs_position == "expert"
         alignment = self._native_row_alignment(x_TH, recipe)
-        # With the native FP8 path at EP size 1 the experts' first GEMM takes the expand gather (it then
-        # moves FP8 bytes under per-tensor recipes: te_dist.ops.RowGather); x_NH is x_TH then.
+        # With the native FP8 path at EP size 1 the experts take the expand gather: fc1 reads its rows from
+        # x_TH, and (probabilities in the expert) fc2 sums its rows back, the combine; under per-tensor
+        # recipes both then gather FP8 bytes (te_dist.ops.RowGather). x_NH is x_TH then.
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag,
             row_alignment=alignment, gather_in_experts=GATHER_IN_EXPERTS and alignment is not None,
@@ -243,7 +245,9 @@ class MoELayer(nn.Module):
         # (and may run cuBLAS per expert) with no device read and no host→device copy: between the
         # read and the first GEMM the GPU waits for the host (docs/moe.md "The host read").
         splits = state.group_splits()
-        fc2_splits = splits if splits.rows is None else splits._replace(rows=None)  # the rows are fc1's input's
+        fc2_splits = splits
+        if splits.rows_in is not None:  # fc1 reads them from x_TH; fc2 sums its rows back (the combine) if it can
+            fc2_splits = splits._replace(rows_in=None, rows_out=splits.rows_in if probs_in_expert else None)
         padded = None
         if needs_padding(splits.sizes, alignment):  # the dispatcher did not pad them: pad on their own
             padded = pad_expert_rows(x_NH, probs_N if probs_in_expert else None, splits.sizes, alignment)
@@ -259,5 +263,5 @@ class MoELayer(nn.Module):
         self.tokens_per_expert = state.permutation.counts_E
         self.tokens_per_local_expert = split_sizes_El
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
-        out_TH = self.dispatcher.combine(y_NH, state)
+        out_TH = y_NH if fc2_splits.rows_out is not None else self.dispatcher.combine(y_NH, state)
         return out_TH.reshape(shape)

@@ -208,10 +208,11 @@ def expand_tokens(x_TH: torch.Tensor, state: PermutationState) -> torch.Tensor:
 
 
 def expand_rows(state: PermutationState) -> RowGather:
-    """The rows of :func:`expand_tokens` left to the experts' first GEMM, which reads them from x_TH
-    (te_dist.ops.RowGather: under a per-tensor FP8 recipe it gathers FP8 bytes of x_TH). Every token
-    is copied at least once, so the gather covers its source; the gradient's way back is the
-    expand's own fixed-order K-sum."""
+    """The rows of :func:`expand_tokens` left to the experts (te_dist.ops.RowGather): the first GEMM
+    reads them from x_TH, and the last one's output is summed back into token order, the combine of
+    :func:`unpermute_tokens` without probabilities (under a per-tensor FP8 recipe both gather FP8
+    bytes: of x_TH, and of the combine's output gradient). Every token is copied at least once, so
+    the gather covers its source; its adjoint is the same fixed-order K-sum as the combine's."""
     return RowGather(state.token_S, state.pad_rows,
                      functools.partial(gather_sum, inverse_S=state.inverse_S, top_k=state.top_k), covers_source=True)
 

@@ -1,9 +1,10 @@
-"""The experts' first GEMM reading its rows from x_TH (te_dist.ops.RowGather) instead of a copy.
+"""The experts taking the dispatch's expand gather at EP size 1 (te_dist.ops.RowGather): fc1 reads
+its rows from x_TH instead of a copy, and fc2 sums its rows back into token order (the combine).
 
-Under a per-tensor FP8 recipe the native path quantizes x_TH and gathers its FP8 bytes; everywhere
-else the rows are copied as before. Either way the values and gradients must be those of the copied
-rows, bit for bit: the FP8 operand is the same bytes with the same scale (same amax: every token is
-gathered). On CPU the native branch is forced (on a GPU the predicate decides) and its GEMMs run on
+Under a per-tensor FP8 recipe the native path quantizes x_TH (and the combine's output gradient) and
+gathers FP8 bytes; everywhere else the rows are copied as before. Either way the values and
+gradients must be those of the copied rows, bit for bit: the FP8 operand is the same bytes with the
+same scale (same amax: every token is gathered). On CPU the native branch is forced (on a GPU the predicate decides) and its GEMMs run on
 the emulated backend, which multiplies the same quantized values the kernels read.
 """
 
@@ -57,25 +58,29 @@ def test_fp8_rows_of_the_source_are_the_quantized_rows(recipe):
 
 
 def _expand(T, E, alignment, seed=0):
-    """x_TH, its expand RowGather (padded to ``alignment``), the GroupSplits and the permuted probs."""
+    """x_TH, the GroupSplits with its expand as rows_in (padded to ``alignment``), the permuted probs
+    and the dispatch state."""
     indices, probs = _routing(T, E, seed=seed)
     x = torch.randn(T, 256, dtype=torch.bfloat16)
     _, _, probs_N, state = _padded_dispatch(x, indices, probs, E, alignment, True)
-    return x, state.group_splits(), probs_N
+    return x, state.group_splits(), probs_N, state
 
 
+@pytest.mark.parametrize("combine", [False, True], ids=["rows_in", "rows_in+out"])
 @pytest.mark.parametrize("recipe, native", [(r, False) for r in RECIPES] + [(r, True) for r in RECIPES[1:]],
                          ids=lambda v: v if isinstance(v, bool) else _name(v))
-def test_mlp_on_source_rows_equals_mlp_on_their_copy(monkeypatch, recipe, native):
-    """The fused grouped MLP (and the unfused ops) given x_TH + RowGather == given the copied rows:
-    output, input gradient (back through the gather's fixed-order sum) and weight gradients.
+def test_mlp_on_source_rows_equals_mlp_on_their_copy(monkeypatch, recipe, native, combine):
+    """The fused grouped MLP (and the unfused ops) given x_TH and rows_in == given the copied rows;
+    with ``combine`` fc2 also sums its rows back (rows_out) == the dispatcher's combine of the copy's
+    output: output, input gradient (back through the gather's fixed-order sum) and weight gradients.
     ``native``: the quantized path (forced), else the emulated one (bf16: the plain GEMMs)."""
     monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: native)
-    x_src, splits, probs = _expand(96, 3, 128 if isinstance(recipe, R.Float8BlockScaling) else 16)
-    assert isinstance(splits.rows, RowGather) and splits.rows.zero_rows is not None
-    copy = splits.rows.take(x_src)
+    x_src, splits, probs, state = _expand(96, 3, 128 if isinstance(recipe, R.Float8BlockScaling) else 16)
+    rows = splits.rows_in
+    assert isinstance(rows, RowGather) and rows.zero_rows is not None
+    plain = splits._replace(rows_in=None)
 
-    def run(x, fc1_splits, fused):
+    def run(x, fc1_splits, fc2_splits, fused):
         torch.manual_seed(0)
         mlp = OperationFuser([GroupedLinear(3, 256, 256, dtype=torch.bfloat16), ScaledSwiGLU(),
                               GroupedLinear(3, 128, 256, dtype=torch.bfloat16)])
@@ -84,18 +89,21 @@ def test_mlp_on_source_rows_equals_mlp_on_their_copy(monkeypatch, recipe, native
         if recipe_now is not None:
             recipe_now.enable_fused_grouped_mlp = fused
         with td.autocast(recipe=recipe_now, enabled=recipe_now is not None):
-            y = mlp(x, fc1_splits, probs, splits._replace(rows=None))
+            y = mlp(x, fc1_splits, probs, fc2_splits)
+            if combine and fc2_splits.rows_out is None:
+                y = AllToAllDispatcher(3).combine(y, state)
         y.float().square().sum().backward()
         return y.detach(), x.grad, mlp.basic_ops[0].weight.grad, mlp.basic_ops[2].weight.grad
 
     for fused in ([True, False] if recipe is not None else [True]):
-        y_src, dx_src, dw1_src, dw2_src = run(x_src, splits, fused)
-        y_cp, dx_cp, dw1_cp, dw2_cp = run(copy, splits._replace(rows=None), fused)
+        y_src, dx_src, dw1_src, dw2_src = run(x_src, splits, plain._replace(rows_out=rows if combine else None), fused)
+        y_cp, dx_cp, dw1_cp, dw2_cp = run(rows.take(x_src), plain, plain, fused)
+        assert y_src.shape[0] == (96 if combine else rows.num_rows)
         assert torch.equal(y_src, y_cp)
         assert torch.equal(dw1_src, dw1_cp) and torch.equal(dw2_src, dw2_cp)
         # the copy's input gradient, summed back over each token's copies, is the source's
         assert dx_src.shape == x_src.shape
-        assert torch.equal(dx_src, splits.rows.backward(dx_cp))
+        assert torch.equal(dx_src, rows.sum_back(dx_cp))
 
 
 def test_dispatcher_leaves_the_expand_to_the_experts_only_where_asked():
@@ -104,7 +112,8 @@ def test_dispatcher_leaves_the_expand_to_the_experts_only_where_asked():
     x = torch.randn(96, 32)
     x_cp, sizes_cp, probs_cp, state_cp = _padded_dispatch(x, indices, probs, 3, 16, False)
     x_src, sizes_src, probs_src, state_src = _padded_dispatch(x, indices, probs, 3, 16, True)
-    assert state_cp.rows is None and state_cp.group_splits().rows is None
+    assert state_cp.rows is None and state_cp.group_splits().rows_in is None
+    assert state_src.group_splits().rows_in is state_src.rows
     assert x_src is x and torch.equal(state_src.rows.take(x), x_cp)
     assert torch.equal(probs_src, probs_cp) and torch.equal(sizes_src, sizes_cp)
     assert state_src.group_splits().sizes == state_cp.group_splits().sizes
@@ -122,21 +131,34 @@ def test_group_splits_rows_are_checked_before_any_gemm():
     op = GroupedLinear(2, 16, 16)
     fuser = OperationFuser([op])
     x = torch.randn(5, 16)
-    rows = RowGather(torch.tensor([0, 1, 2, 3, 4, 0]), None, lambda g: g, True)
+    rows = RowGather(torch.tensor([0, 1, 2, 3, 4, 0]), None, lambda g: g[:5] + torch.cat([g[5:], 0 * g[:4]]), True)
     offsets = torch.tensor([3, 6], dtype=torch.int32)
-    assert fuser(x, GroupSplits(offsets, (3, 3), rows)).shape == (6, 16)  # sizes count the gathered rows
+    assert fuser(x, GroupSplits(offsets, (3, 3), rows_in=rows)).shape == (6, 16)  # sizes count the gathered rows
+    assert fuser(x, GroupSplits(offsets, (3, 3), rows_in=rows, rows_out=rows)).shape == (5, 16)  # summed back
     with pytest.raises(ValueError, match="sum to 5 but the input has 6 rows"):
-        fuser(x, GroupSplits(offsets, (3, 2), rows))
-    with pytest.raises(TypeError, match="RowGather.index must be a 1-D int64"):
-        fuser(x, GroupSplits(offsets, (3, 3), rows._replace(index=rows.index.int())))
-    with pytest.raises(TypeError, match="must be a RowGather or None"):
-        fuser(x, GroupSplits(offsets, (3, 3), (rows.index,)))
+        fuser(x, GroupSplits(offsets, (3, 2), rows_in=rows))
+    with pytest.raises(TypeError, match="rows_in.index must be a 1-D int64"):
+        fuser(x, GroupSplits(offsets, (3, 3), rows_in=rows._replace(index=rows.index.int())))
+    with pytest.raises(TypeError, match="rows_in must be a RowGather or None"):
+        fuser(x, GroupSplits(offsets, (3, 3), rows_in=(rows.index,)))
+    with pytest.raises(ValueError, match="rows_out gathers 6 rows but the split has 5"):
+        fuser(x, GroupSplits(offsets, (3, 2), rows_out=rows))
+    # the grouped MLP: rows_in is fc1's, rows_out fc2's
+    mlp = OperationFuser([GroupedLinear(2, 16, 32), ScaledSwiGLU(), GroupedLinear(2, 16, 16)])
+    splits = GroupSplits(offsets, (3, 3), rows_in=rows)
+    probs = torch.rand(6)
+    assert mlp(x, splits, probs, splits._replace(rows_in=None, rows_out=rows)).shape == (5, 16)
+    with pytest.raises(ValueError, match="rows_in on fc2"):
+        mlp(x, splits, probs, splits)
+    with pytest.raises(ValueError, match="rows_out on fc1"):
+        mlp(x, splits._replace(rows_out=rows), probs, splits._replace(rows_in=None))
 
 
 @pytest.mark.parametrize("recipe", PER_TENSOR + [R.Float8BlockScaling()], ids=_name)
 def test_layer_at_ep1_is_the_same_with_the_gather_in_the_experts(monkeypatch, recipe):
     """MoELayer with the native path forced on CPU (alignment 16 or 128): the dispatch leaves its expand
-    to fc1 or not, same output and gradients, bit for bit."""
+    to the experts (fc1 reads x_TH's rows, fc2 sums its rows back) or not, same output and gradients,
+    bit for bit."""
     alignment = 128 if isinstance(recipe, R.Float8BlockScaling) else 16
     monkeypatch.setattr(MoELayer, "_native_row_alignment", lambda self, x, r: None if r is None else alignment)
     monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
@@ -194,7 +216,8 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
         assert layer.fc1.has_native_weight_copy and layer.fc2.has_native_weight_copy
         results.append(out)
     per_tensor = not isinstance(recipe, R.Float8BlockScaling)
-    assert len(taken) == (2 if per_tensor else 0)  # one per step, only where the experts took the gather
+    # per step: x_TH's rows for fc1 and the combine's output gradient for fc2, only where the experts took the gather
+    assert len(taken) == (4 if per_tensor else 0)
     for got, want in zip(results[0], results[1]):
         for a, b in zip(got, want):
             assert torch.equal(a, b)

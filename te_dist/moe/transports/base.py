@@ -56,12 +56,12 @@ class DispatchState:
     def group_splits(self) -> GroupSplits:
         """The split of the rows the dispatch handed out over the local experts, both ways: offsets
         on the device (queued before the host read) and sizes on the host (that read's by-product);
-        with padding (``row_alignment``), the padded split; with ``rows``, the split carries them
-        (the experts' first GEMM reads its rows from the dispatch's x, te_dist.ops.RowGather)."""
+        with padding (``row_alignment``), the padded split; with ``rows``, the split carries them as
+        ``rows_in`` (the experts' first GEMM reads its rows from the dispatch's x, te_dist.ops.RowGather)."""
         splits = self.padded_splits
         if splits is None:
             splits = GroupSplits(self.local_expert_offsets, tuple(self.local_expert_sizes))
-        return splits if self.rows is None else splits._replace(rows=self.rows)
+        return splits if self.rows is None else splits._replace(rows_in=self.rows)
 
 
 class TokenDispatcher:

@@ -8,9 +8,10 @@ when the split sizes already live there, so no host sync. CPU split sizes are va
 summing to T) before any kernel runs, and are also handed to the GEMMs as host ints
 (``group_sizes``): the backend then sees the actual group sizes, and cuBLAS per expert may run
 where it beats the grouped kernels (te_dist.backends.selection), without reading the offsets.
-A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher, see there); its
-``rows`` (a :class:`~te_dist.ops.basic.row_gather.RowGather`) may name the GEMM's rows as rows of
-the op's input instead of the input itself: the input is then the gather's source.
+A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher, see there); it may
+name the GEMM's rows as a :class:`~te_dist.ops.basic.row_gather.RowGather` of another tensor's rows:
+``rows_in`` (the op's input is the gather's source) or ``rows_out`` (the op's output is the GEMM's rows
+summed back into the source's rows).
 
 ``grouped_forward`` / ``grouped_backward`` are the functional core the grouped-MLP fused op calls.
 The saved input may carry a per-row scale (``input = x * row_scale[:, None]``) so the fused op can
@@ -37,7 +38,7 @@ from ._quant import GemmQuantizers, fake_quantize_or_identity
 from .row_gather import RowGather
 
 __all__ = ["GroupedLinear", "GroupSplits", "RowGather", "split_sizes_to_groups", "host_split_alignment",
-           "remember_split_alignment", "row_gather_of"]
+           "remember_split_alignment", "split_rows", "check_rows_out"]
 
 _kernels = None
 _support = None
@@ -65,9 +66,10 @@ def kernels():
 
 class GroupSplits(NamedTuple):
     """A row split given both ways: ``offsets``, int32 cumulative end rows [E] on the data's device,
-    and ``sizes``, the rows of each group as host ints; ``rows``: where the rows come from, when the
-    op's input is not the rows themselves but their source (a :class:`RowGather`; for this op's
-    input only: the next op of the MLP takes a split without it).
+    and ``sizes``, the rows of each group as host ints. ``rows_in``: the op's input is not the GEMM's
+    rows but the source they are gathered from (a :class:`RowGather`); ``rows_out``: the op returns
+    the GEMM's rows summed back into the source's rows (``rows_out.sum_back``). Each applies to the
+    op it is handed to: the MoE layer gives fc1 ``rows_in`` and fc2 ``rows_out``.
 
     Why: the MoE dispatcher builds the offsets on the device before its one host read of the
     counts, and the read brings the sizes. Handing both over spares the op the host→device copy of
@@ -77,11 +79,12 @@ class GroupSplits(NamedTuple):
 
     offsets: torch.Tensor
     sizes: tuple
-    rows: Optional[RowGather] = None
+    rows_in: Optional[RowGather] = None
+    rows_out: Optional[RowGather] = None
 
 
 def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor, num_rows: Optional[int]):
-    offsets, sizes, rows = splits
+    offsets, sizes, rows_in, rows_out = splits
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (num_groups,):
         got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
         raise TypeError(f"GroupSplits.offsets must be an int32 tensor of shape [{num_groups}], got {got}")
@@ -90,27 +93,38 @@ def _check_group_splits(splits: GroupSplits, num_groups: int, x: torch.Tensor, n
     sizes = tuple(sizes)
     if len(sizes) != num_groups:
         raise ValueError(f"GroupSplits.sizes must have {num_groups} entries (one per group), got {len(sizes)}")
-    if rows is not None:
-        _check_rows(rows, x)
-        num_rows = rows.num_rows
+    if rows_in is not None:
+        _check_rows("rows_in", rows_in, x)
+        num_rows = rows_in.num_rows
     _check_host_sizes(sizes, x.shape[0] if num_rows is None else num_rows, "GroupSplits.sizes")
+    if rows_out is not None:
+        check_rows_out(rows_out, sizes, x)
     return offsets, sizes
 
 
-def _check_rows(rows, x: torch.Tensor) -> None:
+def check_rows_out(rows_out, sizes, x: torch.Tensor) -> None:
+    """``rows_out`` is a RowGather of as many rows as the split (``sizes``) on x's device."""
+    _check_rows("rows_out", rows_out, x)
+    if sizes is not None and rows_out.num_rows != sum(sizes):
+        raise ValueError(f"GroupSplits.rows_out gathers {rows_out.num_rows} rows but the split has {sum(sizes)}")
+
+
+def _check_rows(name: str, rows, x: torch.Tensor) -> None:
     if not isinstance(rows, RowGather):
-        raise TypeError(f"GroupSplits.rows must be a RowGather or None, got {type(rows).__name__}")
+        raise TypeError(f"GroupSplits.{name} must be a RowGather or None, got {type(rows).__name__}")
     index = rows.index
     if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
         got = f"{index.dtype} {tuple(index.shape)}" if isinstance(index, torch.Tensor) else type(index).__name__
-        raise TypeError(f"RowGather.index must be a 1-D int64 tensor, got {got}")
+        raise TypeError(f"GroupSplits.{name}.index must be a 1-D int64 tensor, got {got}")
     if index.device != x.device:
-        raise ValueError(f"RowGather.index on {index.device} but the input is on {x.device}")
+        raise ValueError(f"GroupSplits.{name}.index on {index.device} but the input is on {x.device}")
 
 
-def row_gather_of(split_sizes) -> Optional[RowGather]:
-    """The :class:`RowGather` a split carries (None for every other form of split sizes)."""
-    return split_sizes.rows if isinstance(split_sizes, GroupSplits) else None
+def split_rows(split_sizes):
+    """``(rows_in, rows_out)`` of a :class:`GroupSplits` (Nones for every other form of split sizes)."""
+    if isinstance(split_sizes, GroupSplits):
+        return split_sizes.rows_in, split_sizes.rows_out
+    return None, None
 
 
 _last_alignment = (None, None)  # (the last sizes tuple, its alignment): one entry, replaced whole
@@ -156,7 +170,7 @@ def split_sizes_to_groups(split_sizes, num_groups: int, x: torch.Tensor, num_row
     """``(offsets, group_sizes)``: int32 cumulative end offsets [E] on ``x.device``, and the sizes as a
     tuple of host ints when they live on the host (else None: a device tensor is never read).
     CPU split sizes are validated, without a device sync; a :class:`GroupSplits` is taken as it is
-    (its sizes validated against its rows', else ``num_rows``, else x's row count)."""
+    (its sizes validated against its ``rows_in``, else ``num_rows``, else x's row count)."""
     if isinstance(split_sizes, GroupSplits):
         return _check_group_splits(split_sizes, num_groups, x, num_rows)
     if isinstance(split_sizes, (list, tuple)):
@@ -246,20 +260,28 @@ class GroupedLinear(BasicOperation):
         return supported and x.is_cuda  # on CPU the grouped answer is the reference path
 
     def grouped_forward(self, ctx: OpContext, x, groups, *, row_scale: Optional[torch.Tensor] = None,
-                        native: Optional[bool] = None, rows: Optional[RowGather] = None):
+                        native: Optional[bool] = None, rows_in: Optional[RowGather] = None,
+                        rows_out: Optional[RowGather] = None):
         """``y = row_scale * (x @ W_e.T) + b_e``; the op's input is ``x * row_scale`` (row_scale: fused use only).
         ``groups``: the ``(offsets, group_sizes)`` pair of :meth:`groups`, kept together for the backward.
         ``native``: the caller's predicate answer (the fused op asks once for both GEMMs); None asks here.
-        ``rows``: the GEMM reads ``rows`` of x (x is their source; the input gradient is the source's)."""
+        ``rows_in``: the GEMM reads these rows of x (x is their source; its gradient is the source's);
+        ``rows_out``: the result is the GEMM's rows summed back into the source's (see GroupSplits)."""
+        y = self._forward_rows(ctx, x, groups, row_scale, native, rows_in, rows_out)
+        return y if rows_out is None else rows_out.sum_back(y)
+
+    def _forward_rows(self, ctx, x, groups, row_scale, native, rows_in, rows_out):
+        """The GEMM's rows of :meth:`grouped_forward` (before ``rows_out`` sums them back)."""
         offsets, group_sizes = groups
         q = self._quantizers
         w = self.weight
-        if rows is not None:
+        rows = (rows_in, rows_out)
+        if rows_in is not None:
             if q.active and native is None:
                 native = self.native_path(x, group_sizes)
-            if native and q.input.per_tensor and rows.covers_source:
+            if native and self._gathers_fp8(rows_in):
                 return self._quantized_forward(ctx, x, groups, rows, x_is_source=True)  # RowGather says why
-            x = rows.take(x)
+            x = rows_in.take(x)
         if not q.active:
             backend = None
             if x.device.type == "cuda" and not support().is_module_grouped_tensor_supported(
@@ -284,24 +306,30 @@ class GroupedLinear(BasicOperation):
         self._save(ctx, saved_x, None, saved_w, groups, rows)
         return y
 
-    def _save(self, ctx, x, row_scale, w, groups, rows=None) -> None:
-        """``rows``: the RowGather the input went through (backward maps the input gradient with it)."""
+    def _gathers_fp8(self, rows: RowGather, role: str = "input") -> bool:
+        """Quantize the source and gather FP8 bytes (one scale per tensor, every source row gathered)."""
+        quantizer = getattr(self._quantizers, role)
+        return quantizer is not None and quantizer.per_tensor and rows.covers_source
+
+    def _save(self, ctx, x, row_scale, w, groups, rows=(None, None)) -> None:
+        """``rows``: (rows_in, rows_out) of the forward (backward maps the gradients through them)."""
         if ctx.requires_grad:
             weight_rg = self.weight.requires_grad
             bias_rg = self.bias is not None and self.bias.requires_grad
             ctx.saved = (x if weight_rg else None, row_scale, w, groups, weight_rg, bias_rg, rows)
 
-    def _quantized_forward(self, ctx, x, groups, rows=None, *, x_is_source=False):
+    def _quantized_forward(self, ctx, x, groups, rows=(None, None), *, x_is_source=False):
         """The native path: x quantized once (rowwise for fprop, columnwise for wgrad), the weight's
         copy reused while its version lasts; only the FP8 copies backward needs are saved.
-        ``rows``: the RowGather of the input (its backward maps the input gradient); ``x_is_source``:
-        x is its source, quantized before its FP8 bytes are gathered (per-tensor scales), else x holds
-        the gathered rows already."""
+        ``rows``: (rows_in, rows_out) of the forward; ``x_is_source``: x is rows_in's source, quantized
+        before its FP8 bytes are gathered (per-tensor scales), else x holds the GEMM's rows."""
         offsets, group_sizes = groups
         q = self._quantizers
         need_wgrad = ctx.requires_grad and self.weight.requires_grad
         if x_is_source:
-            xq = q.input(x, rowwise=True, columnwise=False).take_rows(rows.index, rows.zero_rows, transposed=need_wgrad)
+            rows_in = rows[0]
+            xq = q.input(x, rowwise=True, columnwise=False).take_rows(rows_in.index, rows_in.zero_rows,
+                                                                       transposed=need_wgrad)
         else:
             xq = q.input(x, rowwise=True, columnwise=need_wgrad)
         wq = self.quantized_weight()
@@ -334,9 +362,10 @@ class GroupedLinear(BasicOperation):
         return wq
 
     def grouped_backward(self, ctx: OpContext, dy):
-        """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale``."""
+        """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale`` (dy: the op's output gradient)."""
         if isinstance(ctx.saved[2], kernels().QuantizedWeight):
             return self._quantized_backward(ctx, dy)
+        dy = self.gemm_output_grad(ctx, dy)
         dyq = fake_quantize_or_identity(dy, self._quantizers.grad_output)
         dx = self.grouped_dgrad(ctx, dyq)
         saved_x, row_scale = ctx.saved[0], ctx.saved[1]
@@ -346,18 +375,38 @@ class GroupedLinear(BasicOperation):
         dw, db = self.grouped_wgrad(ctx, dy, dyq, x_in)
         return dx, dw, db
 
+    def gemm_output_grad(self, ctx: OpContext, dy):
+        """The gradient of the GEMM's rows from the op's output gradient: dy itself, or its gather when
+        the forward summed the rows back (``rows_out``). :meth:`grouped_dgrad` and :meth:`grouped_wgrad`
+        take the GEMM's."""
+        rows_out = ctx.saved[6][1]
+        return dy if rows_out is None else rows_out.take(dy)
+
     def _quantized_backward(self, ctx, dy):
-        """dgrad and wgrad from one quantization of dy (rowwise for dgrad, columnwise for wgrad)."""
-        xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg, rows = ctx.saved
+        """dgrad and wgrad from one quantization of dy (rowwise for dgrad, columnwise for wgrad); with
+        ``rows_out`` under a per-tensor recipe, the op's output gradient is quantized and its FP8 bytes
+        gathered (RowGather says why)."""
+        xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg, (rows_in, rows_out) = ctx.saved
         ctx.saved = ()
         need_dx = ctx.input_requires_grad
-        dyq = self._quantizers.grad_output(dy, rowwise=need_dx, columnwise=weight_rg)
+        quantize = self._quantizers.grad_output
+        if rows_out is not None and self._gathers_fp8(rows_out, "grad_output"):
+            dyq = quantize(dy, rowwise=True, columnwise=False).take_rows(rows_out.index, rows_out.zero_rows,
+                                                                         transposed=weight_rg)
+            if not need_dx:
+                dyq = _wgrad_copy(dyq)
+            if bias_rg:
+                dy = rows_out.take(dy)
+        else:
+            if rows_out is not None:
+                dy = rows_out.take(dy)
+            dyq = quantize(dy, rowwise=need_dx, columnwise=weight_rg)
         k = kernels()
         dx = None
         if need_dx:
             dx = k.grouped_mm_quantized_dgrad(dyq, wq, offsets, out_dtype=dy.dtype, group_sizes=group_sizes)
-            if rows is not None:
-                dx = rows.backward(dx)
+            if rows_in is not None:
+                dx = rows_in.sum_back(dx)
         dw = None
         if weight_rg:
             dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype,
@@ -366,16 +415,18 @@ class GroupedLinear(BasicOperation):
         return dx, dw, db
 
     def grouped_dgrad(self, ctx: OpContext, dyq):
-        """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: dy as quantized."""
+        """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: the GEMM rows'
+        gradient (:meth:`gemm_output_grad`) as quantized."""
         if not ctx.input_requires_grad:
             return None
-        saved_w_EKN, (offsets, group_sizes), rows = ctx.saved[2], ctx.saved[3], ctx.saved[6]
+        saved_w_EKN, (offsets, group_sizes), rows_in = ctx.saved[2], ctx.saved[3], ctx.saved[6][0]
         # Operands checked by this op's forward (autograd fixes dy's shape and dtype): no re-validation.
         dx = kernels().grouped_mm_dgrad(dyq, saved_w_EKN, offsets, group_sizes=group_sizes, validate=False)
-        return dx if rows is None else rows.backward(dx)
+        return dx if rows_in is None else rows_in.sum_back(dx)
 
     def grouped_wgrad(self, ctx: OpContext, dy, dyq, x_in):
-        """``(dweight, dbias)`` from the GEMM input ``x_in`` (None when unused); releases the saved tensors.
+        """``(dweight, dbias)`` from the GEMM input ``x_in`` (None when unused) and the GEMM rows' gradient
+        ``dy`` (``dyq`` as quantized); releases the saved tensors.
 
         Separate from dgrad so the grouped-MLP fusion can form ``x_in`` in the same pass as its
         activation backward, which needs dgrad's result."""
@@ -393,7 +444,8 @@ class GroupedLinear(BasicOperation):
     def op_forward(self, ctx, x, extra_inputs, recipe):
         self.check_input(x)
         splits = extra_inputs[0]
-        return self.grouped_forward(ctx, x, self.groups(splits, x), rows=row_gather_of(splits)), ()
+        rows_in, rows_out = split_rows(splits)
+        return self.grouped_forward(ctx, x, self.groups(splits, x), rows_in=rows_in, rows_out=rows_out), ()
 
     def op_backward(self, ctx, dy, grad_extra_outputs):
         dx, dw, db = self.grouped_backward(ctx, dy)

@@ -1,18 +1,23 @@
-"""RowGather: the rows a grouped GEMM reads, named as rows of a source tensor instead of copied out.
+"""RowGather: the rows of a grouped GEMM named as rows of a source tensor instead of copied out.
 
-Row i of the GEMM's input is ``source[index[i]]``; the rows in ``zero_rows`` are zero (the padding
-rows that put each expert's first row on a block boundary). A GroupedLinear handed one (in its
-:class:`~te_dist.ops.basic.grouped_linear.GroupSplits`) takes its input as the source.
+Row i of the GEMM's rows is ``source[index[i]]``; the rows in ``zero_rows`` are zero (the padding
+rows that put each expert's first row on a block boundary). Its adjoint, :attr:`RowGather.sum_back`,
+sums each source row's copies back into a tensor of the source's rows. A GroupedLinear handed one
+in its :class:`~te_dist.ops.basic.grouped_linear.GroupSplits` takes it either way:
+``rows_in``: its input is the source and the GEMM reads the gathered rows; ``rows_out``: its output
+is the GEMM's rows summed back (the MoE combine at EP size 1: each token's K expert outputs), so its
+output gradient is the source-shaped one and the GEMM's is its gather.
 
 Why: under a per-tensor FP8 recipe the GEMM reads FP8 bytes, and quantizing the source and then
 gathering its bytes is the same operand as quantizing the gathered copy whenever every source row
 is gathered at least once (``covers_source``: the amax is the same). The MoE layer at EP size 1
-gathers each token K times (top-k), so its first GEMM then quantizes T rows instead of T*K and its
-row gather moves one byte per element instead of two (docs/moe.md "FP8 rows"). Other recipes and
-paths take the rows as a copy (:meth:`take`), the same gather as before.
+gathers each token K times (top-k), so its first GEMM quantizes T rows instead of T*K and its row
+gather moves one byte per element instead of two; the second GEMM's output gradient likewise
+(docs/moe.md "FP8 rows"). Other recipes and paths take the rows as a copy (:meth:`take`), the same
+gather as before.
 
-``backward`` maps the gradient of the gathered rows to the source's (its fixed-order sum over each
-source row's copies is the caller's: te_dist.moe.permutation builds it for the token expand).
+``sum_back`` is the caller's (a fixed-order sum over each source row's copies: te_dist.moe.permutation
+builds it for the token expand); it is also the gradient of the gather.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ __all__ = ["RowGather"]
 class RowGather(NamedTuple):
     index: torch.Tensor  # int64 [N]: the source row of each GEMM row
     zero_rows: Optional[torch.Tensor]  # int64: GEMM rows that are zero (padding), or None
-    backward: Callable[[torch.Tensor], torch.Tensor]  # gradient of the N rows -> gradient of the source
+    sum_back: Callable[[torch.Tensor], torch.Tensor]  # [N, ...] -> [source rows, ...]: each row's copies summed
     covers_source: bool  # every source row is gathered at least once
 
     @property

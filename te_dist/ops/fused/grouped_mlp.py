@@ -23,7 +23,7 @@ from __future__ import annotations
 
 
 from ..basic import GroupedLinear, ScaledSwiGLU, SwiGLU
-from ..basic.grouped_linear import GroupSplits, host_split_alignment, row_gather_of, support
+from ..basic.grouped_linear import GroupSplits, check_rows_out, host_split_alignment, split_rows, support
 from ..basic.swiglu import (scaled_swiglu_backward, scaled_swiglu_forward, scaled_swiglu_forward_keeping_fp8,
                              swiglu_forward)
 from ..op import FusedOperation
@@ -38,17 +38,19 @@ class GroupedMLP(FusedOperation):
         c1, c2, c3 = ctxs
         splits1, splits2 = extra_inputs[0][0], extra_inputs[2][0]
         fc1.check_input(x)
-        rows = row_gather_of(splits1)  # fc1 reads these rows of x (fc2 reads fc1's output as it is)
+        rows_in, rows_out = _mlp_rows(splits1, splits2)
         groups1 = fc1.groups(splits1, x)
         if splits2 is splits1 or _same_split(splits1, splits2):
             groups2 = groups1
+            if rows_out is not None:
+                check_rows_out(rows_out, groups1[1], x)
         else:
-            groups2 = fc2.groups(splits2, x, num_rows=None if rows is None else rows.num_rows)
+            groups2 = fc2.groups(splits2, x, num_rows=None if rows_in is None else rows_in.num_rows)
         native = None
         if fc1.quantizers.active:  # one predicate answer per fused forward, for both GEMMs
             native = fc1.native_path(x, groups1[1], _op_fuser_predicate()) and fc2.native_shape_ok and (
                 groups2 is groups1 or host_split_alignment(groups2[1]) == host_split_alignment(groups1[1]))
-        h = fc1.grouped_forward(c1, x, groups1, native=native, rows=rows)
+        h = fc1.grouped_forward(c1, x, groups1, native=native, rows_in=rows_in)
         if isinstance(act, ScaledSwiGLU):
             probs_in = extra_inputs[1][0]
             probs = act.check_scales(h, probs_in)
@@ -61,15 +63,15 @@ class GroupedMLP(FusedOperation):
                     a = scaled_swiglu_forward(h, probs, act.limit)
                 else:
                     a, kept = fused
-                y = fc2.grouped_forward(c3, a, groups2, native=native)
+                y = fc2.grouped_forward(c3, a, groups2, native=native, rows_out=rows_out)
             else:
-                y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, row_scale=probs)
+                y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, row_scale=probs, rows_out=rows_out)
             if c2.requires_grad:
                 c2.saved = (kept, probs, probs_in.shape, probs_in.requires_grad)
         else:
             if c2.requires_grad:
                 c2.saved = (h,)
-            y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, native=native)
+            y = fc2.grouped_forward(c3, swiglu_forward(h, act.limit), groups2, native=native, rows_out=rows_out)
         return y, [(), (), ()]
 
     def fuser_backward(self, ctxs, dy, grad_extra_outputs):
@@ -80,6 +82,7 @@ class GroupedMLP(FusedOperation):
             # dh, the probability gradient and swiglu(h) * probs, the input of fc2's wgrad.
             h, probs, probs_shape, probs_rg = c2.saved
             c2.saved = ()
+            dy = fc2.gemm_output_grad(c3, dy)
             da = fc2.grouped_dgrad(c3, dy)
             dh, dprobs, scaled = scaled_swiglu_backward(da, h, probs, act.limit)
             dw2, db2 = fc2.grouped_wgrad(c3, dy, dy, scaled)
@@ -102,11 +105,21 @@ class GroupedMLP(FusedOperation):
         return dx, [g1, [], g2], [(None,), act_extra, (None,)]
 
 
+def _mlp_rows(splits1, splits2):
+    """(fc1's rows_in, fc2's rows_out): each split's rows apply to the op it is handed to, so fc1's
+    split has no rows_out (fc1's output feeds the activation) and fc2's no rows_in."""
+    rows_in, fc1_out = split_rows(splits1)
+    fc2_in, rows_out = split_rows(splits2)
+    if fc1_out is not None or fc2_in is not None:
+        raise ValueError("in the grouped MLP only fc1's split may carry rows_in and only fc2's rows_out, got "
+                         f"{'rows_out on fc1' if fc1_out is not None else 'rows_in on fc2'}")
+    return rows_in, rows_out
+
+
 def _same_split(a, b) -> bool:
     """Two GroupSplits of the same offsets and sizes objects (the MoE layer hands fc2 fc1's split
-    without its rows): validated once."""
-    return (isinstance(a, GroupSplits) and isinstance(b, GroupSplits) and a.offsets is b.offsets
-            and a.sizes is b.sizes and b.rows is None)
+    with its rows the other way round): validated once."""
+    return isinstance(a, GroupSplits) and isinstance(b, GroupSplits) and a.offsets is b.offsets and a.sizes is b.sizes
 
 
 def _op_fuser_predicate():
