@@ -4,8 +4,9 @@ its rows from x_TH instead of a copy, and fc2 sums its rows back into token orde
 Under a per-tensor FP8 recipe the native path quantizes x_TH (and the combine's output gradient) and
 gathers FP8 bytes; everywhere else the rows are copied as before. Either way the values and
 gradients must be those of the copied rows, bit for bit: the FP8 operand is the same bytes with the
-same scale (same amax: every token is gathered). On CPU the native branch is forced (on a GPU the predicate decides) and its GEMMs run on
-the emulated backend, which multiplies the same quantized values the kernels read.
+same scale (same amax: every token is gathered). On CPU the native branch is forced (on a GPU the
+predicate decides) and its GEMMs run on the emulated backend, which multiplies the same quantized
+values the kernels read; the last test runs the real path on the GPU.
 """
 
 import pytest

@@ -10,6 +10,7 @@ from .row_gather import RowGather
 from .swiglu import ScaledSwiGLU, SwiGLU
 
 __all__ = [
-    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "RowGather", "Quantize",
+    "BasicLinear", "Bias", "GELU", "ReLU", "SwiGLU", "ScaledSwiGLU", "GroupedLinear", "GroupSplits", "RowGather",
+    "Quantize",
     "AllGather", "ReduceScatter", "AllReduce",
 ]

@@ -13,7 +13,7 @@ gathering its bytes is the same operand as quantizing the gathered copy whenever
 is gathered at least once (``covers_source``: the amax is the same). The MoE layer at EP size 1
 gathers each token K times (top-k), so its first GEMM quantizes T rows instead of T*K and its row
 gather moves one byte per element instead of two; the second GEMM's output gradient likewise
-(docs/moe.md "FP8 rows"). Other recipes and paths take the rows as a copy (:meth:`take`), the same
+(docs/moe.md "FP8 rows at EP size 1"). Other recipes and paths take the rows as a copy (:meth:`take`), the same
 gather as before.
 
 ``sum_back`` is the caller's (a fixed-order sum over each source row's copies: te_dist.moe.permutation
