@@ -26,8 +26,8 @@ it, the last row gather writes the padded layout itself: the expand gather at EP
 after the host read then, since it needs the sizes), the local-expert sort otherwise. The padding's
 row maps are queued before the read, from the counts on the device, for as many rows as the sort
 indices, and cut to the sizes after it. At EP size 1 with ``gather_in_experts`` the expand gather is
-left to the experts' first GEMM (``state.rows``, te_dist.ops.RowGather): x_TH is handed out as it is. A rank that receives one expert's rows (El = 1, no sort)
-leaves the padding to the layer.
+left to the experts (``state.rows``, te_dist.ops.RowGather): x_TH is handed out as it is. A rank that
+receives one expert's rows (El = 1, no sort) leaves the padding to the layer.
 
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
 token all-to-all(s) and the row gathers come after it. Everything that needs the counts only on the

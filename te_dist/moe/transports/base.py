@@ -107,9 +107,10 @@ class TokenDispatcher:
         last row gather does, and ``state.group_splits()`` is then the padded split (the returned
         ``split_sizes_El`` stays the received counts). Others ignore it: check the split.
         ``gather_in_experts``: a transport whose last row gather reads x_TH itself (the expand at EP
-        size 1) may leave it to the experts: it returns x_TH as ``x_NH`` and the gather in
-        ``state.group_splits().rows`` (te_dist.ops.RowGather; the experts' first GEMM takes it, the
-        next one a split without it). Others ignore it: check ``state.rows``.
+        size 1) may leave it to the experts: it returns x_TH as ``x_NH`` and the gather as
+        ``state.rows`` (te_dist.ops.RowGather; ``state.group_splits().rows_in``: the experts' first GEMM
+        reads its rows through it, and their last may sum its rows back through it, the combine).
+        Others ignore it: check ``state.rows``.
         """
         raise NotImplementedError
 

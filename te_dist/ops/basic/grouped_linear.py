@@ -37,7 +37,7 @@ from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 from .row_gather import RowGather
 
-__all__ = ["GroupedLinear", "GroupSplits", "RowGather", "split_sizes_to_groups", "host_split_alignment",
+__all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
            "remember_split_alignment", "split_rows", "check_rows_out"]
 
 _kernels = None

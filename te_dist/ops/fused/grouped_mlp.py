@@ -14,6 +14,9 @@ quantized path or the emulated one (see GroupedLinear). On the native path the S
 scales (:class:`~te_dist.ops.basic.swiglu.Fp8Input`, written by the pass that forms fc2's input),
 so the FP8 recipes hold less than bf16 for the whole MLP, not only for the GEMM operands.
 
+fc1's split may carry ``rows_in`` and fc2's ``rows_out`` (te_dist.ops.RowGather: the MoE layer's expand
+gather and combine at EP size 1); each GEMM takes its own, fc2 reads fc1's output as it is.
+
 The rule honours ``recipe.enable_fused_grouped_mlp`` (absent means enabled), a public attribute a
 user may attach at runtime; it is part of ``str(recipe)`` and therefore of the plan key. Likewise
 ``recipe.fp8_swiglu_input = False`` keeps h in its own dtype (the backward then reads h exactly).
