@@ -111,10 +111,30 @@ class Float8BlockQuantizer(_BlockQuantizer):
         )
         if fused is None or not scales_t:
             return self._copies_from(fused, rowwise, columnwise)
+        return self._copies_with_wgrad_scales(fused, rowwise)
+
+    def _copies_with_wgrad_scales(self, fused, rowwise):
+        """The copies of a 1x128 cast whose columnwise scales came M-major (the wgrad kernel's layout)."""
         row_data, row_scale, col_data, scale_t = fused
+        br, bc = self.block_shape
         copies = self._copies_from((row_data, row_scale, None, None), rowwise, False)
         copies["columnwise"] = BlockScaledData(col_data, scale_t[:-1].t(), br, bc, transposed=True, scale_inv_t=scale_t)
         return copies
+
+    def _gathered(self, source, index, zero_rows, rowwise, columnwise, covers_source):
+        """1x128 blocks with the columnwise copy: one tile-kernel pass reads the rows through the index."""
+        kernels = fused_casts_for(source)
+        if kernels is None or self.block_shape != (1, 128) or not columnwise:
+            return None
+        idx = index if zero_rows is None else index.index_fill(0, zero_rows, -1)  # -1: a zero row
+        key = ("cast_fp8_blocks_gathered", source.dtype, self.fp8_dtype, self.use_power_2_scales, rowwise)
+        fused = run_fused(key, kernels.cast_fp8_blocks, source, 1, 128, self.fp8_dtype, self.fmt_max,
+                          self.use_power_2_scales, rowwise=rowwise, columnwise=True, col_scales_t=True, gather=idx)
+        if fused is None:
+            return None
+        copies = self._copies_with_wgrad_scales(fused, rowwise)
+        return self.tensor_type((index.shape[0], source.shape[1]), source.dtype, self.fmt, copies.get("rowwise"),
+                                copies["columnwise"])
 
     def _cast_copy(self, x_copy, transposed, hadamard):
         br, bc = self.block_shape

@@ -32,9 +32,8 @@ class Quantizer:
     recipe_type: type = Recipe
     #: (rows, cols) multiples a copy's own layout [..., R, C] must have (C = quantized dim)
     block_shape: Tuple[int, int] = (1, 1)
-    #: one scale for the whole tensor (the FP8 bytes of a row do not depend on the other rows' layout),
-    #: so quantizing x and then gathering rows of its data equals quantizing the gathered rows,
-    #: when the gather keeps every row of x (the amax is the same): Float8Tensor.take_rows
+    #: one scale for the whole tensor: quantizing x and then gathering rows of its data equals
+    #: quantizing the gathered rows when the gather keeps every row of x (the amax is the same)
     per_tensor: bool = False
 
     def __init__(self, recipe: Recipe, role: str, *, group=None):
@@ -99,13 +98,48 @@ class Quantizer:
     def _quantize(self, x, rowwise: bool, columnwise: bool, hadamard: Optional[bool]) -> QuantizedTensor:
         raise NotImplementedError
 
+    def gathered(self, source: torch.Tensor, index: torch.Tensor, zero_rows: Optional[torch.Tensor] = None, *,
+                 rowwise: bool = True, columnwise: bool = False, covers_source: bool = False) -> QuantizedTensor:
+        """The quantization of rows ``index`` of a 2-D ``source`` (rows ``zero_rows`` of the result zero),
+        without the gathered bf16 copy where the format allows: per-tensor scales quantize the source and
+        gather FP8 bytes when ``covers_source`` (every source row gathered: the same amax); 1x128 FP8
+        blocks read the rows through the index in their one cast pass. Same values as quantizing the
+        copy, bit for bit; this base version makes the copy.
+
+        Why: the MoE expert GEMMs read token rows gathered K times (te_dist.ops.RowGather), and the
+        gathered copy is a write and a read of T*K bf16 rows that no GEMM needs."""
+        check_input(source)
+        if source.dim() != 2 or index.dim() != 1:
+            raise ValueError(f"gathered() takes a 2-D source and a 1-D index, got shapes {tuple(source.shape)} "
+                             f"and {tuple(index.shape)}")
+        if not (rowwise or columnwise):
+            raise ValueError("quantize: at least one of rowwise / columnwise must be True")
+        self._check_tiling_shape((index.shape[0], source.shape[1]), rowwise, columnwise)
+        with torch.no_grad():
+            out = self._gathered(source.detach(), index, zero_rows, rowwise, columnwise, covers_source)
+            if out is None:
+                rows = source.detach().index_select(0, index)
+                if zero_rows is not None:
+                    rows.index_fill_(0, zero_rows, 0)
+                out = self._quantize(rows, rowwise, columnwise, None)
+            return out
+
+    def _gathered(self, source, index, zero_rows, rowwise: bool, columnwise: bool,
+                  covers_source: bool) -> Optional[QuantizedTensor]:
+        """A subclass's way around the gathered copy (None: make the copy)."""
+        return None
+
     # ------------------------------------------------------------------ tiling
     def _check_tiling(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> None:
         """Block formats tile exactly: say which dim needs which multiple (never pad silently)."""
+        self._check_tiling_shape(tuple(x.shape), rowwise, columnwise)
+
+    def _check_tiling_shape(self, shape: tuple, rowwise: bool, columnwise: bool) -> None:
         br, bc = self.block_shape
         if (br, bc) == (1, 1):
             return
-        shape = tuple(x.shape) if x.dim() >= 2 else (1, *x.shape)
+        given = shape
+        shape = shape if len(shape) >= 2 else (1, *shape)
         rows, cols = shape[-2], shape[-1]
         needs = []
         if rowwise:
@@ -115,7 +149,7 @@ class Quantizer:
         for name, size, multiple in needs:
             if size % multiple:
                 raise ValueError(
-                    f"{self.recipe_type_name} ({self.role}, {br}x{bc} blocks) cannot tile shape {tuple(x.shape)}: "
+                    f"{self.recipe_type_name} ({self.role}, {br}x{bc} blocks) cannot tile shape {tuple(given)}: "
                     f"the {name} dim is {size}, not a multiple of {multiple}; pad it to "
                     f"{-(-size // multiple) * multiple} (zeros do not change block scales)"
                 )

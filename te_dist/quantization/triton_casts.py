@@ -265,8 +265,13 @@ def _cast_rows_kernel(x_ptr, out_ptr, s_ptr, nblocks, FMT_MAX: tl.constexpr, POW
 
 
 @triton.jit
-def _load_rows(x_ptr, r, C, c3, mask):
-    """x[r, c3] as float32, r: [A] row indices, c3: [1, NG, G] column indices -> [A, NG, G]."""
+def _load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER: tl.constexpr):
+    """x[r, c3] as float32, r: [A] row indices, c3: [1, NG, G] column indices -> [A, NG, G]. GATHER: row
+    r is x's row idx[r] instead, and a negative idx reads zeros (a padding row)."""
+    if GATHER:
+        src = tl.load(idx_ptr + r)
+        return tl.load(x_ptr + src[:, None, None] * C + c3, mask=mask & (src >= 0)[:, None, None],
+                       other=0.0).to(tl.float32)
     return tl.load(x_ptr + r[:, None, None] * C + c3, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -309,10 +314,11 @@ def _col_scale_offsets(b, c2, rl0, R, C, G: tl.constexpr, COL_T: tl.constexpr):
 
 
 @triton.jit
-def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
+def _cast_tile_kernel(x_ptr, idx_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
                       FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr,
                       MARGIN: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, SUB: tl.constexpr,
-                      ROW: tl.constexpr, COL: tl.constexpr, SQUARE: tl.constexpr, COL_T: tl.constexpr):
+                      ROW: tl.constexpr, COL: tl.constexpr, SQUARE: tl.constexpr, COL_T: tl.constexpr,
+                      GATHER: tl.constexpr):
     """Casts that need a G-row tile: the columnwise copy of 1xG blocks (COL, plus the rowwise copy with
     ROW) and GxG square blocks (SQUARE: one scale per tile, either copy). R % G == 0, C % G == 0.
 
@@ -329,7 +335,10 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
     converting a transposed float32 tile to FP8 mis-placed elements with Triton 3.6.
 
     COL_T (1xG blocks of one matrix): the columnwise scales go out M-major, [R/G + 1, C] with a zero
-    last row (``_col_scale_offsets``), the layout the FP8 wgrad kernel reads, so no per-GEMM re-layout."""
+    last row (``_col_scale_offsets``), the layout the FP8 wgrad kernel reads, so no per-GEMM re-layout.
+
+    GATHER (one matrix): the R rows cast are rows ``idx[r]`` of x (negative: a zero row), read through
+    the index: the gathered rows are never written in bf16 (``cast_fp8_blocks(gather=...)``)."""
     row0 = tl.program_id(0).to(tl.int64) * G
     b = row0 // R
     rl0 = row0 - b * R
@@ -348,9 +357,10 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
         acc3 = tl.zeros((A, NG, G), dtype=tl.int32)
         for i in range(G // SUB):
             r = row0 + i * SUB + a4
-            acc3 = tl.maximum(acc3, _abs_bits4(_load_rows(x_ptr, r, C, c3, mask), _load_rows(x_ptr, r + 1, C, c3, mask),
-                                               _load_rows(x_ptr, r + 2, C, c3, mask),
-                                               _load_rows(x_ptr, r + 3, C, c3, mask)))
+            acc3 = tl.maximum(acc3, _abs_bits4(_load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER),
+                                               _load_rows(x_ptr, idx_ptr, r + 1, C, c3, mask, GATHER),
+                                               _load_rows(x_ptr, idx_ptr, r + 2, C, c3, mask, GATHER),
+                                               _load_rows(x_ptr, idx_ptr, r + 3, C, c3, mask, GATHER)))
         acc = tl.max(acc3, axis=0)  # [NG, G]
         if SQUARE:
             sq_mult, sq_stored = _block_scale(tl.max(acc, axis=1), FMT_MAX, POWER_2, MX, EMAX, MARGIN)  # [NG]
@@ -370,10 +380,10 @@ def _cast_tile_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
     col_w = col_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     for i in range(G // SUB):
         r = row0 + i * SUB + a4
-        x0 = _load_rows(x_ptr, r, C, c3, mask)
-        x1 = _load_rows(x_ptr, r + 1, C, c3, mask)
-        x2 = _load_rows(x_ptr, r + 2, C, c3, mask)
-        x3 = _load_rows(x_ptr, r + 3, C, c3, mask)
+        x0 = _load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER)
+        x1 = _load_rows(x_ptr, idx_ptr, r + 1, C, c3, mask, GATHER)
+        x2 = _load_rows(x_ptr, idx_ptr, r + 2, C, c3, mask, GATHER)
+        x3 = _load_rows(x_ptr, idx_ptr, r + 3, C, c3, mask, GATHER)
         if ROW:
             _store_rowwise(x0, r, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX, POWER_2, MX, EMAX,
                            MARGIN, SQUARE)
@@ -573,9 +583,9 @@ def _split_shape(x: torch.Tensor):
     return tuple(lead), math.prod(lead) * rows, rows, cols
 
 
-def _launch_tile(x, row, col, m, rows, cols, consts, *, square):
-    """_cast_tile_kernel over x [m, cols] (m = B*rows); a copy not asked for gets the other's tensors
-    as placeholders (never written).
+def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None):
+    """_cast_tile_kernel over x [m, cols] (m = B*rows; with ``gather``, the rows ``gather`` of a 2-D x,
+    m = rows = its length); a copy not asked for gets the other's tensors as placeholders (never written).
 
     A float32 columnwise-only cast writes a rowwise copy to scratch anyway: with Triton 3.6 on H200
     the kernel variant without the rowwise copy multiplied float32 data by wrong block scales (the
@@ -585,22 +595,29 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square):
     if x.dtype == torch.float32 and consts["COL"] and not consts["ROW"]:
         lead = x.shape[:-2]
         scale_shape = (*lead, rows // group, cols // group) if square else (*lead, rows, cols // group)
-        row = (torch.empty(x.shape, dtype=col[0].dtype, device=x.device),
+        row = (torch.empty((*lead, rows, cols), dtype=col[0].dtype, device=x.device),
                torch.empty(scale_shape, dtype=col[1].dtype, device=x.device))
         consts = {**consts, "ROW": True}
     ng, sub, warps = _TILE[(group, square)]
     row_data, row_s = row if row[0] is not None else col
     col_data, col_s = col if col[0] is not None else row
     launch(_cast_tile_kernel, (m // group, cdiv(cols // group, ng)),
-        x, row_data, row_s, col_data, col_s, rows, cols, NG=ng, SUB=sub, SQUARE=square, num_warps=warps, **consts)
+        x, x if gather is None else gather, row_data, row_s, col_data, col_s, rows, cols, NG=ng, SUB=sub,
+        SQUARE=square, GATHER=gather is not None, num_warps=warps, **consts)
 
 
 def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, scale_dtype, rowwise, columnwise,
-                  col_scales_t=False):
+                  col_scales_t=False, gather=None):
     """Shared driver of the 1xG casts (Float8 1x128, MXFP8 1x32). ``col_scales_t`` (2-D x): the
-    columnwise scales come back M-major, [rows/G + 1, cols] with a zero last row (the wgrad layout)."""
+    columnwise scales come back M-major, [rows/G + 1, cols] with a zero last row (the wgrad layout).
+    ``gather`` (2-D x, the columnwise copy asked for): cast rows ``gather`` of x instead (int64 [rows],
+    negative for a zero row), read through the index by the tile kernel."""
     x = x.contiguous()
     lead, m, rows, cols = _split_shape(x)
+    if gather is not None:
+        if x.dim() != 2 or not columnwise or _ROWCOL_SPLIT[group]:
+            raise UnsupportedLayout("a gathered 1xG cast runs in the tile kernel: a 2-D x, the columnwise copy asked for")
+        m = rows = gather.shape[0]
     if cols % group or (columnwise and rows % group):
         # e.g. a columnwise-only copy of x[32, 16] with 1x32 blocks: valid, but these kernels tile x's
         # columns in whole blocks; the compiled cast handles it.
@@ -611,7 +628,7 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
     dev = x.device
     row = col = (None, None)
     if rowwise:
-        row = (torch.empty(x.shape, dtype=fp8_dtype, device=dev),
+        row = (torch.empty((*lead, rows, cols), dtype=fp8_dtype, device=dev),
                torch.empty((*lead, rows, cols // group), dtype=scale_dtype, device=dev))
     if columnwise:
         col_scale_shape = (rows // group + 1, cols) if col_scales_t else (*lead, cols, rows // group)
@@ -630,23 +647,27 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
             x, *row, nblocks, NB=nb, ITERS=iters, num_warps=warps, **consts)
     if columnwise:
         consts.update(ROW=rowwise and not split, COL=True, COL_T=col_scales_t)
-        _launch_tile(x, row, col, m, rows, cols, consts, square=False)
+        _launch_tile(x, row, col, m, rows, cols, consts, square=False, gather=gather)
     return (*row, *col)
 
 
 @_on_x_device
 def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: float, power_2: bool, *,
-                    rowwise: bool = True, columnwise: bool = False, col_scales_t: bool = False):
+                    rowwise: bool = True, columnwise: bool = False, col_scales_t: bool = False, gather=None):
     """cast.cast_fp8_blocks for 1x128 and 128x128 blocks, rowwise and/or columnwise in one pass.
 
     Returns (row_data, row_scale_inv, col_data, col_scale_inv) (None for a copy not asked for);
     the columnwise copy equals ``cast.cast_fp8_blocks(x.transpose(-1, -2), ...)``. With
     ``col_scales_t`` (1x128 blocks, 2-D x) col_scale_inv is M-major: [rows/128 + 1, cols], its
-    first rows/128 rows that copy's scales transposed, the last row zeros."""
+    first rows/128 rows that copy's scales transposed, the last row zeros. ``gather`` (1x128 blocks,
+    2-D x, columnwise): the copies of rows ``gather`` of x (int64, negative: a zero row), as if that
+    gathered matrix were x."""
     if (block_rows, block_cols) == (1, 128):
         return _one_d_blocks(x, 128, fp8_dtype, fmt_max, power_2=power_2, mx=False, emax=0, margin=0,
                              scale_dtype=torch.float32, rowwise=rowwise, columnwise=columnwise,
-                             col_scales_t=col_scales_t)
+                             col_scales_t=col_scales_t, gather=gather)
+    if gather is not None:
+        raise UnsupportedLayout(f"gathered casts are written for 1x128 blocks, asked for {block_rows}x{block_cols}")
     if col_scales_t:
         raise ValueError(f"M-major columnwise scales are written for 1x128 blocks, asked for {block_rows}x{block_cols}")
     if (block_rows, block_cols) != (128, 128):

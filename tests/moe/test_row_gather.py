@@ -58,6 +58,34 @@ def test_fp8_rows_of_the_source_are_the_quantized_rows(recipe):
         got.wgrad_copy().take_rows(index)
 
 
+@pytest.mark.parametrize("recipe", [*PER_TENSOR, R.Float8BlockScaling(), R.MXFP8BlockScaling(), R.NVFP4BlockScaling()],
+                         ids=_name)
+@pytest.mark.parametrize("usage", [(True, False), (True, True), (False, True)], ids=["row", "row+col", "col"])
+@pytest.mark.parametrize("covers", [True, False], ids=["covering", "partial"])
+def test_quantizer_gathered_equals_quantizing_the_copy(recipe, usage, covers):
+    """Quantizer.gathered(source, index, zero_rows) == quantizer(the gathered copy), every copy asked
+    for, for every recipe (per-tensor: the bytes gathered when the index covers the source; 1x128 blocks:
+    the fused cast through the index where Triton runs; the rest: the copy). A partial gather of a
+    per-tensor source takes the copy (its amax is not the source's)."""
+    rowwise, columnwise = usage
+    torch.manual_seed(0)
+    source = torch.randn(96, 256, dtype=torch.bfloat16) * torch.logspace(-2, 2, 96).to(torch.bfloat16)[:, None]
+    index = torch.cat([torch.randperm(96), torch.randint(0, 96, (160,))]) if covers else torch.randint(0, 48, (256,))
+    zero_rows = torch.tensor([0, 100, 255])
+    copy = source.index_select(0, index).index_fill_(0, zero_rows, 0)
+    role = "input"
+    want = make_quantizer(type(recipe)(), role)(copy, rowwise=rowwise, columnwise=columnwise)
+    got = make_quantizer(type(recipe)(), role).gathered(source, index, zero_rows, rowwise=rowwise,
+                                                        columnwise=columnwise, covers_source=covers)
+    assert got.shape == want.shape == copy.shape and type(got) is type(want)
+    usages = [u for u, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
+    for u in usages:
+        kw = {} if isinstance(recipe, (R.Float8CurrentScaling, R.DelayedScaling)) else {"usage": u}
+        assert torch.equal(got.dequantize(torch.float32, **kw), want.dequantize(torch.float32, **kw)), u
+    with pytest.raises(ValueError, match="2-D source"):
+        make_quantizer(type(recipe)(), role).gathered(source[None], index)
+
+
 def _expand(T, E, alignment, seed=0):
     """x_TH, the GroupSplits with its expand as rows_in (padded to ``alignment``), the permuted probs
     and the dispatch state."""
@@ -191,15 +219,21 @@ def test_layer_at_ep1_is_the_same_with_the_gather_in_the_experts(monkeypatch, re
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("recipe", PER_TENSOR + [R.Float8BlockScaling()], ids=_name)
 def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch, recipe):
-    """On the GPU the predicate picks the native path itself: the first GEMM gathers FP8 bytes of the
-    quantized tokens (per-tensor recipes; block recipes copy the rows in fc1), with the same output
-    and gradients as the dispatcher's copy, bit for bit, and the native kernels ran."""
+    """On the GPU the predicate picks the native path itself: fc1 quantizes the token rows without the
+    bf16 copy (per-tensor: FP8 bytes gathered; block: the cast reads through the index), as does fc2's
+    backward with its output gradient, with the same output and gradients as the dispatcher's copy,
+    bit for bit, and the native kernels ran."""
     from te_dist.moe import layer as moe_layer
     from te_dist.quantization.tensors import Float8Tensor
 
-    taken = []
+    from te_dist.quantization import triton_casts
+
+    taken = []  # gathers that skipped the bf16 copy: FP8 bytes (per-tensor) or the cast through the index (block)
     real = Float8Tensor.take_rows
     monkeypatch.setattr(Float8Tensor, "take_rows", lambda self, *a, **k: taken.append(1) or real(self, *a, **k))
+    real_cast = triton_casts.cast_fp8_blocks
+    monkeypatch.setattr(triton_casts, "cast_fp8_blocks", lambda *a, **k: (
+        taken.append(1) if k.get("gather") is not None else None) or real_cast(*a, **k))
     results = []
     for gather_in_experts in (True, False):
         monkeypatch.setattr(moe_layer, "GATHER_IN_EXPERTS", gather_in_experts)
@@ -216,9 +250,8 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
             out.append((y.detach(), x.grad, layer.fc1.weight.grad, layer.fc2.weight.grad))
         assert layer.fc1.has_native_weight_copy and layer.fc2.has_native_weight_copy
         results.append(out)
-    per_tensor = not isinstance(recipe, R.Float8BlockScaling)
     # per step: x_TH's rows for fc1 and the combine's output gradient for fc2, only where the experts took the gather
-    assert len(taken) == (4 if per_tensor else 0)
+    assert len(taken) == 4
     for got, want in zip(results[0], results[1]):
         for a, b in zip(got, want):
             assert torch.equal(a, b)

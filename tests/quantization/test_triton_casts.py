@@ -327,6 +327,32 @@ def test_float8_1x128_columnwise_scales_in_the_wgrad_layout(device, kernels, dty
         kernels.cast_fp8_blocks(x.reshape(1, *shape), 1, 128, *E4M3, True, columnwise=True, col_scales_t=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rowwise", [True, False], ids=["row+col", "col"])
+def test_float8_1x128_gathered_rows_equal_the_cast_of_their_copy(device, kernels, dtype, rowwise):
+    """gather=idx: the copies of rows idx of x (a negative index: a zero row), read through the index,
+    == the cast of the gathered copy, bit for bit (rows repeated, skipped and zero, as the MoE expand)."""
+    x = _data((200, 384), dtype, device, seed=7)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 200, (384,), generator=g)
+    idx[torch.tensor([5, 127, 128, 300, 383])] = -1
+    copy = x.index_select(0, idx.clamp_min(0).to(device))
+    copy[(idx < 0).to(device)] = 0
+    idx = idx.to(device)
+    got = kernels.cast_fp8_blocks(x, 1, 128, *E4M3, True, rowwise=rowwise, columnwise=True, col_scales_t=True,
+                                  gather=idx)
+    want = kernels.cast_fp8_blocks(copy, 1, 128, *E4M3, True, rowwise=rowwise, columnwise=True, col_scales_t=True)
+    for a, b, what in zip(got, want, ("row data", "row scales", "col data", "M-major col scales")):
+        if b is None:
+            assert a is None, what
+        else:
+            _assert_same(a, b, what)
+    with pytest.raises(kernels.UnsupportedLayout, match="tile kernel"):
+        kernels.cast_fp8_blocks(x, 1, 128, *E4M3, True, rowwise=True, columnwise=False, gather=idx)
+    with pytest.raises(kernels.UnsupportedLayout, match="1x128 blocks"):
+        kernels.cast_fp8_blocks(x[:, :256], 128, 128, *E4M3, True, columnwise=True, gather=idx[:256])
+
+
 # rows 96: a multiple of the 32-element MX block but not of the 64-row row+col tile
 _MX_CASES = [((40, 96), True, False), ((96, 160), True, True), ((96, 64), False, True), ((2, 64, 96), True, True),
              ((1, 32), True, False)]

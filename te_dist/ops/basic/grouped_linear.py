@@ -279,8 +279,8 @@ class GroupedLinear(BasicOperation):
         if rows_in is not None:
             if q.active and native is None:
                 native = self.native_path(x, group_sizes)
-            if native and self._gathers_fp8(rows_in):
-                return self._quantized_forward(ctx, x, groups, rows, x_is_source=True)  # RowGather says why
+            if native:  # the quantizer reads the rows through the index where it can (RowGather says why)
+                return self._quantized_forward(ctx, x, groups, rows, x_is_source=True)
             x = rows_in.take(x)
         if not q.active:
             backend = None
@@ -306,11 +306,6 @@ class GroupedLinear(BasicOperation):
         self._save(ctx, saved_x, None, saved_w, groups, rows)
         return y
 
-    def _gathers_fp8(self, rows: RowGather, role: str = "input") -> bool:
-        """Quantize the source and gather FP8 bytes (one scale per tensor, every source row gathered)."""
-        quantizer = getattr(self._quantizers, role)
-        return quantizer is not None and quantizer.per_tensor and rows.covers_source
-
     def _save(self, ctx, x, row_scale, w, groups, rows=(None, None)) -> None:
         """``rows``: (rows_in, rows_out) of the forward (backward maps the gradients through them)."""
         if ctx.requires_grad:
@@ -321,15 +316,15 @@ class GroupedLinear(BasicOperation):
     def _quantized_forward(self, ctx, x, groups, rows=(None, None), *, x_is_source=False):
         """The native path: x quantized once (rowwise for fprop, columnwise for wgrad), the weight's
         copy reused while its version lasts; only the FP8 copies backward needs are saved.
-        ``rows``: (rows_in, rows_out) of the forward; ``x_is_source``: x is rows_in's source, quantized
-        before its FP8 bytes are gathered (per-tensor scales), else x holds the GEMM's rows."""
+        ``rows``: (rows_in, rows_out) of the forward; ``x_is_source``: x is rows_in's source and the
+        quantizer casts the gathered rows (``Quantizer.gathered``), else x holds the GEMM's rows."""
         offsets, group_sizes = groups
         q = self._quantizers
         need_wgrad = ctx.requires_grad and self.weight.requires_grad
         if x_is_source:
             rows_in = rows[0]
-            xq = q.input(x, rowwise=True, columnwise=False).take_rows(rows_in.index, rows_in.zero_rows,
-                                                                       transposed=need_wgrad)
+            xq = q.input.gathered(x, rows_in.index, rows_in.zero_rows, rowwise=True, columnwise=need_wgrad,
+                                  covers_source=rows_in.covers_source)
         else:
             xq = q.input(x, rowwise=True, columnwise=need_wgrad)
         wq = self.quantized_weight()
@@ -384,22 +379,18 @@ class GroupedLinear(BasicOperation):
 
     def _quantized_backward(self, ctx, dy):
         """dgrad and wgrad from one quantization of dy (rowwise for dgrad, columnwise for wgrad); with
-        ``rows_out`` under a per-tensor recipe, the op's output gradient is quantized and its FP8 bytes
-        gathered (RowGather says why)."""
+        ``rows_out`` the quantizer casts the gathered rows of the op's output gradient
+        (``Quantizer.gathered``: RowGather says why)."""
         xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg, (rows_in, rows_out) = ctx.saved
         ctx.saved = ()
         need_dx = ctx.input_requires_grad
         quantize = self._quantizers.grad_output
-        if rows_out is not None and self._gathers_fp8(rows_out, "grad_output"):
-            dyq = quantize(dy, rowwise=True, columnwise=False).take_rows(rows_out.index, rows_out.zero_rows,
-                                                                         transposed=weight_rg)
-            if not need_dx:
-                dyq = _wgrad_copy(dyq)
+        if rows_out is not None:
+            dyq = quantize.gathered(dy, rows_out.index, rows_out.zero_rows, rowwise=need_dx, columnwise=weight_rg,
+                                    covers_source=rows_out.covers_source)
             if bias_rg:
                 dy = rows_out.take(dy)
         else:
-            if rows_out is not None:
-                dy = rows_out.take(dy)
             dyq = quantize(dy, rowwise=need_dx, columnwise=weight_rg)
         k = kernels()
         dx = None
