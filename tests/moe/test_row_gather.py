@@ -1,8 +1,9 @@
 """The experts taking the dispatch's expand gather at EP size 1 (te_dist.ops.RowGather): fc1 reads
 its rows from x_TH instead of a copy, and fc2 sums its rows back into token order (the combine).
 
-Under a per-tensor FP8 recipe the native path quantizes x_TH (and the combine's output gradient) and
-gathers FP8 bytes; everywhere else the rows are copied as before. Either way the values and
+On the native FP8 path the quantizer makes the gathered rows without their bf16 copy
+(Quantizer.gathered: per-tensor recipes quantize x_TH, and the combine's output gradient, and gather
+FP8 bytes; 1x128 blocks cast through the index); everywhere else the rows are copied as before. Either way the values and
 gradients must be those of the copied rows, bit for bit: the FP8 operand is the same bytes with the
 same scale (same amax: every token is gathered). On CPU the native branch is forced (on a GPU the
 predicate decides) and its GEMMs run on the emulated backend, which multiplies the same quantized

@@ -8,13 +8,13 @@ in its :class:`~te_dist.ops.basic.grouped_linear.GroupSplits` takes it either wa
 is the GEMM's rows summed back (the MoE combine at EP size 1: each token's K expert outputs), so its
 output gradient is the source-shaped one and the GEMM's is its gather.
 
-Why: under a per-tensor FP8 recipe the GEMM reads FP8 bytes, and quantizing the source and then
-gathering its bytes is the same operand as quantizing the gathered copy whenever every source row
-is gathered at least once (``covers_source``: the amax is the same). The MoE layer at EP size 1
-gathers each token K times (top-k), so its first GEMM quantizes T rows instead of T*K and its row
-gather moves one byte per element instead of two; the second GEMM's output gradient likewise
-(docs/moe.md "FP8 rows at EP size 1"). Other recipes and paths take the rows as a copy (:meth:`take`), the same
-gather as before.
+Why: on the native FP8 path the GEMM reads quantized rows, and the quantizer can make them without
+the gathered bf16 copy (``Quantizer.gathered``): under a per-tensor recipe quantizing the source and
+then gathering its bytes is the same operand whenever every source row is gathered at least once
+(``covers_source``: the amax is the same); 1x128 blocks cast through the index. The MoE layer at EP
+size 1 gathers each token K times (top-k), so the T*K bf16 rows are never written, for its first
+GEMM's input and its second GEMM's output gradient (docs/moe.md "FP8 rows at EP size 1"). Other
+paths take the rows as a copy (:meth:`take`), the same gather as before.
 
 ``sum_back`` is the caller's (a fixed-order sum over each source row's copies: te_dist.moe.permutation
 builds it for the token expand); it is also the gradient of the gather.
