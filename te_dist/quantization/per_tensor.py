@@ -47,18 +47,20 @@ def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
     return buf.reshape(())
 
 
-def _take_rows(quantizer, source, index, zero_rows, rowwise, columnwise, covers_source):
-    """Quantize the source, then gather its FP8 bytes (one scale per tensor: the same operand as
-    quantizing the gathered rows when every source row is gathered)."""
-    if not covers_source:
-        return None
-    q = quantizer._quantize(source, True, False, None).take_rows(index, zero_rows, transposed=columnwise)
-    return q if rowwise else q.wgrad_copy()
+class _PerTensorQuantizer(Quantizer):
+    """One scale for the whole tensor."""
+
+    def _gathered(self, source, index, zero_rows, rowwise, columnwise, covers_source):
+        """Quantize the source, then gather its FP8 bytes: the same operand as quantizing the gathered
+        rows when every source row is gathered (the same amax)."""
+        if not covers_source:
+            return None
+        q = self._quantize(source, True, False, None).take_rows(index, zero_rows, transposed=columnwise)
+        return q if rowwise else q.wgrad_copy()
 
 
-class DelayedScalingQuantizer(Quantizer):
+class DelayedScalingQuantizer(_PerTensorQuantizer):
     recipe_type = DelayedScaling
-    per_tensor = True
 
     def __init__(self, recipe: DelayedScaling, role: str, *, group=None):
         super().__init__(recipe, role, group=group)
@@ -121,9 +123,6 @@ class DelayedScalingQuantizer(Quantizer):
         self.update(amax)
         return out
 
-    def _gathered(self, source, index, zero_rows, rowwise, columnwise, covers_source):
-        return _take_rows(self, source, index, zero_rows, rowwise, columnwise, covers_source)
-
     def observe(self, x: torch.Tensor) -> None:
         """Record x's amax and update the scale without quantizing (warm start, calibration)."""
         self._to_device(x.device)
@@ -160,11 +159,10 @@ class DelayedScalingQuantizer(Quantizer):
         self.num_updates += 1
 
 
-class CurrentScalingQuantizer(Quantizer):
+class CurrentScalingQuantizer(_PerTensorQuantizer):
     """Scale from this tensor's own amax (all-reduced MAX over ``group`` when one is given)."""
 
     recipe_type = Float8CurrentScaling
-    per_tensor = True
 
     def __init__(self, recipe: Float8CurrentScaling, role: str, *, group=None):
         super().__init__(recipe, role, group=group)
@@ -172,9 +170,6 @@ class CurrentScalingQuantizer(Quantizer):
         self.fp8_dtype = fp8_dtype(self.fmt)
         self.fmt_max = FP8_MAX[self.fmt]
         self.use_power_2_scales = recipe.use_power_2_scales
-
-    def _gathered(self, source, index, zero_rows, rowwise, columnwise, covers_source):
-        return _take_rows(self, source, index, zero_rows, rowwise, columnwise, covers_source)
 
     def _quantize(self, x, rowwise, columnwise, hadamard):
         kernels = fused_casts_for(x)

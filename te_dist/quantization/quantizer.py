@@ -32,9 +32,6 @@ class Quantizer:
     recipe_type: type = Recipe
     #: (rows, cols) multiples a copy's own layout [..., R, C] must have (C = quantized dim)
     block_shape: Tuple[int, int] = (1, 1)
-    #: one scale for the whole tensor: quantizing x and then gathering rows of its data equals
-    #: quantizing the gathered rows when the gather keeps every row of x (the amax is the same)
-    per_tensor: bool = False
 
     def __init__(self, recipe: Recipe, role: str, *, group=None):
         if not isinstance(recipe, self.recipe_type):
