@@ -97,6 +97,10 @@ class Float8Tensor(QuantizedTensor):
             raise ValueError(f"transpose_data needs at least 2 dims, got shape {tuple(self.shape)}")
         if self.data_t is not None:
             return self.data_t
+        if self.data.dim() == 2:
+            from .fused import transpose_fp8  # the Triton byte transpose where the fused casts run
+
+            return transpose_fp8(self.data)
         return self.data.transpose(-1, -2).contiguous()
 
     def wgrad_copy(self) -> "Float8Tensor":
@@ -124,13 +128,10 @@ class Float8Tensor(QuantizedTensor):
         rows = self.data.view(torch.uint8).index_select(0, index)
         if zero_rows is not None:
             rows.index_fill_(0, zero_rows, 0)
-        data = rows.view(self.data.dtype)
-        data_t = None
+        out = Float8Tensor(rows.view(self.data.dtype), self.scale_inv, self.fmt, self.dtype)
         if transposed:
-            from .fused import transpose_fp8
-
-            data_t = transpose_fp8(data)
-        return Float8Tensor(data, self.scale_inv, self.fmt, self.dtype, data_t=data_t)
+            out.data_t = out.transpose_data()
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
