@@ -179,6 +179,13 @@ def _tile_program(p, C, NG: tl.constexpr):
     return (p // groups).to(tl.int64), (p % groups) * NG + tl.arange(0, NG)
 
 
+def _amax_tile(dtype: torch.dtype):
+    """(tiles per program, warps) of the 16x16 amax pass for x of ``dtype``: float32 holds twice the
+    registers of bf16 per tile, so twice the warps (with four, one register spilled)."""
+    ng, warps = _TILE_AMAX
+    return ng, warps * 2 if dtype == torch.float32 else warps
+
+
 @triton.jit
 def _tile_amax_kernel(x_ptr, tiles_ptr, amax_ptr, C, NG: tl.constexpr):
     """The amax pass of 16x16 blocks: each tile's amax (float32, [rows / 16, C / 16]) and the tensor
@@ -263,7 +270,7 @@ def cast_nvfp4(x, block_rows: int, stochastic: bool):
             SR=stochastic, num_warps=warps, **_OPTIONS)
     else:
         bits, tiles = _zero_bits(dev), torch.empty((m // 16, cols // 16), dtype=torch.float32, device=dev)
-        ng, warps = _TILE_AMAX
+        ng, warps = _amax_tile(x.dtype)
         launch(_tile_amax_kernel, ((m // 16) * cdiv(cols // 16, ng),), x, tiles, bits, cols, NG=ng,
                num_warps=warps)
         ng, warps = _NVFP4_2D

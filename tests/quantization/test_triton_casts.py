@@ -590,11 +590,12 @@ def _compile_configs(tc):
             yield tc._cast_rows_kernel, {"x_ptr": inp, "out_ptr": f8, "s_ptr": sdt, "nblocks": "i32"}, dict(
                 NB=nb, ITERS=iters, **consts), warps
             ng, sub, warps = tc._TILE[(group, False)]
-            sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": sdt, "col_ptr": f8, "col_s_ptr": sdt,
-                   "R": "i32", "C": "i32"}
-            for row, col_t in ((True, False), (False, False), (True, not mx), (False, not mx)):
-                yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, COL_T=col_t,
-                                                      **consts), warps
+            for gather in (False, True):
+                sig = {"x_ptr": inp, "idx_ptr": "*i64" if gather else inp, "row_ptr": f8, "row_s_ptr": sdt,
+                       "col_ptr": f8, "col_s_ptr": sdt, "R": "i32", "C": "i32"}
+                for row, col_t in ((True, False), (False, False), (True, not mx), (False, not mx)):
+                    yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, COL_T=col_t,
+                                                          GATHER=gather, **consts), warps
         from te_dist.quantization import triton_nvfp4 as nv
 
         for sr in (False, True):
@@ -606,15 +607,16 @@ def _compile_configs(tc):
             sig = {"x_ptr": inp, "out_ptr": "*i32", "s_ptr": "*u8", "tiles_ptr": "*fp32", "amax_ptr": "*i32",
                    "s_inv_ptr": "*fp32", "C": "i32", "seed": "i32"}
             yield nv._cast_nvfp4_2d_kernel, sig, dict(NG=ng, SR=sr), warps
-        ng, warps = nv._TILE_AMAX
+        ng, warps = nv._amax_tile(torch.float32 if inp == "*fp32" else torch.bfloat16)
         sig = {"x_ptr": inp, "tiles_ptr": "*fp32", "amax_ptr": "*i32", "C": "i32"}
         yield nv._tile_amax_kernel, sig, dict(NG=ng), warps
-        sig = {"x_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8, "col_s_ptr": "*fp32",
-               "R": "i32", "C": "i32"}
+        sig = {"x_ptr": inp, "idx_ptr": inp, "row_ptr": f8, "row_s_ptr": "*fp32", "col_ptr": f8,
+               "col_s_ptr": "*fp32", "R": "i32", "C": "i32"}
         ng, sub, warps = tc._TILE[(128, True)]
         for row, col in ((True, False), (True, True), (False, True)):
             yield tc._cast_tile_kernel, sig, dict(FMT_MAX=fmax, POWER_2=True, MX=False, EMAX=0, MARGIN=0, G=128, NG=ng,
-                                                  SUB=sub, ROW=row, COL=col, SQUARE=True, COL_T=False), warps
+                                                  SUB=sub, ROW=row, COL=col, SQUARE=True, COL_T=False,
+                                                  GATHER=False), warps
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET or torch.cuda.is_available(),
