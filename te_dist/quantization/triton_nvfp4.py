@@ -183,7 +183,7 @@ def _amax_tile(dtype: torch.dtype):
     """(tiles per program, warps) of the 16x16 amax pass for x of ``dtype``: float32 holds twice the
     registers of bf16 per tile, so twice the warps (with four, one register spilled)."""
     ng, warps = _TILE_AMAX
-    return ng, warps * 2 if dtype == torch.float32 else warps
+    return ng, (2 * warps if dtype == torch.float32 else warps)
 
 
 @triton.jit
