@@ -590,7 +590,7 @@ def _compile_configs(tc):
             yield tc._cast_rows_kernel, {"x_ptr": inp, "out_ptr": f8, "s_ptr": sdt, "nblocks": "i32"}, dict(
                 NB=nb, ITERS=iters, **consts), warps
             ng, sub, warps = tc._TILE[(group, False)]
-            for gather in (False, True):
+            for gather in (False,) if mx else (False, True):  # only 1x128 casts read rows through an index
                 sig = {"x_ptr": inp, "idx_ptr": "*i64" if gather else inp, "row_ptr": f8, "row_s_ptr": sdt,
                        "col_ptr": f8, "col_s_ptr": sdt, "R": "i32", "C": "i32"}
                 for row, col_t in ((True, False), (False, False), (True, not mx), (False, not mx)):
