@@ -154,12 +154,14 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 @triton.jit
 def _roll_history(amax_bits, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len,
-                  margin_mul, FMT_MAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  margin_mul, FMT_MAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                  ITERS: tl.constexpr):
     """cast.delayed_scale_update from x's amax bits into NEW tensors (the old scale_inv stays valid
-    for the tensor the cast returns)."""
+    for the tensor the cast returns). ``ITERS`` = cdiv(hist_len, BLOCK), fixed per recipe: a loop over
+    a runtime bound breaks Triton's interpreter, whose runtime ints are arrays."""
     best = amax_bits
-    for start in range(0, hist_len, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    for i in range(ITERS):
+        offs = i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < hist_len
         prev = tl.load(hist_ptr + offs - 1, mask=mask & (offs > 0), other=0.0)
         bits = tl.where(offs == 0, amax_bits, prev.to(tl.int32, bitcast=True))
@@ -181,7 +183,7 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
                             FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
                             RECORD_AMAX: tl.constexpr, REVERSE: tl.constexpr, UPDATE: tl.constexpr,
                             ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                            HIST_BLOCK: tl.constexpr):
+                            HIST_BLOCK: tl.constexpr, HIST_ITERS: tl.constexpr):
     """out = fp8(clamp(x * scale)); the scale is read from ``scale_ptr`` or derived from the amax
     bits at ``amax_ptr`` (program 0 then writes scale_inv); RECORD_AMAX accumulates amax(x) there.
 
@@ -216,7 +218,8 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
         if UPDATE:
             if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
                 _roll_history(tl.atomic_add(amax_ptr, 0, sem="acquire"), hist_ptr, scale_ptr, new_hist_ptr,
-                              new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK)
+                              new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK,
+                              HIST_ITERS)
 
 
 @triton.jit
@@ -444,7 +447,7 @@ def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max,
     n = x.numel()
     if update is None:
         hist = (dummy, dummy, dummy, dummy, 0, 1.0)
-        algo_max, hist_block = False, 16
+        algo_max, hist_block, hist_len = False, 16, 0
     else:
         history, new_history, new_scale, new_scale_inv, margin, algo = update
         hist_len = history.numel()
@@ -455,7 +458,7 @@ def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max,
            scale_inv if scale_inv is not None else dummy, n, *hist,
            FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
            UPDATE=update is not None, ALGO_MAX=algo_max, BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, HIST_BLOCK=hist_block,
-           num_warps=_PT_WARPS)
+           HIST_ITERS=triton.cdiv(hist_len, hist_block), num_warps=_PT_WARPS)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:

@@ -582,7 +582,8 @@ def _compile_configs(tc):
                    "margin_mul": "fp32"}
             yield tc._cast_per_tensor_kernel, sig, dict(
                 FMT_MAX=fmax, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=from_amax,
-                UPDATE=update, ALGO_MAX=algo_max, HIST_BLOCK=1024 if update else 16, **pt), tc._PT_WARPS
+                UPDATE=update, ALGO_MAX=algo_max, HIST_BLOCK=1024 if update else 16, HIST_ITERS=int(update),
+                **pt), tc._PT_WARPS
         for mx, group in ((False, 128), (True, 32)):
             sdt = "*u8" if mx else "*fp32"
             consts = dict(FMT_MAX=fmax, POWER_2=not mx, MX=mx, EMAX=emax, MARGIN=0, G=group)
