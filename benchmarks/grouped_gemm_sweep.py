@@ -1,13 +1,13 @@
 """``benchmarks/grouped_gemm.py --sweep``: the measured choice ("auto") against every candidate on public MoE shapes.
 
     python benchmarks/grouped_gemm.py --sweep [--tokens 4096] [--only dsv3,gpt_oss_120b] [--json out.json]
-    python benchmarks/grouped_gemm.py --sweep --write-shapes shapes.json   # the list, for `python -m cutlass_kernels tune`
+    python benchmarks/grouped_gemm.py --sweep --write-shapes shapes.json   # the list, for `te-dist tune`
     python benchmarks/grouped_gemm.py --summary docs/data/autotune_sweep.json   # a saved sweep's closing lines
 
 Rows: the expert GEMMs of public MoE models (fc1 = the gated up-projection [H -> 2F], fc2 = the
 down-projection [F -> H]) at several experts-per-rank counts, with ``--tokens`` tokens per rank
 routed top-k (rows per expert = tokens x top_k / experts per rank), each with even group sizes and
-with Zipf-skewed ones that leave experts empty (cutlass_kernels.tune.zipf_splits), in all three
+with Zipf-skewed ones that leave experts empty (te_dist.tune.zipf_splits), in all three
 directions (fwd, dgrad, wgrad).
 
 Columns (ms per call, median over interleaved rounds, as in the rest of grouped_gemm.py):
@@ -106,7 +106,7 @@ def add_arguments(ap) -> None:
                     help="--sweep: timed ms per bucket for auto's measurement (default: the run's default)")
     ap.add_argument("--tune-dir", default=None, help="--sweep: tuning-file directory (default: a fresh temp dir)")
     ap.add_argument("--write-shapes", default=None, help="--sweep: write the shape list as JSON for "
-                                                         "`python -m cutlass_kernels tune --shapes` and exit")
+                                                         "`te-dist tune --shapes` and exit")
     ap.add_argument("--directions", default="fwd,dgrad,wgrad", help="--sweep: comma-separated directions")
     ap.add_argument("--settle-burst", type=int, default=None, help="--sweep: live calls per preconditioning "
                                                                   "while a bucket settles (default: --iters)")
@@ -127,8 +127,8 @@ def _write_shapes(gemms, path) -> None:
 
 def operands(g: Gemm, routing: str, dev):
     """(group sizes, x [T, K], w [E, K, N] (a transposed [E, N, K]), dy [T, N], offsets) of one row;
-    routing "even" or "zipf" (cutlass_kernels.tune.zipf_splits: skewed, some experts empty)."""
-    from cutlass_kernels.tune import zipf_splits
+    routing "even" or "zipf" (te_dist.tune.zipf_splits: skewed, some experts empty)."""
+    from te_dist.tune import zipf_splits
 
     sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else [g.rows_per_expert] * g.num_experts
     T = sum(sizes)

@@ -1,7 +1,8 @@
 """``python -m cutlass_kernels [--jobs N] [--only NAME ...]``: build every instance into the cache, in parallel.
 
-``python -m cutlass_kernels tune --shapes FILE``: measure the grouped-GEMM choices of a list of
-shapes ahead of a run (``cutlass_kernels/tune.py``).
+``python -m cutlass_kernels tune --shapes FILE``: ``te-dist tune``, which measures the grouped-GEMM
+choices of a list of shapes ahead of a run (``te_dist/tune.py``), started as its own process: it
+measures through te_dist, and this package imports nothing of te_dist.
 
 Every instance: the bf16 grouped GEMMs (``te_gg_*``) and the FP8 block-scaled ones (``te_fb_*``).
 ``--only`` names instances, candidate tiles included (e.g. ``te_gg_fwd_c5_bf16``).
@@ -10,6 +11,7 @@ Used before GPU test/benchmark runs so the first call does not pay for compilati
 """
 
 import argparse
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +24,9 @@ from .heuristics import CANDIDATES
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["tune"]:
-        from .tune import main as tune_main
-
-        return tune_main(argv[1:])
+        return subprocess.call([sys.executable, "-m", "te_dist.tune", *argv[1:]])
     ap = argparse.ArgumentParser(prog="python -m cutlass_kernels", epilog="python -m cutlass_kernels tune --shapes FILE: "
-                                 "measure grouped-GEMM choices ahead of time (see cutlass_kernels/tune.py)")
+                                 "measure grouped-GEMM choices ahead of time (te-dist tune)")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--only", nargs="*", default=None, help="instance names, e.g. te_gg_fwd_c0_bf16")
     args = ap.parse_args(argv)

@@ -2,12 +2,14 @@
 
     te-dist train [--nproc N] [--config FILE] [--SECTION.KEY VALUE ...] [--print-config] [--resume DIR] ...
     te-dist env [--json]
+    te-dist tune --shapes FILE [--bucket-ms MS] [--device cuda:N]
     te-dist --version
 
 ``train`` prints what it launches at once, validates the job in this process (a bad config fails
 here with exit code 2, before any rank starts), prints the resolved config and a memory estimate,
 then runs the ranks under torchrun and returns its exit code. ``env`` reports versions, backends
-and the grouped-GEMM support matrix for every visible device and recipe.
+and the grouped-GEMM support matrix for every visible device and recipe. ``tune`` measures the
+grouped-GEMM choices of a list of shapes ahead of a run (``te_dist/tune.py``).
 
 Building the parser and ``--help``/``--version`` never import torch (they answer in a fraction of
 a second); ``train`` imports it only for checks that need it (GPUs, a checkpoint to resume).
@@ -44,6 +46,7 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     from .train.args import add_train_arguments
+    from .tune import add_arguments as add_tune_arguments
 
     parser = argparse.ArgumentParser(prog="te-dist", description="te_dist: expert-parallel MoE training tools",
                                      allow_abbrev=False)
@@ -63,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     env = sub.add_parser("env", help="versions, backends and the support matrix per device and recipe")
     env.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    tune = sub.add_parser("tune", help="measure the grouped-GEMM choices of a list of shapes ahead of a run (GPU)",
+                          description="Time the grouped-GEMM candidates of every shape in FILE on this GPU and write "
+                                      "the choices where runs read them (the kernel cache's autotune/ folder).",
+                          allow_abbrev=False)
+    add_tune_arguments(tune)
     return parser
 
 
@@ -338,6 +346,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 128 + signal.SIGINT
     if extras:
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if ns.command == "tune":
+        from .tune import run
+
+        return run(ns)
     return _env(ns)
 
 

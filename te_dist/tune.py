@@ -1,10 +1,12 @@
-"""``python -m cutlass_kernels tune --shapes FILE``: measure the grouped-GEMM choices ahead of time.
+"""``te-dist tune --shapes FILE`` (also ``python -m cutlass_kernels tune``): measure the grouped-GEMM
+choices ahead of time.
 
 Why: a run's first call of a shape bucket measures its candidates (te_dist.backends.autotune)
 within a budget; tuning the run's shapes before it starts moves that cost out of the job and
 lifts the budget (each bucket gets ``--bucket-ms``). The choices land in the same file the run
 reads (``<kernel cache>/autotune/``), so build the tiles first (``python -m cutlass_kernels``):
-only built tiles are timed.
+only built tiles are timed. It lives here, not in ``cutlass_kernels``, because it measures through
+``te_dist.kernels``: the kernel package stays a leaf that imports nothing of te_dist.
 
 Shapes file: JSON (a list of objects, or ``{"shapes": [...]}``) or CSV with a header row, one
 GEMM per row::
@@ -28,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import List, NamedTuple
 
-__all__ = ["Shape", "DIRECTIONS", "read_shapes", "parse_shapes", "zipf_splits", "main"]
+__all__ = ["Shape", "DIRECTIONS", "read_shapes", "parse_shapes", "zipf_splits", "add_arguments", "run", "main"]
 
 DIRECTIONS = ("fwd", "dgrad", "wgrad")
 
@@ -126,7 +128,7 @@ def _tune_one(shape: Shape, device) -> str:
     """Run the shape once through te_dist.kernels: the call's miss measures and writes the file."""
     import torch
 
-    from te_dist import kernels
+    from . import kernels
 
     E, K, N, m = shape.num_experts, shape.k, shape.n, shape.rows_per_expert
     sizes = zipf_splits(E, m) if shape.ragged else [m] * E
@@ -145,17 +147,24 @@ def _tune_one(shape: Shape, device) -> str:
     return kernels.describe_choice(shape.direction, x, w, group_sizes=sizes)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cutlass_kernels tune", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", required=True, help="JSON or CSV file of shapes (see the module docstring)")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The command's options (``te-dist tune`` and ``python -m te_dist.tune`` share them)."""
+    ap.add_argument("--shapes", required=True, help="JSON or CSV file of shapes (see te_dist/tune.py)")
     ap.add_argument("--bucket-ms", type=float, default=500.0, help="timed GPU ms per shape bucket (default 500)")
     ap.add_argument("--device", default="cuda", help="CUDA device to tune on (default: the current one)")
-    args = ap.parse_args(argv)
-    shapes = read_shapes(args.shapes)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Tune every shape of ``args.shapes``; 2 where the file is bad or there is no CUDA device."""
+    try:
+        shapes = read_shapes(args.shapes)
+    except (OSError, ValueError) as exc:
+        print(f"tune: {exc}", file=sys.stderr)
+        return 2
 
     import torch
 
-    from te_dist.backends import autotune
+    from .backends import autotune
 
     if not torch.cuda.is_available():
         print("tune: no CUDA device; measured choices are per GPU model, run this on the training GPU", file=sys.stderr)
@@ -173,6 +182,12 @@ def main(argv=None) -> int:
     path = autotune.tuner().save(device.index if device.index is not None else torch.cuda.current_device())
     print(f"choices written to {path}" if path else "choices kept in memory only (persisting is off)")
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m te_dist.tune", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -442,7 +442,7 @@ def test_agree_without_a_process_group_is_local(monkeypatch):
 
 
 def test_shapes_file_json_and_csv(tmp_path):
-    from cutlass_kernels import tune
+    from te_dist import tune
 
     j = tmp_path / "s.json"
     j.write_text(json.dumps({"shapes": [{"direction": "fwd", "E": 8, "K": 2880, "N": 5760, "rows_per_expert": 64,
@@ -464,7 +464,7 @@ def test_shapes_file_json_and_csv(tmp_path):
 
 
 def test_zipf_splits_are_skewed_with_empty_experts():
-    from cutlass_kernels.tune import zipf_splits
+    from te_dist.tune import zipf_splits
 
     for E, m in ((8, 512), (32, 128), (64, 7), (4, 16)):
         sizes = zipf_splits(E, m)
@@ -475,7 +475,12 @@ def test_zipf_splits_are_skewed_with_empty_experts():
 
 
 def test_tune_cli_without_cuda_says_so(tmp_path, capsys):
-    from cutlass_kernels.__main__ import main
+    """``te-dist tune`` and its alias ``python -m cutlass_kernels tune`` (a process of its own) both
+    say why nothing was tuned; a bad shapes file is a usage error naming the row."""
+    import subprocess
+    import sys
+
+    from te_dist.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("the message is for CPU-only hosts")
@@ -483,6 +488,14 @@ def test_tune_cli_without_cuda_says_so(tmp_path, capsys):
     f.write_text("direction,E,K,N,rows_per_expert,ragged\nfwd,8,16,16,8,false\n")
     assert main(["tune", "--shapes", str(f)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+    alias = subprocess.run([sys.executable, "-m", "cutlass_kernels", "tune", "--shapes", str(f)], capture_output=True,
+                           text=True, timeout=120)
+    assert alias.returncode == 2 and "no CUDA device" in alias.stderr, alias.stderr
+    f.write_text("direction,E,K,N,rows_per_expert\nsideways,8,1,1,1\n")
+    assert main(["tune", "--shapes", str(f)]) == 2
+    assert "row 1: direction must be one of" in capsys.readouterr().err
+    assert main(["tune", "--shapes", str(tmp_path / "missing.csv")]) == 2
+    assert "missing.csv" in capsys.readouterr().err
 
 
 def test_ragged_answer_is_per_tuple():

@@ -26,7 +26,7 @@ def fresh_tuner(tmp_path, monkeypatch):
 
 
 def _operands(direction, ragged, device):
-    from cutlass_kernels.tune import zipf_splits
+    from te_dist.tune import zipf_splits
 
     E, m, K, N = 8, 96, 2880, 768  # K not a multiple of 128 (gpt-oss-like)
     sizes = zipf_splits(E, m) if ragged else [m] * E
