@@ -458,7 +458,7 @@ def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max,
            scale_inv if scale_inv is not None else dummy, n, *hist,
            FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
            UPDATE=update is not None, ALGO_MAX=algo_max, BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, HIST_BLOCK=hist_block,
-           HIST_ITERS=triton.cdiv(hist_len, hist_block), num_warps=_PT_WARPS)
+           HIST_ITERS=cdiv(hist_len, hist_block), num_warps=_PT_WARPS)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:
