@@ -80,7 +80,7 @@ def step_stats(layer, x, recipe, iters, warmup):
         y2 = layer(x)
     held = torch.cuda.memory_allocated() - before
     y2.backward(grad)
-    native = getattr(layer.fc1, "_weight_copy", None) is not None
+    native = layer.fc1.has_native_weight_copy
     return ms, slowest, held, y.detach(), native
 
 
@@ -118,7 +118,6 @@ def main():
             elif option not in ("", "tables", "grouped", "copy"):
                 raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, copy, "
                                  "c<N>, w<N>, loop<G>)")
-            layer.fc1._weight_copy = layer.fc2._weight_copy = None
             fp8_block.CONFIG_OVERRIDE = config
             default_wgrad, fp8_block.WGRAD_CONFIG = fp8_block.WGRAD_CONFIG, wgrad_config
             loop_min = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT, fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK

@@ -204,7 +204,6 @@ def main():
         x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
         for rname in args.recipes.split(","):
-            layer.fc1._weight_copy = layer.fc2._weight_copy = None
             step = make_step(layer, x, grad, recipe_from_name(rname))
             per_kernel, wall, busy, idle = profile_one(step, args.iters)
             host = host_split(step, 10) if args.host else None

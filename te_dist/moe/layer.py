@@ -41,6 +41,7 @@ from torch import nn
 from ..autocast import get_active_recipe, get_recipe_key
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
+from ..ops.basic.weight_copy import check_microbatch_flag
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 from .expert_mlp import ACTIVATIONS, build_expert_mlp
 from .init import draw_base_seed, init_experts_, uniform_fan_in
@@ -219,7 +220,23 @@ class MoELayer(nn.Module):
             return None
         return alignment
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    @property
+    def is_first_microbatch(self) -> Optional[bool]:
+        """The experts' weight-copy setting (TransformerEngine's protocol, te_dist.ops.basic.weight_copy):
+        None (default) casts the FP8 weights at every forward; True casts and keeps them for the later
+        micro-batches of the optimizer step, then turns False; False reuses the kept copies while they
+        are valid. Megatron-Core's ``set_is_first_microbatch`` sets it like any module's."""
+        return self.fc1.is_first_microbatch
+
+    @is_first_microbatch.setter
+    def is_first_microbatch(self, value: Optional[bool]) -> None:
+        self.fc1.is_first_microbatch = self.fc2.is_first_microbatch = check_microbatch_flag(value)
+
+    def forward(self, hidden_states: torch.Tensor, *, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``is_first_microbatch``: True / False set :attr:`is_first_microbatch` for this forward on; None
+        leaves it as it is."""
+        if is_first_microbatch is not None:
+            self.is_first_microbatch = is_first_microbatch
         self._check_input(hidden_states)
         recipe = get_active_recipe()
         tag = None

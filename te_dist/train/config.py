@@ -108,6 +108,8 @@ class TrainConfig:
     warmup_steps: int = _f(4, "linear warm-up steps")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     seed: int = _f(0, "model initialisation seed")
+    micro_batches: int = _f(1, "micro-batches per optimizer step (gradient accumulation; each rank's share of "
+                               "the global batch is split evenly); FP8 weights are cast once per step")
     log_every: int = _f(6, "print a progress line every K steps (metrics.jsonl gets every step)")
     ckpt_every: int = _f(30, "checkpoint every K steps (0: only at the end)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
@@ -186,6 +188,7 @@ class JobConfig:
                 raise ConfigError(f"train.{key} must be > 0 seconds, got {getattr(t, key)}")
         _positive("train.log_every", t.log_every)
         _positive("train.threads", t.threads)
+        _positive("train.micro_batches", t.micro_batches)
         _choice("train.device", t.device, DEVICES)
         _choice("train.log", t.log, LOGS)
         if self.parallel.ep is not None:
@@ -215,6 +218,12 @@ class JobConfig:
         if d.global_batch_size % world_size:
             raise ConfigError(
                 f"data.global_batch_size={d.global_batch_size} is not divisible by the number of ranks ({world_size})"
+            )
+        micro = self.train.micro_batches
+        if (d.global_batch_size // world_size) % micro:
+            raise ConfigError(
+                f"train.micro_batches={micro} does not divide the sequences per rank "
+                f"(data.global_batch_size={d.global_batch_size} over {world_size} ranks = {d.global_batch_size // world_size})"
             )
         return ep, d.global_batch_size // world_size
 

@@ -122,7 +122,7 @@ def memory_estimate(cfg: JobConfig, world_size: int, *, device_type: str) -> Mem
     # .grad, plus (with peers) the flat buffer each gradient all-reduce concatenates into
     grads = params * (2 if world_size > 1 else 1)
     optimizer = 2 * params  # AdamW exp_avg and exp_avg_sq, in the parameters' dtype
-    activations = _activation_bytes(cfg, per_rank_batch * cfg.data.seq_len, b)
+    activations = _activation_bytes(cfg, per_rank_batch // cfg.train.micro_batches * cfg.data.seq_len, b)
     runtime = CPU_RANK_BASE if device_type == "cpu" else GPU_RANK_BASE
     return MemoryEstimate(params, grads, optimizer, activations, runtime)
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
+from ..ops.basic.weight_copy import set_first_microbatch
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
 from .data import MarkovData
@@ -125,6 +126,7 @@ class _Job:
     optimizer: torch.optim.Optimizer
     reducer: GradientReducer
     ep_size: int
+    micro_batches: int
 
 
 def _build(cfg: JobConfig) -> _Job:
@@ -148,7 +150,7 @@ def _build(cfg: JobConfig) -> _Job:
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=t.weight_decay,
                                   foreach=rt.device.type == "cuda")  # CPU: the plain loop, as in every CPU run
-    return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size)
+    return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches)
 
 
 def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
@@ -158,13 +160,19 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     x_BS, y_BS = (b.to(rt.device) for b in job.data.local_batch(step, rt.rank, rt.world_size))
-    with autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
-        loss = model.loss(x_BS, y_BS)
+    micro = job.micro_batches
+    loss = torch.zeros((), device=rt.device)
+    for i, (x_bS, y_bS) in enumerate(zip(x_BS.chunk(micro), y_BS.chunk(micro))):
+        if micro > 1:  # the FP8 expert weights: cast at the first micro-batch, reused by the others
+            set_first_microbatch(model, i == 0)
+        with autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
+            micro_loss = model.loss(x_bS, y_bS) / micro
+        micro_loss.backward()
+        loss += micro_loss.detach().float()
     # A non-finite local loss still enters every collective below; the all-reduced loss then
     # tells every rank, and all of them stop at the same step.
     # [loss, SIGINT votes, SIGTERM votes]: the stop decision rides on the loss all-reduce (stop.py).
-    loss_and_votes = torch.cat([loss.detach().float().reshape(1), torch.tensor(stop_votes, device=loss.device)])
-    loss.backward()
+    loss_and_votes = torch.cat([loss.reshape(1), torch.tensor(stop_votes, device=loss.device)])
     job.reducer.reduce()
     # The same all-reduce carries both squared gradient norms (see GradientReducer.squared_norms).
     stats = torch.cat([loss_and_votes, job.reducer.squared_norms()])

@@ -82,6 +82,23 @@ def test_bad_config_fails_before_launch(run_cli, tmp_path):
     assert "torch.distributed" not in result.output  # no rank was started
 
 
+def test_micro_batches_accumulate_the_same_step(run_cli, tmp_path):
+    """Two micro-batches per optimizer step compute the step of one whole batch: the same first loss,
+    then losses within the FP8 gradients' rounding (the wgrad's column blocks span other tokens)."""
+    common = ("train", "--nproc", 2, "--steps", 3, "--no-checkpoint", "--recipe", "block")
+    run_cli(*common, "--out", "whole").check()
+    run_cli(*common, "--out", "halves", "--train.micro_batches", 2).check()
+    whole, halves = _losses(tmp_path / "whole"), _losses(tmp_path / "halves")
+    assert sorted(halves) == [1, 2, 3]
+    assert halves[1] == whole[1]
+    for step in (2, 3):
+        assert abs(halves[step] - whole[step]) <= 2e-3 * abs(whole[step]), (step, whole, halves)
+    assert halves[3] < halves[1]
+    bad = run_cli("train", "--nproc", 2, "--train.micro_batches", 3, timeout=60)
+    assert bad.returncode == 2
+    assert "train.micro_batches=3 does not divide the sequences per rank" in bad.output
+
+
 def test_unknown_config_key_fails(run_cli, tmp_path):
     (tmp_path / "typo.yaml").write_text("train:\n  stpes: 3\n")
     result = run_cli("train", "--config", "typo.yaml", timeout=60)

@@ -20,9 +20,10 @@ use grouped_mm's row-scale epilogue without materialising the scaled activation.
 Under an FP8 recipe each forward asks the support predicate (``is_module_grouped_tensor_supported``
 here, the op-fuser one when the grouped-MLP fusion runs) with the input's dtype and device and
 the split alignment the host sizes guarantee. Yes: the native path - x quantized once in both
-layouts its GEMMs read, the weight quantized once per weight version (an in-place update bumps
-its version and invalidates the copy), the FP8 copies saved for backward, the three GEMMs on the
-quantized grouped entry points of ``te_dist.kernels``. No: the emulated path (fake-quantize, then
+layouts its GEMMs read, the weight quantized in both layouts at every forward unless the caller says
+the weights did not change since the last cast (``is_first_microbatch``: see :mod:`.weight_copy`),
+the FP8 copies saved for backward, the three GEMMs on the quantized grouped entry points of
+``te_dist.kernels``. No: the emulated path (fake-quantize, then
 the bf16 GEMM), which is also the reference and the path of every ``backward_override``.
 """
 
@@ -36,6 +37,7 @@ import torch
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 from .row_gather import RowGather
+from .weight_copy import WeightCopy, check_microbatch_flag
 
 __all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
            "remember_split_alignment", "split_rows", "check_rows_out"]
@@ -217,13 +219,15 @@ class GroupedLinear(BasicOperation):
         else:
             self.register_parameter("bias", None)
         self._quantizers = GemmQuantizers(None)
-        self._weight_copy = None  # (key, QuantizedWeight) of the native FP8 path
+        self._weight_copy = WeightCopy()  # the native FP8 path's weight copy
+        # None: cast the weight at every forward; True / False: TransformerEngine's micro-batch protocol
+        self.is_first_microbatch = None
         # the quantized grouped kernels tile both features by 128 (the scale block); asked per forward
         self._native_shape_ok = in_features % 128 == 0 and out_features % 128 == 0
 
     def reset_recipe_state(self, recipe) -> None:
         self._quantizers = GemmQuantizers(recipe)
-        self._weight_copy = None
+        self._weight_copy = WeightCopy()
 
     @property
     def quantizers(self) -> GemmQuantizers:
@@ -268,6 +272,8 @@ class GroupedLinear(BasicOperation):
         ``rows_in``: the GEMM reads these rows of x (x is their source; its gradient is the source's);
         ``rows_out``: the result is the GEMM's rows summed back into the source's (see GroupSplits)."""
         y = self._forward_rows(ctx, x, groups, row_scale, native, rows_in, rows_out)
+        if self.is_first_microbatch:  # the later micro-batches of this optimizer step reuse the copy
+            self.is_first_microbatch = False
         return y if rows_out is None else rows_out.sum_back(y)
 
     def _forward_rows(self, ctx, x, groups, row_scale, native, rows_in, rows_out):
@@ -337,24 +343,23 @@ class GroupedLinear(BasicOperation):
     def has_native_weight_copy(self) -> bool:
         """True once the native quantized path cast this weight (so that path ran under the
         current recipe): what ``te-dist train`` reports after its first step."""
-        return self._weight_copy is not None
+        return self._weight_copy.casts > 0
 
     def quantized_weight(self):
-        """The weight quantized under the current recipe, in both GEMM layouts, built once per
-        weight version: an optimizer step (an in-place update) bumps ``weight._version``."""
-        w = self.weight
+        """The weight quantized under the current recipe, in both GEMM layouts: cast anew unless
+        ``is_first_microbatch`` is False and the copy kept by an earlier forward is still valid
+        (:mod:`.weight_copy` says when)."""
+        flag = check_microbatch_flag(self.is_first_microbatch)
+        return self._weight_copy.get(self.weight, self._quantizers.settings_key, self._cast_weight, flag)
+
+    def _cast_weight(self):
+        w = self.weight.detach()
         q = self._quantizers
-        key = (w._version, w.data_ptr(), q.settings_key)
-        cached = self._weight_copy
-        if cached is not None and cached[0] == key:
-            return cached[1]
         if getattr(q.weight, "num_updates", None) == 0:
-            # DelayedScaling: the copy lives for the whole weight version, so it must not be cast with
-            # the initial scale (1, before any amax was seen): record this weight's amax first.
-            q.weight.observe(w.detach())
-        wq = kernels().prepare_quantized_weight(q.weight(w.detach(), rowwise=True, columnwise=True))
-        self._weight_copy = (key, wq)
-        return wq
+            # DelayedScaling: never cast with the initial scale (1, before any amax was seen): a kept copy
+            # serves every micro-batch of a step, so record this weight's amax first.
+            q.weight.observe(w)
+        return kernels().prepare_quantized_weight(q.weight(w, rowwise=True, columnwise=True))
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale`` (dy: the op's output gradient)."""

@@ -1,0 +1,96 @@
+"""The quantized copy of a weight, and when a forward may reuse it.
+
+A weight's quantized copy must equal the quantization of the weight's *current* values, whoever
+wrote them. Nothing cheap tells that a weight changed: fused torch optimizers, Megatron-Core's
+optimizers (writes through ``.data`` or into a flat parameter buffer) and ``p.data.copy_()`` leave
+``param._version`` alone. So the copy is cast at every forward, and reused only where the caller
+says the weights did not change: TransformerEngine's ``is_first_microbatch`` protocol, which
+Megatron-Core drives (``MegatronModule.set_is_first_microbatch`` sets it True on every module that
+has the attribute, once per optimizer step, when the config names an FP8/FP4 recipe).
+
+| ``op.is_first_microbatch`` | a forward on the native path |
+|---|---|
+| None (default) | casts the weight; keeps nothing |
+| True | casts and keeps the copy; the op then sets the attribute to False |
+| False | reuses the kept copy while it is valid, else casts and keeps |
+
+A kept copy is valid while the weight keeps its storage and version, the recipe settings are the
+same, and no torch optimizer has stepped since it was cast (a process-wide count, kept by a global
+``torch.optim`` step hook installed with the first kept copy): a False after an optimizer step still
+casts. What stays the caller's word: that nothing wrote the weight behind both autograd and every
+torch optimizer (``.data`` writes, a parameter-buffer all-gather) between its True and its False.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["WeightCopy", "optimizer_steps", "check_microbatch_flag", "set_first_microbatch"]
+
+_steps = [0]  # torch optimizer steps in this process, once the hook is installed
+_hook = [None]
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _steps[0] += 1
+
+
+def _install_step_hook() -> None:
+    if _hook[0] is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook[0] = register_optimizer_step_post_hook(_count_step)
+
+
+def optimizer_steps() -> int:
+    """Torch optimizer steps taken in this process since the first kept copy (0 before)."""
+    return _steps[0]
+
+
+def check_microbatch_flag(value) -> Optional[bool]:
+    """``is_first_microbatch`` must be None, True or False (a typo must not silently reuse a copy)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"is_first_microbatch must be None, True or False, got {value!r}")
+    return value
+
+
+def set_first_microbatch(model: torch.nn.Module, first: Optional[bool]) -> None:
+    """Set ``is_first_microbatch`` on every module of ``model`` that has it (what Megatron-Core's
+    ``set_is_first_microbatch`` does): a gradient-accumulation loop's True / False per micro-batch."""
+    check_microbatch_flag(first)
+    for module in model.modules():
+        if hasattr(module, "is_first_microbatch"):
+            module.is_first_microbatch = first
+
+
+class WeightCopy:
+    """One op's quantized weight copy and its reuse rule (the module docstring)."""
+
+    __slots__ = ("_key", "_copy", "casts")
+
+    def __init__(self):
+        self._key = None
+        self._copy = None
+        self.casts = 0  # casts made under the current recipe (what ``te-dist train`` reports)
+
+    def get(self, weight: torch.Tensor, settings_key: str, cast: Callable, is_first_microbatch: Optional[bool]):
+        """The copy for this forward: the kept one when ``is_first_microbatch`` is False and it is still
+        valid, else ``cast()`` (kept unless ``is_first_microbatch`` is None)."""
+        key = (weight._version, weight.data_ptr(), tuple(weight.shape), settings_key, _steps[0])
+        if is_first_microbatch is False and self._copy is not None and self._key == key:
+            return self._copy
+        copy = cast()
+        self.casts += 1
+        if is_first_microbatch is None:
+            self._key = self._copy = None
+            return copy
+        _install_step_hook()
+        self._key, self._copy = key, copy
+        return copy
+
+    @property
+    def kept(self) -> bool:
+        """True while a copy is kept for later micro-batches."""
+        return self._copy is not None
