@@ -1,31 +1,27 @@
-"""MoELayer forward+backward under each FP8 recipe against the same layer in bf16 (EP=1, one GPU).
+"""The FP8 MoE layer in a training step: weights written by the optimizer every step, so the weight cast is paid.
 
-    python benchmarks/fp8_layer.py [--configs mixtral,deepseek,qwen3] [--recipes current,delayed,block]
+    python benchmarks/fp8_layer.py [--configs mixtral,deepseek,qwen3_235b,qwen3_30b,gptoss]
+                                   [--recipes current,delayed,block] [--micro-batches 1,4] [--fixed]
 
-A recipe name with the suffix ``:bf16h`` (e.g. ``block:bf16h``) runs that recipe with
-``fp8_swiglu_input = False``: the grouped MLP keeps the SwiGLU input in bf16 instead of its FP8 copy.
-The suffix ``:tables`` (per-tensor recipes, e.g. ``current:tables``) runs their GEMMs on the
-block-scaled kernels with each one scale broadcast into block tables per call, the A/B baseline of
-the tensor-scaled kernels. The suffix ``:c<N>`` (e.g. ``block:c4``) runs every FP8 grouped GEMM on
-tile config N (``cutlass_kernels.fp8_block.FP8_CONFIGS``), a same-run A/B of a tile. The suffix
-``:grouped`` keeps every FP8 GEMM on the grouped kernels (no cuBLAS per expert,
-``te_dist/backends/fp8_selection.py``): the A/B of that choice. ``:tables`` and ``:c<N>`` keep them
-there too, since they compare variants of those kernels. The suffix ``:w<N>`` runs every wgrad on tile
-config N and leaves fwd and dgrad as chosen (``fp8_block.WGRAD_CONFIG``). The suffix ``:loop<G>`` (e.g.
-``current:loop25``) moves both of ``fp8_selection``'s per-expert thresholds to G GFLOP: the same-run A/B
-of where cuBLAS per expert takes over. The suffix ``:copy`` has the dispatcher copy the expert rows
-(``te_dist.moe.layer.GATHER_IN_EXPERTS = False``) instead of leaving the gather to the first GEMM,
-which under per-tensor recipes gathers FP8 bytes of the quantized tokens (te_dist.ops.RowGather).
+One optimizer step = M micro-batches of ``MoELayer`` forward + backward (EP=1, one GPU), gradients
+accumulated, then ``torch.optim.AdamW(fused=True)`` writes the weights (through no version bump: the
+case the FP8 weight copy must follow). With M > 1 the first micro-batch casts the FP8 weights and the
+others reuse them (``is_first_microbatch``, docs/quantization.md); with M = 1 every forward casts.
+Every arm (bf16 and each recipe) runs the same loop on the same layer, inputs and optimizer.
 
-Rows: one per (config, recipe). Columns: step time (median of --iters steps after --warmup, one
-forward+backward each, queued back to back, a CUDA event between steps; "max" is the slowest step,
-so a stall in the timed steps shows instead of moving the figure), speed against bf16 in the same
-run (bf16 time / recipe time), memory held for backward (allocated after the forward minus before it) against bf16's,
-the path the fused grouped MLP took (native: the quantized grouped kernels, emulated:
-fake-quantize then bf16) and the loss-free output difference against bf16 (relative Frobenius).
-Configs are the issue's: Mixtral-like (H 4096, F 14336, 8 experts, top-2, 4096 tokens),
-DeepSeek-like (H 7168, F 2048, 64 experts, top-8, 4096 tokens), Qwen3-30B-like (H 2048, F 768,
-128 experts, top-8, 8192 tokens).
+Columns per (config, recipe, M): the median over --iters optimizer steps (after --warmup) of
+  * ``mb ms``: fwd + bwd (+ the weight cast) per micro-batch, the optimizer left out;
+  * ``vs bf16``: bf16's ``mb ms`` over this arm's (the issue's headline ratio);
+  * ``+opt vs bf16``: the same ratio with the optimizer step's time counted (per micro-batch share);
+  * ``path``: native (the quantized grouped kernels ran) or emulated (fake-quantize, then bf16);
+  * ``diff``: the first step's output against bf16's (relative Frobenius).
+``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
+every forward (the old fixed-weight figure; not a training step).
+
+Configs (expert shapes; tokens per micro-batch): Mixtral-like (H 4096, F 14336, E 8, top-2, 4096),
+DeepSeek-like (H 7168, F 2048, E 64, top-8, 4096), Qwen3-235B-like (H 4096, F 1536, E 128, top-8,
+8192), Qwen3-30B-like (H 2048, F 768, E 128, top-8, 8192), gpt-oss-like (H 2880, F 2880, E 32, top-4,
+4096). Timing: CUDA events around each phase, steps queued back to back.
 """
 
 from __future__ import annotations
@@ -37,58 +33,73 @@ import statistics
 import torch
 
 import te_dist as td
-from cutlass_kernels import fp8_block
-from te_dist.backends import fp8_selection
 from te_dist.moe import MoELayer
-from te_dist.moe import layer as moe_layer
 from te_dist.recipe import recipe_from_name
-
-from scale_tables import scale_tables  # beside this file: the script's directory is on sys.path
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=4096),
     "deepseek": dict(hidden=7168, ffn=2048, experts=64, top_k=8, tokens=4096),
-    "qwen3": dict(hidden=2048, ffn=768, experts=128, top_k=8, tokens=8192),
+    "qwen3_235b": dict(hidden=4096, ffn=1536, experts=128, top_k=8, tokens=8192),
+    "qwen3_30b": dict(hidden=2048, ffn=768, experts=128, top_k=8, tokens=8192),
+    "gptoss": dict(hidden=2880, ffn=2880, experts=32, top_k=4, tokens=4096),
 }
 
 
-def step_stats(layer, x, recipe, iters, warmup):
-    def step():
-        layer.zero_grad(set_to_none=True)  # as a training loop does: backward assigns, no accumulation
-        x.grad = None
-        with td.autocast(recipe=recipe):
-            y = layer(x)
-        y.backward(grad)
-        return y
+class Arm:
+    """One recipe's training loop on a shared layer: its own optimizer state, the same inputs."""
 
-    grad = torch.randn_like(x)
+    def __init__(self, layer, recipe, micro_batches, fixed=False):
+        self.layer, self.recipe, self.micro, self.fixed = layer, recipe, micro_batches, fixed
+        params = [p for p in layer.parameters() if p.requires_grad]
+        self.optimizer = None if fixed else torch.optim.AdamW(params, lr=1e-5, fused=True)
+        layer.is_first_microbatch = True if fixed else None  # fixed: cast once, then reuse (nothing writes)
+
+    def step(self, xs, grads, events):
+        """One optimizer step; ``events``: (start, after the micro-batches, after the optimizer)."""
+        layer = self.layer
+        events[0].record()
+        out = None
+        for i, (x, g) in enumerate(zip(xs, grads)):
+            if self.micro > 1 and not self.fixed:
+                layer.is_first_microbatch = i == 0
+            with td.autocast(recipe=self.recipe):
+                y = layer(x)
+            y.backward(g)
+            out = y if out is None else out
+        events[1].record()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            layer.zero_grad(set_to_none=True)
+        events[2].record()
+        return out
+
+
+def run_arm(arm, xs, grads, iters, warmup):
+    """(median fwd+bwd ms per micro-batch, median optimizer ms per step, first output, native path ran)."""
+    first = None
     for _ in range(warmup):
-        step()
+        y = arm.step(xs, grads, [torch.cuda.Event(enable_timing=True) for _ in range(3)])
+        first = y.detach() if first is None else first
     torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    events[0].record()
-    for i in range(iters):
-        y = step()
-        events[i + 1].record()
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    for events in marks:
+        arm.step(xs, grads, events)
     torch.cuda.synchronize()
-    times = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-    ms, slowest = statistics.median(times), max(times)
-    # memory held between forward and backward
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    with td.autocast(recipe=recipe):
-        y2 = layer(x)
-    held = torch.cuda.memory_allocated() - before
-    y2.backward(grad)
-    native = layer.fc1.has_native_weight_copy
-    return ms, slowest, held, y.detach(), native
+    mb = statistics.median(a.elapsed_time(b) for a, b, _ in marks) / arm.micro
+    opt = statistics.median(b.elapsed_time(c) for _, b, c in marks)
+    native = arm.recipe is not None and arm.layer.fc1.has_native_weight_copy
+    return mb, opt, first, native
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", default="mixtral,deepseek,qwen3")
+    p.add_argument("--configs", default="mixtral,deepseek,qwen3_235b,qwen3_30b,gptoss")
     p.add_argument("--recipes", default="current,delayed,block")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--micro-batches", default="1,4")
+    p.add_argument("--fixed", action="store_true", help="add the fixed-weight rows (weights never written)")
+    p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -97,56 +108,35 @@ def main():
         c = CONFIGS[name]
         torch.manual_seed(0)
         layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], dtype=torch.bfloat16, device="cuda")
-        x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        base_ms, base_max, base_held, base_y, _ = step_stats(layer, x, None, args.iters, args.warmup)
-        rows.append(dict(config=name, recipe="bf16", ms=base_ms, max_ms=base_max, speed=1.0, held_gb=base_held / 1e9,
-                         mem=1.0, path="-", diff=0.0))
-        for rname in args.recipes.split(","):
-            base_name, _, option = rname.partition(":")
-            recipe = recipe_from_name(base_name)
-            config = None
-            wgrad_config = fp8_block.WGRAD_CONFIG
-            loop_gflop = None
-            if option == "bf16h":
-                recipe.fp8_swiglu_input = False
-            elif option.startswith("c") and option[1:].isdigit():
-                config = int(option[1:])
-            elif option.startswith("w") and option[1:].isdigit():
-                wgrad_config = int(option[1:])
-            elif option.startswith("loop") and option[4:].isdigit():
-                loop_gflop = int(option[4:])
-            elif option not in ("", "tables", "grouped", "copy"):
-                raise SystemExit(f"unknown recipe option {option!r} in {rname!r} (known: bf16h, tables, grouped, copy, "
-                                 "c<N>, w<N>, loop<G>)")
-            fp8_block.CONFIG_OVERRIDE = config
-            default_wgrad, fp8_block.WGRAD_CONFIG = fp8_block.WGRAD_CONFIG, wgrad_config
-            loop_min = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT, fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK
-            if option in ("grouped", "tables") or config is not None:
-                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK = float("inf")
-            elif loop_gflop is not None:
-                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK = loop_gflop * 1e9
-            moe_layer.GATHER_IN_EXPERTS = option != "copy"
-            try:
-                with scale_tables(option == "tables"):
-                    ms, slowest, held, y, native = step_stats(layer, x, recipe, args.iters, args.warmup)
-            finally:
-                fp8_block.CONFIG_OVERRIDE = None
-                fp8_block.WGRAD_CONFIG = default_wgrad
-                fp8_selection.LOOP_MIN_FLOP_PER_EXPERT, fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK = loop_min
-                moe_layer.GATHER_IN_EXPERTS = True
-            diff = ((y.float() - base_y.float()).norm() / base_y.float().norm()).item()
-            rows.append(dict(config=name, recipe=rname, ms=ms, max_ms=slowest, speed=base_ms / ms,
-                             held_gb=held / 1e9, mem=held / max(base_held, 1), path="native" if native else "emulated",
-                             diff=diff))
-            print(f"row {name} {rname} {base_ms / ms:.3f}x mem {held / max(base_held, 1):.3f}", flush=True)
-        del layer, x
+        for micro in map(int, args.micro_batches.split(",")):
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            xs = [torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(micro)]
+            grads = [torch.randn_like(x) for x in xs]
+            arms = [("bf16", None, False)] + [(r, r, False) for r in args.recipes.split(",")]
+            if args.fixed and micro == 1:
+                arms += [(f"{r}:fixed", r, True) for r in args.recipes.split(",")]
+            base = None
+            for label, rname, fixed in arms:
+                recipe = None if rname is None else recipe_from_name(rname)
+                mb, opt, y, native = run_arm(Arm(layer, recipe, micro, fixed), xs, grads, args.iters, args.warmup)
+                if base is None:
+                    base = (mb, opt, y)
+                diff = ((y.float() - base[2].float()).norm() / base[2].float().norm()).item()
+                row = dict(config=name, recipe=label, micro_batches=micro, mb_ms=mb, opt_ms=opt,
+                           speed=base[0] / mb, speed_opt=(base[0] + base[1] / micro) / (mb + opt / micro),
+                           path="-" if recipe is None else ("native" if native else "emulated"), diff=diff)
+                rows.append(row)
+                print(f"row {name} {label} M={micro} {row['speed']:.3f}x (+opt {row['speed_opt']:.3f}x) "
+                      f"{row['path']}", flush=True)
+        del layer
         torch.cuda.empty_cache()
-    print(f"\nMoELayer fwd+bwd, EP=1, {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'config':<9} {'recipe':<12} {'ms':>8} {'max':>8} {'vs bf16':>8} {'held GB':>8} {'mem/bf16':>8} "
+    print(f"\nMoELayer training step, EP=1, {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    print(f"{'config':<11} {'recipe':<14} {'M':>2} {'mb ms':>8} {'opt ms':>8} {'vs bf16':>8} {'+opt vs bf16':>12} "
           f"{'path':>9} {'diff':>8}")
     for r in rows:
-        print(f"{r['config']:<9} {r['recipe']:<12} {r['ms']:8.2f} {r['max_ms']:8.2f} {r['speed']:7.2f}x "
-              f"{r['held_gb']:8.2f} {r['mem']:8.2f} {r['path']:>9} {r['diff']:8.1e}")
+        print(f"{r['config']:<11} {r['recipe']:<14} {r['micro_batches']:>2} {r['mb_ms']:8.2f} {r['opt_ms']:8.2f} "
+              f"{r['speed']:7.2f}x {r['speed_opt']:11.2f}x {r['path']:>9} {r['diff']:8.1e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -89,8 +89,9 @@ def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
                                wq.rowwise.scale_inv.contiguous(), wq)
     if isinstance(wq, Float8Tensor):
         s = wq.scale_inv.reshape(1, 1, 1).float()
-        return QuantizedWeight(wq.data, s.expand(E, K // BLOCK, N // BLOCK).contiguous(),
-                               wq.data.transpose(1, 2).contiguous(), s.expand(E, N // BLOCK, K // BLOCK).contiguous(), wq)
+        # the dgrad layout: the data_t the cast wrote in the same pass (columnwise usage), else a transpose
+        return QuantizedWeight(wq.data, s.expand(E, K // BLOCK, N // BLOCK).contiguous(), wq.transpose_data(),
+                               s.expand(E, N // BLOCK, K // BLOCK).contiguous(), wq)
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor weights, received {type(wq).__name__}")
 
 

@@ -12,8 +12,9 @@ New tensors are assigned only after every step succeeded, so an error leaves the
 On CUDA the casts run as fused Triton kernels when available (see :mod:`.fused`): DelayedScaling
 casts and records amax in one pass, then one tiny kernel updates history and scale; current
 scaling runs an amax pass and a cast pass that derives the scale on the device. Asked for the
-columnwise usage of a 2-D x, the cast pass also writes the transposed data (``data_t``, the wgrad
-operand) from the same read.
+columnwise usage of x [..., R, C] (R % 4 == 0), the cast pass also writes the transposed data
+(``data_t``: each matrix transposed; an activation's wgrad operand, a weight's dgrad operand) from the
+same read.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         kernels = fused_casts_for(x)
         if self._fusable():
             args = (x, self.scale, self.amax_history, self.fp8_dtype, self.fmt_max, self.margin, self.amax_compute_algo)
-            if kernels is not None and columnwise and x.dim() == 2:  # the transposed data from the same pass
+            if kernels is not None and columnwise and x.dim() >= 2:  # the transposed data from the same pass
                 key = ("delayed_scaling_step_rowcol", x.dtype, self.fp8_dtype, self.amax_compute_algo)
                 result = run_fused(key, kernels.delayed_scaling_step_rowcol, *args)
                 if result is not None:
@@ -174,7 +175,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
     def _quantize(self, x, rowwise, columnwise, hadamard):
         kernels = fused_casts_for(x)
         key = (x.dtype, self.fp8_dtype, self.use_power_2_scales)
-        rowcol = kernels is not None and columnwise and x.dim() == 2  # the transposed data from the cast pass
+        rowcol = kernels is not None and columnwise and x.dim() >= 2  # the transposed data from the cast pass
         if self.group is None:
             result = None
             if rowcol:

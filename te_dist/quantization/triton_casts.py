@@ -66,6 +66,10 @@ _F32_INF_BITS = tl.constexpr(0x7F800000)
 # still moves >= 8-16 KB of bf16 input and issues one amax atomic.
 _PT_BLOCK, _PT_ITERS, _PT_WARPS = 2048, 4, 4  # per-tensor: 8192 elements per program
 _PT_TILE = (64, 128, 4)  # FP8 byte transpose: rows, columns per program, warps
+# per-tensor cast writing both copies: rows, columns per program, warps. (64, 128, 4) wrote wrong bytes on
+# an H100 with Triton 3.6 (bit-exact in the interpreter): tests/quantization/test_triton_casts.py keeps
+# every swept tile under the GPU check
+_PT_ROWCOL = (128, 128, 8)
 # rowwise-only 1xG blocks are consecutive runs of G elements in memory: the kernel streams x as a flat
 # [blocks, G] array. group -> (blocks per sub-tile, sub-tiles per program, warps): 2048 elements per sub-tile
 _ROWS_TILE = {128: (16, 4, 4), 32: (64, 4, 4)}
@@ -178,6 +182,36 @@ def _roll_history(amax_bits, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, n
 
 
 @triton.jit
+def _per_tensor_multiplier(first, scale_ptr, amax_ptr, scale_inv_ptr, FMT_MAX: tl.constexpr,
+                           SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr):
+    """The cast's scale: read from ``scale_ptr``, or derived from the amax bits at ``amax_ptr`` (then
+    the ``first`` program writes scale_inv)."""
+    if SCALE_FROM_AMAX:
+        scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
+        if first:
+            tl.store(scale_inv_ptr, _recip(scale))
+    else:
+        scale = tl.load(scale_ptr)
+    return scale
+
+
+@triton.jit
+def _record_amax(amax_bits, num_programs, amax_ptr, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr,
+                 new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX: tl.constexpr, UPDATE: tl.constexpr,
+                 ALGO_MAX: tl.constexpr, HIST_BLOCK: tl.constexpr, HIST_ITERS: tl.constexpr):
+    """This program's amax into ``amax_ptr``; with UPDATE the program that finishes last (a counter at
+    ``amax_ptr + 1``, zeroed with the amax) rolls the history. Each program's amax goes out before its
+    counter increment (one thread issues both; acq_rel orders them), and the last program reads the
+    amax with an atomic, after every other program's increment."""
+    tl.atomic_max(amax_ptr, amax_bits, sem="relaxed")
+    if UPDATE:
+        if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == num_programs - 1:
+            _roll_history(tl.atomic_add(amax_ptr, 0, sem="acquire"), hist_ptr, scale_ptr, new_hist_ptr,
+                          new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK,
+                          HIST_ITERS)
+
+
+@triton.jit
 def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n, hist_ptr, new_hist_ptr,
                             new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
                             FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
@@ -187,22 +221,14 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
     """out = fp8(clamp(x * scale)); the scale is read from ``scale_ptr`` or derived from the amax
     bits at ``amax_ptr`` (program 0 then writes scale_inv); RECORD_AMAX accumulates amax(x) there.
 
-    UPDATE (delayed scaling, with RECORD_AMAX): the program that finishes last (a counter at
-    ``amax_ptr + 1``, zeroed with the amax) rolls amax(x) into the history and writes the next scale
-    (``_roll_history``), so a cast and its update are one launch. Each program's amax goes out before
-    its counter increment (one thread issues both; acq_rel orders them), and the last program reads the
-    amax with an atomic, after every other program's increment.
+    UPDATE (delayed scaling, with RECORD_AMAX): the last program rolls amax(x) into the history and
+    writes the next scale (``_record_amax``), so a cast and its update are one launch.
 
     REVERSE walks x from its end: right after an amax pass, the tail that pass read last is still
     in L2, so the cast's first programs read it from there instead of from HBM."""
     pid = tl.program_id(0)
     chunk = tl.num_programs(0) - 1 - pid if REVERSE else pid
-    if SCALE_FROM_AMAX:
-        scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
-        if pid == 0:
-            tl.store(scale_inv_ptr, _recip(scale))
-    else:
-        scale = tl.load(scale_ptr)
+    scale = _per_tensor_multiplier(pid == 0, scale_ptr, amax_ptr, scale_inv_ptr, FMT_MAX, SCALE_FROM_AMAX, POWER_2)
     base = chunk.to(tl.int64) * (BLOCK * ITERS)
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for i in range(ITERS):
@@ -214,12 +240,56 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
         if RECORD_AMAX:
             acc = tl.maximum(acc, _abs_bits(x))
     if RECORD_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(acc, axis=0), sem="relaxed")
-        if UPDATE:
-            if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-                _roll_history(tl.atomic_add(amax_ptr, 0, sem="acquire"), hist_ptr, scale_ptr, new_hist_ptr,
-                              new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK,
-                              HIST_ITERS)
+        _record_amax(tl.max(acc, axis=0), tl.num_programs(0), amax_ptr, hist_ptr, scale_ptr, new_hist_ptr,
+                     new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, UPDATE, ALGO_MAX, HIST_BLOCK,
+                     HIST_ITERS)
+
+
+@triton.jit
+def _cast_per_tensor_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, R, C, hist_ptr,
+                                   new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
+                                   FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
+                                   RECORD_AMAX: tl.constexpr, UPDATE: tl.constexpr, ALGO_MAX: tl.constexpr,
+                                   TR: tl.constexpr, TC: tl.constexpr, HIST_BLOCK: tl.constexpr,
+                                   HIST_ITERS: tl.constexpr):
+    """:func:`_cast_per_tensor_kernel` writing both copies of x [B, R, C] (R % 4 == 0) from one read:
+    out [B, R, C] and out_t [B, C, R], each matrix transposed (a weight's fprop and dgrad operands).
+
+    A program owns TR rows x TC columns of one matrix, read as four row sets x_j = rows 4a+j
+    ([TR/4, TC]). Each set is cast in its load layout and stored as the rowwise copy; its FP8 bytes are
+    packed into uint32 words (the byte of row 4a+j at bit 8j), and only these words are transposed and
+    stored, rows contiguous: no single-byte shuffle, no FP8 conversion of a transposed tile (both went
+    wrong or slow before: ``_cast_tile_kernel``'s docstring)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    tiles_r = tl.cdiv(R, TR)
+    b = pid_r // tiles_r
+    r0 = (pid_r - b * tiles_r) * TR
+    scale = _per_tensor_multiplier((pid_r == 0) & (pid_c == 0), scale_ptr, amax_ptr, scale_inv_ptr, FMT_MAX,
+                                   SCALE_FROM_AMAX, POWER_2)
+    A: tl.constexpr = TR // 4
+    r4 = r0 + 4 * tl.arange(0, A)  # the first row of each word
+    c = pid_c * TC + tl.arange(0, TC)
+    mask = (r4 < R)[:, None] & (c < C)[None, :]  # R % 4 == 0: rows 4a+1..4a+3 exist where 4a does
+    base = b.to(tl.int64) * R * C
+    w = tl.zeros((A, TC), dtype=tl.uint32)
+    acc = tl.zeros((A, TC), dtype=tl.int32)
+    for j in tl.static_range(4):
+        offs = base + (r4 + j)[:, None].to(tl.int64) * C + c[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _saturate(x * scale, FMT_MAX).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, y, mask=mask)
+        w = w | (y.to(tl.uint8, bitcast=True).to(tl.uint32) << (8 * j))
+        if RECORD_AMAX:
+            acc = tl.maximum(acc, _abs_bits(x))
+    words = r0 // 4 + tl.arange(0, A)  # word index along R (row // 4), from an arange: a vectorized store
+    dst = out_t_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + b.to(tl.int64) * C * (R // 4)
+    tl.store(dst + c[:, None].to(tl.int64) * (R // 4) + words[None, :], tl.permute(w, (1, 0)),
+             mask=(c < C)[:, None] & (words < R // 4)[None, :])
+    if RECORD_AMAX:
+        _record_amax(tl.max(tl.max(acc, axis=1), axis=0), tl.num_programs(0) * tl.num_programs(1), amax_ptr,
+                     hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
+                     FMT_MAX, UPDATE, ALGO_MAX, HIST_BLOCK, HIST_ITERS)
 
 
 @triton.jit
@@ -439,26 +509,39 @@ def _per_tensor_grid(n: int):
     return (max(1, cdiv(n, _PT_BLOCK * _PT_ITERS)),)
 
 
-def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
-                 reverse=False, update=None):
-    """``update``: (history, new_history, new_scale, new_scale_inv, margin, algo) of a delayed-scaling
-    cast whose last program rolls the history (``amax_bits`` then holds a zeroed counter after the amax)."""
+def _cast_args(scale, amax_bits, scale_inv, update):
+    """(pointer args, history args, history constexprs) shared by the per-tensor cast kernels.
+    ``update``: (history, new_history, new_scale, new_scale_inv, margin, algo) of a delayed-scaling cast
+    whose last program rolls the history (``amax_bits`` then holds a zeroed counter after the amax)."""
     dummy = amax_bits if amax_bits is not None else scale
-    n = x.numel()
+    pointers = (scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
+                scale_inv if scale_inv is not None else dummy)
     if update is None:
-        hist = (dummy, dummy, dummy, dummy, 0, 1.0)
-        algo_max, hist_block, hist_len = False, 16, 0
-    else:
-        history, new_history, new_scale, new_scale_inv, margin, algo = update
-        hist_len = history.numel()
-        hist = (history, new_history, new_scale, new_scale_inv, hist_len, math.ldexp(1.0, -margin))
-        algo_max, hist_block = algo == "max", min(1024, next_power_of_2(max(hist_len, 1)))
-    launch(_cast_per_tensor_kernel, _per_tensor_grid(n),
-           x, out, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
-           scale_inv if scale_inv is not None else dummy, n, *hist,
-           FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
-           UPDATE=update is not None, ALGO_MAX=algo_max, BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, HIST_BLOCK=hist_block,
-           HIST_ITERS=cdiv(hist_len, hist_block), num_warps=_PT_WARPS)
+        return pointers, (dummy, dummy, dummy, dummy, 0, 1.0), dict(UPDATE=False, ALGO_MAX=False, HIST_BLOCK=16,
+                                                                     HIST_ITERS=0)
+    history, new_history, new_scale, new_scale_inv, margin, algo = update
+    hist_len = history.numel()
+    hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
+    return pointers, (history, new_history, new_scale, new_scale_inv, hist_len, math.ldexp(1.0, -margin)), dict(
+        UPDATE=True, ALGO_MAX=algo == "max", HIST_BLOCK=hist_block, HIST_ITERS=cdiv(hist_len, hist_block))
+
+
+def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
+                 reverse=False, update=None, out_t=None, tile=None):
+    """The per-tensor cast of x into ``out``; with ``out_t`` (x [..., R, C], R % 4 == 0) also the
+    transposed copy [..., C, R] from the same read (``tile``: (rows, columns, warps), default _PT_ROWCOL)."""
+    pointers, hist, hist_consts = _cast_args(scale, amax_bits, scale_inv, update)
+    consts = dict(FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, **hist_consts)
+    if out_t is None:
+        n = x.numel()
+        launch(_cast_per_tensor_kernel, _per_tensor_grid(n), x, out, *pointers, n, *hist, REVERSE=reverse,
+               BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS, **consts)
+        return
+    rows, cols = x.shape[-2], x.shape[-1]
+    matrices = x.numel() // (rows * cols)
+    tr, tc, warps = tile or _PT_ROWCOL
+    launch(_cast_per_tensor_rowcol_kernel, (matrices * cdiv(rows, tr), cdiv(cols, tc)), x, out, out_t, *pointers,
+           rows, cols, *hist, TR=tr, TC=tc, num_warps=warps, **consts)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:
@@ -475,13 +558,20 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     return _amax_bits(x.contiguous()).view(torch.float32).reshape(())
 
 
-def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool):
-    """The cast pass: the kernel derives ``per_tensor_scale`` from amax bits in device memory."""
+def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool, *, transposed=False, tile=None):
+    """The cast pass: the kernel derives ``per_tensor_scale`` from amax bits in device memory. Returns
+    (data, scale_inv), or (data, data_t, scale_inv) when ``transposed``."""
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    data_t = _transposed_like(data) if transposed else None
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True,
-                 power_2=power_2, record=False, reverse=True)  # x's tail is in L2 after its amax pass
-    return data, scale_inv
+    _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True, power_2=power_2,
+                 record=False, reverse=True,  # x's tail is in L2 after its amax pass
+                 out_t=data_t, tile=tile)
+    return (data, data_t, scale_inv) if transposed else (data, scale_inv)
+
+
+def _transposed_like(data: torch.Tensor) -> torch.Tensor:
+    return torch.empty((*data.shape[:-2], data.shape[-1], data.shape[-2]), dtype=data.dtype, device=data.device)
 
 
 @_on_x_device
@@ -509,9 +599,10 @@ def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
     return data, bits.view(torch.float32).reshape(())
 
 
-def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
-    """One launch: the cast with ``scale``, amax(x), and (its last program) the history roll into NEW
-    (history, scale, scale_inv)."""
+def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str, *, transposed=False,
+                  tile=None):
+    """One launch: the cast with ``scale`` (and its transposed copy when ``transposed``), amax(x), and
+    (its last program) the history roll into NEW (history, scale, scale_inv)."""
     if algo not in ("max", "most_recent"):
         raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
     x = x.contiguous()
@@ -520,65 +611,67 @@ def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, alg
     dev = x.device
     bits = torch.zeros(2, dtype=torch.int32, device=dev)  # amax bits, programs finished
     data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+    data_t = _transposed_like(data) if transposed else None
     new_history = torch.empty(history.numel(), dtype=torch.float32, device=dev)
     new_scale = torch.empty((), dtype=torch.float32, device=dev)
     new_scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     _launch_cast(x, data, scale=_scalar_f32(scale), amax_bits=bits, fmt_max=fmt_max, from_amax=False, power_2=False,
-                 record=True, update=(history, new_history, new_scale, new_scale_inv, margin, algo))
-    return data, new_history, new_scale, new_scale_inv
+                 record=True, update=(history, new_history, new_scale, new_scale_inv, margin, algo), out_t=data_t,
+                 tile=tile)
+    return (data, data_t) if transposed else (data,), (new_history, new_scale, new_scale_inv)
 
 
 @_on_x_device
 def delayed_scaling_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
     """cast.delayed_scaling_step: one cast+amax pass, then one tiny update kernel.
     Returns NEW (data, history, scale, scale_inv); the inputs are not modified."""
-    return _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
+    (data,), update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
+    return (data, *update)
 
 
 def _rowcol_layout(x: torch.Tensor) -> None:
-    if x.dim() != 2 or x.shape[0] % 4:
-        raise UnsupportedLayout(f"the per-tensor cast with a transposed copy takes x [R, C] with R % 4 == 0, "
-                                f"got shape {tuple(x.shape)}")
+    if x.dim() < 2 or x.shape[-2] % 4 or not x.numel():
+        raise UnsupportedLayout(f"the per-tensor cast with a transposed copy takes a non-empty x [..., R, C] with "
+                                f"R % 4 == 0, got shape {tuple(x.shape)}")
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """``data.t().contiguous()`` for 2-D FP8 data [R, C] with R % 4 == 0, in one pass of whole words."""
+    if data.dim() != 2:
+        raise UnsupportedLayout(f"the FP8 byte transpose takes 2-D data, got shape {tuple(data.shape)}")
     _rowcol_layout(data)
     rows, cols = data.shape
     out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
-    if rows and cols:
-        tr, tc, warps = _PT_TILE
-        launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc)),
-               data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
+    tr, tc, warps = _PT_TILE
+    launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc)),
+           data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
     return out
 
 
 @_on_x_device
-def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool):
-    """:func:`current_scaling_quantize` plus the transposed data (x [R, C], R % 4 == 0).
-    Returns (data, data_t, scale_inv)."""
+def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool, *, tile=None):
+    """:func:`current_scaling_quantize` plus the transposed data (x [..., R, C], R % 4 == 0): an amax
+    pass, then one pass writing both copies. Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
     x = x.contiguous()
-    data, scale_inv = _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
-    return data, transpose_fp8(data), scale_inv
+    return _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2, transposed=True, tile=tile)
 
 
 @_on_x_device
-def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
-    """:func:`cast_from_amax` plus the transposed data. Returns (data, data_t, scale_inv)."""
+def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool, *, tile=None):
+    """:func:`cast_from_amax` plus the transposed data, from one pass. Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    data, scale_inv = _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max,
-                                           power_2)
-    return data, transpose_fp8(data), scale_inv
+    return _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max, power_2,
+                                transposed=True, tile=tile)
 
 
 @_on_x_device
-def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
-    """:func:`delayed_scaling_step` plus the transposed data (x [R, C], R % 4 == 0).
+def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str, *, tile=None):
+    """:func:`delayed_scaling_step` plus the transposed data (x [..., R, C], R % 4 == 0), from one pass.
     Returns NEW (data, data_t, history, scale, scale_inv)."""
     _rowcol_layout(x)
-    data, *update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
-    return (data, transpose_fp8(data), *update)
+    data, update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo, transposed=True, tile=tile)
+    return (*data, *update)
 
 
 def _split_shape(x: torch.Tensor):
@@ -586,7 +679,7 @@ def _split_shape(x: torch.Tensor):
     return tuple(lead), math.prod(lead) * rows, rows, cols
 
 
-def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None):
+def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None, tile=None):
     """_cast_tile_kernel over x [m, cols] (m = B*rows; with ``gather``, the rows ``gather`` of a 2-D x,
     m = rows = its length); a copy not asked for gets the other's tensors as placeholders (never written).
 
@@ -601,7 +694,7 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None):
         row = (torch.empty((*lead, rows, cols), dtype=col[0].dtype, device=x.device),
                torch.empty(scale_shape, dtype=col[1].dtype, device=x.device))
         consts = {**consts, "ROW": True}
-    ng, sub, warps = _TILE[(group, square)]
+    ng, sub, warps = tile or _TILE[(group, square)]
     row_data, row_s = row if row[0] is not None else col
     col_data, col_s = col if col[0] is not None else row
     launch(_cast_tile_kernel, (m // group, cdiv(cols // group, ng)),
@@ -656,7 +749,8 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
 
 @_on_x_device
 def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: float, power_2: bool, *,
-                    rowwise: bool = True, columnwise: bool = False, col_scales_t: bool = False, gather=None):
+                    rowwise: bool = True, columnwise: bool = False, col_scales_t: bool = False, gather=None,
+                    tile=None):
     """cast.cast_fp8_blocks for 1x128 and 128x128 blocks, rowwise and/or columnwise in one pass.
 
     Returns (row_data, row_scale_inv, col_data, col_scale_inv) (None for a copy not asked for);
@@ -664,7 +758,7 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
     ``col_scales_t`` (1x128 blocks, 2-D x) col_scale_inv is M-major: [rows/128 + 1, cols], its
     first rows/128 rows that copy's scales transposed, the last row zeros. ``gather`` (1x128 blocks,
     2-D x, columnwise): the copies of rows ``gather`` of x (int64, negative: a zero row), as if that
-    gathered matrix were x."""
+    gathered matrix were x. ``tile``: a 128x128 cast's (NG, SUB, warps) instead of ``_TILE``'s (a sweep)."""
     if (block_rows, block_cols) == (1, 128):
         return _one_d_blocks(x, 128, fp8_dtype, fmt_max, power_2=power_2, mx=False, emax=0, margin=0,
                              scale_dtype=torch.float32, rowwise=rowwise, columnwise=columnwise,
@@ -691,7 +785,7 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
     if m and cols:
         consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=False, EMAX=0, MARGIN=0, G=t, ROW=rowwise, COL=columnwise,
                       COL_T=False)
-        _launch_tile(x, row, col, m, rows, cols, consts, square=True)
+        _launch_tile(x, row, col, m, rows, cols, consts, square=True, tile=tile)
     return (*row, *col)
 
 

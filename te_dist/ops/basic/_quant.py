@@ -14,6 +14,8 @@ block orientation of the wgrad operands differs (see docs/fusion.md, "Limitation
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["GemmQuantizers", "fake_quantize_or_identity"]
 
 _ROLES = ("input", "weight", "grad_output")
@@ -50,8 +52,18 @@ class GemmQuantizers:
 
 
 def fake_quantize_or_identity(x, quantizer):
+    """x fake-quantized by ``quantizer`` (x itself without one). A shape off the quantizer's block grid
+    (an expert dim of 2880 under 128-wide blocks) is padded with zeros to the grid and sliced back:
+    zeros change no block's scale, so every real element gets the value an exact tiling would give,
+    and a layer's forward never raises for its feature sizes."""
     if quantizer is None:
         return x
     from ...quantization import fake_quantize
 
-    return fake_quantize(x, quantizer)
+    rows_multiple, cols_multiple = quantizer.block_shape
+    rows, cols = (x.shape[-2] if x.dim() > 1 else None), x.shape[-1]
+    pad_rows, pad_cols = (0 if rows is None else -rows % rows_multiple), -cols % cols_multiple
+    if not (pad_rows or pad_cols):
+        return fake_quantize(x, quantizer)
+    out = fake_quantize(torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows)), quantizer)
+    return out[..., :cols] if rows is None else out[..., :rows, :cols]

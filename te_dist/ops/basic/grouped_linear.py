@@ -30,6 +30,7 @@ the bf16 GEMM), which is also the reference and the path of every ``backward_ove
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -130,6 +131,7 @@ def split_rows(split_sizes):
 
 
 _last_alignment = (None, None)  # (the last sizes tuple, its alignment): one entry, replaced whole
+_said_emulated: set = set()  # (recipe type, reason) already warned about in this process
 
 
 def host_split_alignment(group_sizes) -> Optional[int]:
@@ -302,6 +304,8 @@ class GroupedLinear(BasicOperation):
             native = self.native_path(x, group_sizes)
         if native:
             return self._quantized_forward(ctx, x, groups, rows)
+        if x.is_cuda and q.backward_override is None:
+            self._say_emulated(x)
         xq = fake_quantize_or_identity(x, q.input)
         wq_EKN = fake_quantize_or_identity(w, q.weight).transpose(1, 2)
         y = kernels().grouped_mm_forward(
@@ -311,6 +315,21 @@ class GroupedLinear(BasicOperation):
         saved_x, saved_w = (xq, wq_EKN) if q.save_quantized_operands else (x, w.transpose(1, 2))
         self._save(ctx, saved_x, None, saved_w, groups, rows)
         return y
+
+    def _say_emulated(self, x) -> None:
+        """Warn once per process and reason that an FP8 recipe runs the emulated path on a GPU (fake-quantize,
+        then the bf16 GEMM: slower than bf16 alone), naming the path and why."""
+        recipe = self._quantizers.recipe
+        if not self._native_shape_ok:
+            why = (f"expert features {self.in_features} -> {self.out_features} are not multiples of 128, the FP8 "
+                   "kernels' scale block")
+        else:
+            why = support().explain_path(recipe, x.dtype, device=x.device)[1]
+        key = (type(recipe).__name__, why)
+        if key not in _said_emulated:
+            _said_emulated.add(key)
+            warnings.warn(f"te_dist: {type(recipe).__name__} expert GEMMs on {x.device} run the emulated path "
+                          f"(fake-quantize, then the bf16 GEMM; slower than bf16): {why}", stacklevel=2)
 
     def _save(self, ctx, x, row_scale, w, groups, rows=(None, None)) -> None:
         """``rows``: (rows_in, rows_out) of the forward (backward maps the gradients through them)."""
