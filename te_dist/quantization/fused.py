@@ -123,12 +123,13 @@ def run_fused(key: tuple, fn: Callable, *args, **kwargs):
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
-    """``data.t().contiguous()`` of 2-D FP8 data: the Triton byte transpose on CUDA where the fused casts
-    run (torch's transpose copy moves one byte per access, ~8x slower on H200), else torch's."""
+    """``data.transpose(-1, -2).contiguous()`` of FP8 data (each matrix of a stack): the Triton byte
+    transpose on CUDA where the fused casts run (torch's transpose copy moves one byte per access), else
+    torch's."""
     if _state["enabled"] is not False and data.is_cuda and _device_ok(data.device):
         module = _load()[0]
         if module is not None:
             out = run_fused(("transpose_fp8",), module.transpose_fp8, data)
             if out is not None:
                 return out
-    return data.t().contiguous()
+    return data.transpose(-1, -2).contiguous()

@@ -97,11 +97,9 @@ class Float8Tensor(QuantizedTensor):
             raise ValueError(f"transpose_data needs at least 2 dims, got shape {tuple(self.shape)}")
         if self.data_t is not None:
             return self.data_t
-        if self.data.dim() == 2:
-            from .fused import transpose_fp8  # the Triton byte transpose where the fused casts run
+        from .fused import transpose_fp8  # the Triton byte transpose where the fused casts run
 
-            return transpose_fp8(self.data)
-        return self.data.transpose(-1, -2).contiguous()
+        return transpose_fp8(self.data)
 
     def wgrad_copy(self) -> "Float8Tensor":
         """What a wgrad reads: the transposed copy alone when there is one (the data served fprop)."""

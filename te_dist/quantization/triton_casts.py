@@ -66,10 +66,6 @@ _F32_INF_BITS = tl.constexpr(0x7F800000)
 # still moves >= 8-16 KB of bf16 input and issues one amax atomic.
 _PT_BLOCK, _PT_ITERS, _PT_WARPS = 2048, 4, 4  # per-tensor: 8192 elements per program
 _PT_TILE = (64, 128, 4)  # FP8 byte transpose: rows, columns per program, warps
-# per-tensor cast writing both copies: rows, columns per program, warps. (64, 128, 4) wrote wrong bytes on
-# an H100 with Triton 3.6 (bit-exact in the interpreter): tests/quantization/test_triton_casts.py keeps
-# every swept tile under the GPU check
-_PT_ROWCOL = (128, 128, 8)
 # rowwise-only 1xG blocks are consecutive runs of G elements in memory: the kernel streams x as a flat
 # [blocks, G] array. group -> (blocks per sub-tile, sub-tiles per program, warps): 2048 elements per sub-tile
 _ROWS_TILE = {128: (16, 4, 4), 32: (64, 4, 4)}
@@ -246,55 +242,9 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
 
 
 @triton.jit
-def _cast_per_tensor_rowcol_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, R, C, hist_ptr,
-                                   new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
-                                   FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
-                                   RECORD_AMAX: tl.constexpr, UPDATE: tl.constexpr, ALGO_MAX: tl.constexpr,
-                                   TR: tl.constexpr, TC: tl.constexpr, HIST_BLOCK: tl.constexpr,
-                                   HIST_ITERS: tl.constexpr):
-    """:func:`_cast_per_tensor_kernel` writing both copies of x [B, R, C] (R % 4 == 0) from one read:
-    out [B, R, C] and out_t [B, C, R], each matrix transposed (a weight's fprop and dgrad operands).
-
-    A program owns TR rows x TC columns of one matrix, read as four row sets x_j = rows 4a+j
-    ([TR/4, TC]). Each set is cast in its load layout and stored as the rowwise copy; its FP8 bytes are
-    packed into uint32 words (the byte of row 4a+j at bit 8j), and only these words are transposed and
-    stored, rows contiguous: no single-byte shuffle, no FP8 conversion of a transposed tile (both went
-    wrong or slow before: ``_cast_tile_kernel``'s docstring)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    tiles_r = tl.cdiv(R, TR)
-    b = pid_r // tiles_r
-    r0 = (pid_r - b * tiles_r) * TR
-    scale = _per_tensor_multiplier((pid_r == 0) & (pid_c == 0), scale_ptr, amax_ptr, scale_inv_ptr, FMT_MAX,
-                                   SCALE_FROM_AMAX, POWER_2)
-    A: tl.constexpr = TR // 4
-    r4 = r0 + 4 * tl.arange(0, A)  # the first row of each word
-    c = pid_c * TC + tl.arange(0, TC)
-    mask = (r4 < R)[:, None] & (c < C)[None, :]  # R % 4 == 0: rows 4a+1..4a+3 exist where 4a does
-    base = b.to(tl.int64) * R * C
-    w = tl.zeros((A, TC), dtype=tl.uint32)
-    acc = tl.zeros((A, TC), dtype=tl.int32)
-    for j in tl.static_range(4):
-        offs = base + (r4 + j)[:, None].to(tl.int64) * C + c[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _saturate(x * scale, FMT_MAX).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs, y, mask=mask)
-        w = w | (y.to(tl.uint8, bitcast=True).to(tl.uint32) << (8 * j))
-        if RECORD_AMAX:
-            acc = tl.maximum(acc, _abs_bits(x))
-    words = r0 // 4 + tl.arange(0, A)  # word index along R (row // 4), from an arange: a vectorized store
-    dst = out_t_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + b.to(tl.int64) * C * (R // 4)
-    tl.store(dst + c[:, None].to(tl.int64) * (R // 4) + words[None, :], tl.permute(w, (1, 0)),
-             mask=(c < C)[:, None] & (words < R // 4)[None, :])
-    if RECORD_AMAX:
-        _record_amax(tl.max(tl.max(acc, axis=1), axis=0), tl.num_programs(0) * tl.num_programs(1), amax_ptr,
-                     hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
-                     FMT_MAX, UPDATE, ALGO_MAX, HIST_BLOCK, HIST_ITERS)
-
-
-@triton.jit
 def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.constexpr):
-    """dst [C, R] = src [R, C] transposed, for 1-byte elements (FP8 data as uint8), R % 4 == 0.
+    """dst [B, C, R] = src [B, R, C], each matrix transposed (grid axis 2: B), for 1-byte elements (FP8
+    data as uint8), R % 4 == 0.
 
     Why: torch's transpose copy moves one byte per thread access (~1.5 ms for a 32768 x 7168 FP8
     tensor on H200, ~0.18 ms here). A program reads TR rows as four row sets (rows 4a+j, [A, 1, TC]),
@@ -306,13 +256,14 @@ def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.con
     r3 = (pid_r.to(tl.int64) * TR + 4 * tl.arange(0, A))[:, None, None]  # first row of each word
     c = tl.program_id(1) * TC + tl.arange(0, TC)
     c3 = c[None, None, :]
-    src = src_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    matrix = tl.program_id(2).to(tl.int64) * R * C  # both copies hold R * C bytes per matrix
+    src = src_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + matrix
     w = tl.zeros((A, 1, TC), dtype=tl.uint32)
     for j in tl.static_range(4):
         b = tl.load(src + (r3 + j) * C + c3, mask=(c3 < C) & (r3 + j < R), other=0)
         w = w | (b.to(tl.uint32) << (8 * j))
     words = pid_r.to(tl.int64) * A + tl.arange(0, A)  # word index along R (row // 4)
-    dst = dst_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    dst = dst_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + matrix // 4
     tl.store(dst + c[None, :, None].to(tl.int64) * (R // 4) + words[None, None, :], tl.permute(w, (1, 2, 0)),
              mask=(c < C)[None, :, None] & (words < R // 4)[None, None, :])
 
@@ -527,21 +478,13 @@ def _cast_args(scale, amax_bits, scale_inv, update):
 
 
 def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
-                 reverse=False, update=None, out_t=None, tile=None):
-    """The per-tensor cast of x into ``out``; with ``out_t`` (x [..., R, C], R % 4 == 0) also the
-    transposed copy [..., C, R] from the same read (``tile``: (rows, columns, warps), default _PT_ROWCOL)."""
+                 reverse=False, update=None):
+    """The per-tensor cast of x into ``out`` (see ``_cast_args`` for ``update``)."""
     pointers, hist, hist_consts = _cast_args(scale, amax_bits, scale_inv, update)
-    consts = dict(FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, **hist_consts)
-    if out_t is None:
-        n = x.numel()
-        launch(_cast_per_tensor_kernel, _per_tensor_grid(n), x, out, *pointers, n, *hist, REVERSE=reverse,
-               BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, num_warps=_PT_WARPS, **consts)
-        return
-    rows, cols = x.shape[-2], x.shape[-1]
-    matrices = x.numel() // (rows * cols)
-    tr, tc, warps = tile or _PT_ROWCOL
-    launch(_cast_per_tensor_rowcol_kernel, (matrices * cdiv(rows, tr), cdiv(cols, tc)), x, out, out_t, *pointers,
-           rows, cols, *hist, TR=tr, TC=tc, num_warps=warps, **consts)
+    n = x.numel()
+    launch(_cast_per_tensor_kernel, _per_tensor_grid(n), x, out, *pointers, n, *hist, FMT_MAX=fmt_max,
+           SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse, BLOCK=_PT_BLOCK,
+           ITERS=_PT_ITERS, num_warps=_PT_WARPS, **hist_consts)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:
@@ -558,20 +501,13 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     return _amax_bits(x.contiguous()).view(torch.float32).reshape(())
 
 
-def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool, *, transposed=False, tile=None):
-    """The cast pass: the kernel derives ``per_tensor_scale`` from amax bits in device memory. Returns
-    (data, scale_inv), or (data, data_t, scale_inv) when ``transposed``."""
+def _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool):
+    """The cast pass: the kernel derives ``per_tensor_scale`` from amax bits in device memory."""
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    data_t = _transposed_like(data) if transposed else None
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True, power_2=power_2,
-                 record=False, reverse=True,  # x's tail is in L2 after its amax pass
-                 out_t=data_t, tile=tile)
-    return (data, data_t, scale_inv) if transposed else (data, scale_inv)
-
-
-def _transposed_like(data: torch.Tensor) -> torch.Tensor:
-    return torch.empty((*data.shape[:-2], data.shape[-1], data.shape[-2]), dtype=data.dtype, device=data.device)
+    _launch_cast(x, data, amax_bits=bits, scale_inv=scale_inv, fmt_max=fmt_max, from_amax=True,
+                 power_2=power_2, record=False, reverse=True)  # x's tail is in L2 after its amax pass
+    return data, scale_inv
 
 
 @_on_x_device
@@ -599,10 +535,9 @@ def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
     return data, bits.view(torch.float32).reshape(())
 
 
-def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str, *, transposed=False,
-                  tile=None):
-    """One launch: the cast with ``scale`` (and its transposed copy when ``transposed``), amax(x), and
-    (its last program) the history roll into NEW (history, scale, scale_inv)."""
+def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
+    """One launch: the cast with ``scale``, amax(x), and (its last program) the history roll into NEW
+    (history, scale, scale_inv)."""
     if algo not in ("max", "most_recent"):
         raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
     x = x.contiguous()
@@ -611,22 +546,19 @@ def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, alg
     dev = x.device
     bits = torch.zeros(2, dtype=torch.int32, device=dev)  # amax bits, programs finished
     data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    data_t = _transposed_like(data) if transposed else None
     new_history = torch.empty(history.numel(), dtype=torch.float32, device=dev)
     new_scale = torch.empty((), dtype=torch.float32, device=dev)
     new_scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     _launch_cast(x, data, scale=_scalar_f32(scale), amax_bits=bits, fmt_max=fmt_max, from_amax=False, power_2=False,
-                 record=True, update=(history, new_history, new_scale, new_scale_inv, margin, algo), out_t=data_t,
-                 tile=tile)
-    return (data, data_t) if transposed else (data,), (new_history, new_scale, new_scale_inv)
+                 record=True, update=(history, new_history, new_scale, new_scale_inv, margin, algo))
+    return data, new_history, new_scale, new_scale_inv
 
 
 @_on_x_device
 def delayed_scaling_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
     """cast.delayed_scaling_step: one cast+amax pass, then one tiny update kernel.
     Returns NEW (data, history, scale, scale_inv); the inputs are not modified."""
-    (data,), update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
-    return (data, *update)
+    return _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
 
 
 def _rowcol_layout(x: torch.Tensor) -> None:
@@ -636,42 +568,44 @@ def _rowcol_layout(x: torch.Tensor) -> None:
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
-    """``data.t().contiguous()`` for 2-D FP8 data [R, C] with R % 4 == 0, in one pass of whole words."""
-    if data.dim() != 2:
-        raise UnsupportedLayout(f"the FP8 byte transpose takes 2-D data, got shape {tuple(data.shape)}")
+    """``data.transpose(-1, -2).contiguous()`` for FP8 data [..., R, C] with R % 4 == 0 (each matrix of a
+    stack transposed: a grouped weight's dgrad layout), in one pass of whole words."""
     _rowcol_layout(data)
-    rows, cols = data.shape
-    out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
+    rows, cols = data.shape[-2], data.shape[-1]
+    matrices = data.numel() // (rows * cols)
+    out = torch.empty((*data.shape[:-2], cols, rows), dtype=data.dtype, device=data.device)
     tr, tc, warps = _PT_TILE
-    launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc)),
+    launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc), matrices),
            data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
     return out
 
 
 @_on_x_device
-def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool, *, tile=None):
-    """:func:`current_scaling_quantize` plus the transposed data (x [..., R, C], R % 4 == 0): an amax
-    pass, then one pass writing both copies. Returns (data, data_t, scale_inv)."""
+def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool):
+    """:func:`current_scaling_quantize` plus the transposed data (x [..., R, C], R % 4 == 0).
+    Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
     x = x.contiguous()
-    return _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2, transposed=True, tile=tile)
+    data, scale_inv = _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
+    return data, transpose_fp8(data), scale_inv
 
 
 @_on_x_device
-def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool, *, tile=None):
-    """:func:`cast_from_amax` plus the transposed data, from one pass. Returns (data, data_t, scale_inv)."""
+def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
+    """:func:`cast_from_amax` plus the transposed data. Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    return _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max, power_2,
-                                transposed=True, tile=tile)
+    data, scale_inv = _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max,
+                                           power_2)
+    return data, transpose_fp8(data), scale_inv
 
 
 @_on_x_device
-def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str, *, tile=None):
-    """:func:`delayed_scaling_step` plus the transposed data (x [..., R, C], R % 4 == 0), from one pass.
+def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
+    """:func:`delayed_scaling_step` plus the transposed data (x [..., R, C], R % 4 == 0).
     Returns NEW (data, data_t, history, scale, scale_inv)."""
     _rowcol_layout(x)
-    data, update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo, transposed=True, tile=tile)
-    return (*data, *update)
+    data, *update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
+    return (data, transpose_fp8(data), *update)
 
 
 def _split_shape(x: torch.Tensor):

@@ -325,7 +325,7 @@ class GroupedLinear(BasicOperation):
                    "kernels' scale block")
         else:
             why = support().explain_path(recipe, x.dtype, device=x.device)[1]
-        key = (type(recipe).__name__, why)
+        key = (type(recipe).__name__, "features" if not self._native_shape_ok else why)
         if key not in _said_emulated:
             _said_emulated.add(key)
             warnings.warn(f"te_dist: {type(recipe).__name__} expert GEMMs on {x.device} run the emulated path "

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The FP8 work's device calls (one H100 or H200). Logs and JSON go to $OUT.
+#   bash benchmarks/run_fp8_gpu.sh build   # build the kernels the FP8 layer runs; $OUT/kcache_*.tgz bring
+#                                          # them back (unpack into .kcache/ and carry it next time)
+#   bash benchmarks/run_fp8_gpu.sh tests   # the FP8 GPU tests (casts, weight copy, layer, off-grid)
+#   bash benchmarks/run_fp8_gpu.sh bench   # the weight cast and the training-step benchmarks
+# Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
+set -u
+source tests/device_env.sh
+nvidia-smi -L > "$OUT/env.txt" 2>&1
+case "${1:-all}" in
+build|all)
+  BF16=""; for d in fwd dgrad wgrad; do for c in 0 1 2 3 10; do BF16="$BF16 te_gg_${d}_c${c}_bf16"; done; done
+  FP8=$(python3 -c "from cutlass_kernels.fp8_block import all_fp8_instances as a; print(' '.join(i.name for i in a()))")
+  timeout ${BUILD_LIMIT:-400} python3 -m cutlass_kernels --jobs 16 --only $FP8 $BF16 > "$OUT/build.txt" 2>&1
+  tail -n 4 "$OUT/build.txt"
+  (cd .kcache && tar czf "$OUT/kcache_bf16.tgz" te_gg_*.so te_gg_*.sha256 && tar czf "$OUT/kcache_fp8.tgz" te_fb_*.so te_fb_*.sha256)
+  ;;&
+tests|all)
+  timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu \
+    ${TESTS:-tests/ops/test_weight_copy.py tests/ops/test_off_grid_features.py tests/kernels/test_fp8_grouped_gpu.py \
+    tests/quantization/test_triton_casts.py} > "$OUT/tests.txt" 2>&1
+  tail -n 15 "$OUT/tests.txt"
+  ;;&
+bench|all)
+  timeout ${CAST_LIMIT:-100} python3 benchmarks/weight_cast.py ${CAST_ARGS:-} > "$OUT/weight_cast.txt" 2>&1
+  tail -n 12 "$OUT/weight_cast.txt"
+  timeout ${LAYER_LIMIT:-330} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---fixed} --json "$OUT/fp8_layer.json" \
+    > "$OUT/fp8_layer.txt" 2>&1
+  tail -n 45 "$OUT/fp8_layer.txt"
+  ;;
+esac
