@@ -66,4 +66,5 @@ def fake_quantize_or_identity(x, quantizer):
     if not (pad_rows or pad_cols):
         return fake_quantize(x, quantizer)
     out = fake_quantize(torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows)), quantizer)
-    return out[..., :cols] if rows is None else out[..., :rows, :cols]
+    # contiguous: the GEMMs take a weight's K-major layout as it is
+    return (out[..., :cols] if rows is None else out[..., :rows, :cols]).contiguous()
