@@ -76,3 +76,16 @@ def test_an_emulated_fp8_path_on_a_gpu_is_said_once(cuda_device):
             square(torch.randn(64, 256, dtype=torch.bfloat16, device=cuda_device))
     said = [str(w.message) for w in caught if "MXFP8BlockScaling expert GEMMs" in str(w.message)]
     assert len(said) == 1 and "SM 10.0" in said[0], said
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [R.Float8BlockScaling(), R.Float8CurrentScaling()], ids=lambda r: type(r).__name__)
+def test_off_grid_layer_trains_on_a_gpu(cuda_device, recipe):
+    """gpt-oss-like features (here 160 / 96) under an FP8 recipe on a GPU: forward and backward run."""
+    torch.manual_seed(0)
+    layer = MoELayer(160, 96, 4, 2, dtype=torch.bfloat16, device=cuda_device)
+    x = torch.randn(256, 160, dtype=torch.bfloat16, device=cuda_device, requires_grad=True)
+    with td.autocast(recipe=recipe):
+        y = layer(x)
+    y.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.fc2.weight.grad).all()
