@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-__all__ = ["SUPPORTED_RANGE", "megatron_version", "require_megatron"]
+__all__ = ["SUPPORTED_RANGE", "megatron_version", "require_megatron", "define_missing_te_general_gemm"]
 
 SUPPORTED_RANGE = ((0, 16), (0, 20))  # [lower, upper): what setup.cfg's `megatron` extra allows
 
@@ -38,3 +38,18 @@ def require_megatron() -> tuple:
             f"found {'.'.join(map(str, version))}"
         )
     return version
+
+
+def define_missing_te_general_gemm() -> None:
+    """Give megatron-core 0.16.x's router the ``te_general_gemm = None`` it expects without TransformerEngine.
+
+    Why: 0.16's ``moe_utils`` binds ``te_general_gemm`` only when TransformerEngine imports, yet its
+    router GEMM (``RouterGatingLinearFunction``, forward and backward) reads the name unguarded and
+    takes its torch GEMM when it is None: a ``NameError`` on any machine without TransformerEngine.
+    Later releases bind it to None in that case; this does the same where the name is missing, and
+    changes nothing where it exists. Megatron's installed files are not touched.
+    """
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None

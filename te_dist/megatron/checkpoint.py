@@ -24,6 +24,10 @@ linears do: fc1 rows (and fc1 bias) along axis 0, fc2 columns along axis 1, the 
 A gated fc1 holds ``[gate_r; up_r]`` locally: its halves are fragments r and P + r of 2P.
 Replica ids follow Megatron's: ``(0, 0, expert-DP rank)`` for TP-sharded tensors,
 ``(0, r, expert-DP rank)`` for the replicated fc2 bias and the ``_extra_state`` objects.
+
+Megatron's optimizers write their state in this layout by building the factory again for each
+state tensor, under their own key (``optimizer.state.exp_avg.`` + ours) and replica id: ``build``
+takes both from its arguments, and the ``_extra_state`` objects belong to the model's entry only.
 """
 
 from __future__ import annotations
@@ -73,16 +77,17 @@ def expert_tensor_factory(
     num_global = num_local * ep_size
     expert_axis = len(sharded_offsets)
     replica_id = (0, 0 if tp_axis is not None else tp_rank, dp_rank)
+    model_key = expert_key(prefix, name)
 
-    def expert_shards(t_e, global_idx):
+    def expert_shards(key_prefix, t_e, global_idx, replica):
         pieces = torch.chunk(t_e, 2, dim=0) if glu else (t_e,)
         if singleton:  # Megatron's singleton SwiGLU halves: separate "_w" / "_v" tensors
-            key = expert_key(prefix, name, global_idx)
+            key = expert_key(key_prefix, name, global_idx)
             keys = (f"{key}_w", f"{key}_v") if glu else (key,)
             tp = (expert_axis + tp_axis, tp_rank, tp_size) if tp_axis is not None else (expert_axis, 0, 1)
             return [
                 ShardedTensor.from_rank_offsets(
-                    k, piece, *sharded_offsets, tp, replica_id=replica_id, prepend_axis_num=expert_axis,
+                    k, piece, *sharded_offsets, tp, replica_id=replica, prepend_axis_num=expert_axis,
                 )
                 for k, piece in zip(keys, pieces)
             ]
@@ -91,25 +96,35 @@ def expert_tensor_factory(
         if glu:  # gate_r is fragment r of 2P, up_r fragment P + r
             return [
                 ShardedTensor.from_rank_offsets(
-                    expert_key(prefix, name), piece, *sharded_offsets, expert,
-                    (prepend, half * tp_size + tp_rank, 2 * tp_size), replica_id=replica_id, prepend_axis_num=prepend,
+                    expert_key(key_prefix, name), piece, *sharded_offsets, expert,
+                    (prepend, half * tp_size + tp_rank, 2 * tp_size), replica_id=replica, prepend_axis_num=prepend,
                 )
                 for half, piece in enumerate(pieces)
             ]
         tp = ((prepend + tp_axis, tp_rank, tp_size),) if tp_axis is not None and tp_size > 1 else ()
         return [
             ShardedTensor.from_rank_offsets(
-                expert_key(prefix, name), t_e, *sharded_offsets, expert, *tp,
-                replica_id=replica_id, prepend_axis_num=prepend,
+                expert_key(key_prefix, name), t_e, *sharded_offsets, expert, *tp,
+                replica_id=replica, prepend_axis_num=prepend,
             )
         ]
 
     @torch.no_grad()
-    def build(key, t, replica_id, flattened_range):
+    def build(key, t, replica, flattened_range):
+        # Megatron's optimizers build this factory again for each state tensor (``exp_avg`` ...) under
+        # their own key ("optimizer.state.exp_avg." + ours) and replica id: take both from the arguments.
         if flattened_range is not None:
-            raise ValueError(f"{key}: flattened (distributed-optimizer flat) shards are not supported")
-        built = {"shards": [expert_shards(t[i], ep_rank * num_local + i) for i in range(num_local)]}
-        if extra_state_owner is not None:
+            from megatron.core.dist_checkpointing.core import CheckpointingException
+
+            raise CheckpointingException(
+                f"{key}: flattened shards (the distributed optimizer's 'fully_sharded_model_space' format) are "
+                "not supported by megatron-core >= 0.16 for any tensor; use 'dp_reshardable' or 'fully_reshardable'"
+            )
+        if not key.endswith(model_key[len(prefix):]):
+            raise ValueError(f"factory key {key!r} does not end with {model_key[len(prefix):]!r}")
+        key_prefix = key[: len(key) - len(model_key) + len(prefix)]
+        built = {"shards": [expert_shards(key_prefix, t[i], ep_rank * num_local + i, replica) for i in range(num_local)]}
+        if extra_state_owner is not None and key == model_key:  # the model's own entry, not an optimizer state's
             built["extra_state"] = list(expert_extra_state_objects(
                 prefix, extra_state_owner, sharded_offsets=sharded_offsets, ep_rank=ep_rank, num_local=num_local,
                 ep_size=ep_size, replica_id=(0, tp_rank, dp_rank), singleton=singleton,
@@ -120,7 +135,7 @@ def expert_tensor_factory(
         with torch.no_grad():
             return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded["shards"]])
 
-    return ShardedTensorFactory(expert_key(prefix, name), data, build, merge, replica_id)
+    return ShardedTensorFactory(model_key, data, build, merge, replica_id)
 
 
 def expert_extra_state_objects(prefix: str, owner: str, *, sharded_offsets: tuple, ep_rank: int, num_local: int,

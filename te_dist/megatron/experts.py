@@ -32,11 +32,13 @@ from ..distributed.groups import group_rank, group_size
 from ..moe.expert_mlp import build_expert_mlp
 from ..moe.init import init_experts_, on_seeded_global_rng
 from ..ops import OperationFuser
-from ._compat import require_megatron
+from ._compat import define_missing_te_general_gemm, require_megatron
 from .checkpoint import expert_tensor_factory
 from .recipe_config import resolve_recipe
+from .state_dict import install_megatron_layout_loading
 
 require_megatron()
+define_missing_te_general_gemm()  # the router of a TE-less 0.16 install needs it, whichever experts run
 
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the version check)
 
@@ -184,9 +186,15 @@ class GroupedExperts(MegatronModule):
 
         if config.perform_initialization:
             self._initialize(config)
+        # Megatron's marking of expert parameters (its expert linears'): with expert parallelism
+        # ``allreduce = False``, so DDP reduces their gradients over the expert-data-parallel group and
+        # the optimizer keeps them apart; without it they are ordinary parameters, as SequentialMLP's
+        # are, so both build the same optimizer (and the same checkpoint keys).
+        expert_parallel = ep_size > 1 or etp_size > 1
         for param in self.parameters():
-            # Expert parameters: Megatron's DDP reduces their gradients over the expert-data-parallel group.
-            param.allreduce = False
+            param.allreduce = not expert_parallel
+        # load_state_dict also takes SequentialMLP's and TEGroupedMLP's per-expert keys (upcycling, conversions).
+        install_megatron_layout_loading(self)
 
     @torch.no_grad()
     def _initialize(self, config) -> None:
@@ -253,6 +261,7 @@ class GroupedExperts(MegatronModule):
             x_TH = (probs_T.unsqueeze(-1) * x_TH).to(x_TH.dtype)
             probs_T = torch.ones_like(probs_T)
         split_sizes = tokens_per_expert.to(torch.int64)
+        self._run_weight_owner_pre_hooks()
         with self._recipe_context():
             if self._fuser is not None:
                 fused_probs_T = probs_T if probs_T.dtype in _PROBS_DTYPES else probs_T.to(torch.float32)
@@ -270,6 +279,22 @@ class GroupedExperts(MegatronModule):
             y_TH = y_TH + (probs_T.unsqueeze(-1) * self.linear_fc2_bias[expert_T]).to(y_TH.dtype)
         return y_TH, None
 
+    def _run_weight_owner_pre_hooks(self) -> None:
+        """Run the forward pre-hooks registered on the ops that own the expert weights.
+
+        Why: Megatron's DDP with ``overlap_param_gather`` waits for a parameter's all-gather (the
+        distributed optimizer's new values) in a forward pre-hook of the module owning it. The grouped
+        linear ops own our weights but run inside the fuser, never called as modules themselves, so
+        without this their weights would be read before the gather lands (last step's values).
+        """
+        for op in (self.linear_fc1, self.linear_fc2):
+            with_kwargs = op._forward_pre_hooks_with_kwargs
+            for hook_id, hook in tuple(op._forward_pre_hooks.items()):
+                if hook_id in with_kwargs:
+                    hook(op, (), {})
+                else:
+                    hook(op, ())
+
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad)."""
 
@@ -278,6 +303,8 @@ class GroupedExperts(MegatronModule):
         common = dict(sharded_offsets=sharded_offsets, ep_rank=self.ep_rank, ep_size=self.ep_size,
                       dp_rank=group_rank(self.expt_dp_group), tp_rank=self.etp_rank, tp_size=self.etp_size,
                       singleton=bool((metadata or {}).get("singleton_local_shards", False)))
+        # The parameters themselves, not detached copies: Megatron's optimizers find each parameter's
+        # entry by the tensor (their state is written under the same layout).
         tensors = (  # (our state-dict name, checkpoint name, tensor, gated halves, ETP axis, linear owning _extra_state)
             ("linear_fc1.weight", "linear_fc1.weight", self.linear_fc1.weight, self.gated, 0, "linear_fc1"),
             ("linear_fc1.bias", "linear_fc1.bias", getattr(self.linear_fc1, "bias", None), self.gated, 0, None),
@@ -289,6 +316,6 @@ class GroupedExperts(MegatronModule):
             if tensor is None:
                 continue
             sharded[f"{prefix}{local_name}"] = expert_tensor_factory(
-                prefix, ckpt_name, tensor.detach(), glu=glu, tp_axis=tp_axis, extra_state_owner=extra_owner, **common
+                prefix, ckpt_name, tensor, glu=glu, tp_axis=tp_axis, extra_state_owner=extra_owner, **common
             )
         return sharded

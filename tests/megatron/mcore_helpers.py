@@ -1,11 +1,22 @@
 """Helpers shared by the Megatron tests and their torchrun workers.
 
-CPU workarounds (tests only; the library never applies them):
+CPU workarounds (tests only; the library applies none of them), where Megatron-Core assumes CUDA:
   1. ``torch.cuda.current_device`` answers the CPU device: Megatron's TopKRouter moves its weight to
-     ``torch.cuda.current_device()`` on its first forward, which fails on a CPU-only machine.
-  2. ``moe_utils.te_general_gemm = None``: megatron-core 0.16.1 references this TransformerEngine
-     name in the router GEMM without defining it when TransformerEngine is absent (NameError).
-Both are applied only when no GPU is present, and undone by ``undo_cpu_workarounds``.
+     ``torch.cuda.current_device()`` on its first forward, DDP allocates its buffers there.
+  2. ``torch.cuda.synchronize`` does nothing (torch_dist checkpoint save), and the CUDA RNG tracker's
+     ``fork`` is a no-op (attention dropout).
+With ``training=True`` (Megatron's DDP, optimizers and schedules), also:
+  3. ``device="cuda"`` in factory calls means the CPU (:class:`CudaMeansCpu`): the schedule counts
+     tokens in ``torch.zeros([], device="cuda")``.
+  4. ``Tensor.type()`` names a CPU tensor as its CUDA type: Megatron's optimizers accept parameters by
+     that name only (``'torch.cuda.FloatTensor'`` ...); nothing else in them needs CUDA.
+  5. CUDA streams and events are no-ops (:func:`cpu_streams`): the alltoall token dispatcher copies its
+     split sizes to the host on a side stream; ``Tensor.cuda()`` returns the tensor (the distributed
+     optimizer gathers its state for a checkpoint through CUDA tensors).
+  6. The alltoall dispatcher turns its split sizes into host numbers only when they live on a GPU
+     (``maybe_move_tensor_to_cpu(as_numpy=True)``); the CPU ones are turned too (gloo takes no tensor).
+All are applied only when no GPU is present, and undone by ``undo_cpu_workarounds``. (megatron-core
+0.16's missing ``te_general_gemm`` is te_dist.megatron's to fix: see its ``_compat``.)
 """
 
 from __future__ import annotations
@@ -19,44 +30,130 @@ import torch.nn.functional as F
 
 __all__ = [
     "apply_cpu_workarounds", "undo_cpu_workarounds", "init_megatron", "destroy_megatron", "make_config",
-    "build_moe_layer", "copy_experts_weights", "copy_moe_layer", "free_port", "device",
+    "build_moe_layer", "copy_experts_weights", "copy_moe_layer", "free_port", "device", "CudaMeansCpu",
+    "cpu_streams",
 ]
 
 _SAVED = {}
 
 
-def apply_cpu_workarounds() -> None:
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda")
+
+
+class CudaMeansCpu(torch.overrides.TorchFunctionMode):
+    """``device="cuda"`` in factory calls and ``.to("cuda")`` mean the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _CpuEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+
+class _CpuStream:
+    """The CPU runs in order: waits and events are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+_STREAM_NAMES = ("Stream", "current_stream", "stream")
+
+
+def cpu_streams() -> dict:
+    """Make ``torch.cuda``'s streams no-ops; returns what it replaced."""
+    saved = {name: getattr(torch.cuda, name) for name in _STREAM_NAMES}
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    return saved
+
+
+def _cuda_type_name(original):
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is not None or kwargs:
+            return original(self, dtype, non_blocking, **kwargs)
+        name = original(self)  # may come back through a TorchFunctionMode as this function: name once
+        return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+
+    return type_
+
+
+def _split_sizes_to_host(original):
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return to_host
+
+
+def apply_cpu_workarounds(training: bool = False) -> None:
     if torch.cuda.is_available() or _SAVED:
         return
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
     _SAVED["current_device"] = torch.cuda.current_device
     _SAVED["synchronize"] = torch.cuda.synchronize
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    _SAVED["te_general_gemm"] = moe_utils.__dict__.get("te_general_gemm", _SAVED)
     torch.cuda.current_device = lambda: torch.device("cpu")
-    if "te_general_gemm" not in moe_utils.__dict__:
-        moe_utils.te_general_gemm = None
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker()
     _SAVED["tracker"] = tracker
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    if training:
+        _SAVED["type"] = torch.Tensor.type
+        torch.Tensor.type = _cuda_type_name(torch.Tensor.type)
+        _SAVED["streams"] = cpu_streams()
+        _SAVED["tensor_cuda"] = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+        from megatron.core.transformer.moe import token_dispatcher
+
+        _SAVED["to_host"] = token_dispatcher.maybe_move_tensor_to_cpu
+        token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host(token_dispatcher.maybe_move_tensor_to_cpu)
+        _SAVED["mode"] = CudaMeansCpu()
+        _SAVED["mode"].__enter__()
 
 
 def undo_cpu_workarounds() -> None:
     if not _SAVED:
         return
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    if "mode" in _SAVED:
+        _SAVED.pop("mode").__exit__(None, None, None)
+        torch.Tensor.type = _SAVED.pop("type")
+        for name, value in _SAVED.pop("streams").items():
+            setattr(torch.cuda, name, value)
+        torch.Tensor.cuda = _SAVED.pop("tensor_cuda")
+        from megatron.core.transformer.moe import token_dispatcher
 
+        token_dispatcher.maybe_move_tensor_to_cpu = _SAVED.pop("to_host")
     torch.cuda.current_device = _SAVED.pop("current_device")
     torch.cuda.synchronize = _SAVED.pop("synchronize")
     del _SAVED.pop("tracker").fork  # back to the class method
-    previous = _SAVED.pop("te_general_gemm")
-    if previous is _SAVED:
-        moe_utils.__dict__.pop("te_general_gemm", None)
-    else:
-        moe_utils.te_general_gemm = previous
 
 
 def device() -> torch.device:
@@ -80,6 +177,7 @@ def init_megatron(ep_size: int = 1, etp_size: int = 1) -> None:
     from megatron.core import parallel_state
 
     import te_dist.distributed  # noqa: F401  (its exit hook: no SIGABRT after the last gloo collective)
+    import te_dist.megatron.experts  # noqa: F401  (binds 0.16's missing te_general_gemm: SequentialMLP arms too)
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

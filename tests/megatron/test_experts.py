@@ -143,7 +143,11 @@ def test_expert_params_are_marked_and_named(megatron_world1):
     ours = H.build_moe_layer(config, "te_dist")
     names = {name for name, _ in ours.experts.named_parameters()}
     assert names == {"linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2_bias"}
-    assert all(p.allreduce is False for p in ours.experts.parameters())
+    # Megatron's marking: at EP = 1 expert parameters are ordinary (allreduce True), as SequentialMLP's
+    # (the EP=2 worker checks False); the same optimizer groups follow.
+    sequential = H.build_moe_layer(config, "sequential")
+    assert {p.allreduce for p in sequential.experts.parameters()} == {True}
+    assert all(p.allreduce is True for p in ours.experts.parameters())
     assert ours.experts.linear_fc1.weight.shape == (4, 2 * config.moe_ffn_hidden_size, config.hidden_size)
     assert ours.experts.linear_fc2.weight.shape == (4, config.hidden_size, config.moe_ffn_hidden_size)
 

@@ -50,6 +50,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+from mcore_helpers import CudaMeansCpu, cpu_streams  # tests/megatron is on the path (upstream_suite.py)
+
 if sys.version_info < (3, 12):  # before anything imports megatron.training (module docstring)
     import typing
 
@@ -143,58 +145,10 @@ def _cpu_device():
     # tensor_parallel.checkpoint saves the CUDA generator's state beside the CPU one: there is none.
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-    _CudaMeansCpu().__enter__()  # for the whole run: tests write device="cuda" and .to("cuda")
-    # The alltoall dispatcher copies its split sizes to the host on a side stream.
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    CudaMeansCpu().__enter__()  # for the whole run: tests write device="cuda" and .to("cuda")
+    cpu_streams()  # the alltoall dispatcher copies its split sizes to the host on a side stream
 
 
-class _CpuEvent:
-    def synchronize(self):
-        pass
-
-    def wait(self, *args, **kwargs):
-        pass
-
-
-class _CpuStream:
-    """The CPU runs in order: waits and events are no-ops."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event or _CpuEvent()
-
-    def synchronize(self):
-        pass
-
-
-_CPU_STREAM = _CpuStream()
-
-
-def _is_cuda(device) -> bool:
-    return (isinstance(device, str) and device.startswith("cuda")) or (
-        isinstance(device, torch.device) and device.type == "cuda")
-
-
-class _CudaMeansCpu(torch.overrides.TorchFunctionMode):
-    """``device="cuda"`` in factory calls and ``.to("cuda")`` mean the CPU."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
-        return func(*args, **kwargs)
 
 
 def _gloo_utils():

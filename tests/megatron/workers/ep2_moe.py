@@ -25,6 +25,8 @@ def main(out_dir: Path, dispatcher: str, recipe: str) -> None:
     seq = H.build_moe_layer(config, "sequential")
     ours = H.build_moe_layer(config, "te_dist", recipe=recipe)
     assert ours.experts.num_local_experts == 2 and ours.experts.ep_rank == rank
+    # Megatron's expert-parallel marking (DDP reduces these gradients over the expert-data-parallel group)
+    assert {p.allreduce for p in ours.experts.parameters()} == {False}
     H.copy_moe_layer(seq, ours)
 
     device = next(ours.parameters()).device
