@@ -106,7 +106,7 @@ def megatron_config(settings: RunSettings):
         bias_activation_fusion=False, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2, moe_router_dtype="fp32", hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, bf16=settings.bf16, pipeline_dtype=dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=True,  # one RNG stream for every expert module: te_dist and SequentialMLP start equal
     )
     for field, value in MEGATRON_FIELDS[settings.recipe].items():  # te_dist: the experts' recipe
         setattr(config, field, value)

@@ -324,7 +324,10 @@ class GroupedLinear(BasicOperation):
             why = (f"expert features {self.in_features} -> {self.out_features} are not multiples of 128, the FP8 "
                    "kernels' scale block")
         else:
-            why = support().explain_path(recipe, x.dtype, device=x.device)[1]
+            path, why = support().explain_path(recipe, x.dtype, device=x.device)
+            if path == "native":  # the kernels run here, but not on these splits
+                why = (f"the experts' row splits are not multiples of {support().native_split_alignment(recipe)} "
+                       "rows (MoELayer pads them; a caller's own dispatcher must too)")
         key = (type(recipe).__name__, "features" if not self._native_shape_ok else why)
         if key not in _said_emulated:
             _said_emulated.add(key)
