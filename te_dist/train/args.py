@@ -61,6 +61,10 @@ def _parse_optional_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("null", "none") else _parse_int(text)
 
 
+def _parse_optional_str(text: str) -> Optional[str]:
+    return None if text.strip().lower() in ("null", "none") else text
+
+
 def _parse_float(text: str) -> float:
     try:
         return float(text)
@@ -79,8 +83,9 @@ def _parse_yaml_scalar(text: str):
 
 
 _PARSERS = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool, "str": str,
-            "Optional[int]": _parse_optional_int}
-_METAVARS = {"int": "N", "float": "X", "bool": "BOOL", "str": "TEXT", "Optional[int]": "N|null"}
+            "Optional[int]": _parse_optional_int, "Optional[str]": _parse_optional_str}
+_METAVARS = {"int": "N", "float": "X", "bool": "BOOL", "str": "TEXT", "Optional[int]": "N|null",
+             "Optional[str]": "TEXT|null"}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +94,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", choices=RECIPE_NAMES, default=argparse.SUPPRESS,
                         help="quantization recipe by name (default: the config's, else 'current')")
     parser.add_argument("--resume", metavar="DIR", nargs="?", const=RESUME_LATEST,
-                        help="continue the run in --out from its newest valid checkpoint; with DIR: start from that "
-                             "checkpoint (a step dir, or an out dir's newest)")
+                        help="continue the run in --out (without --out: the newest run under te_dist_out/) from its "
+                             "newest valid checkpoint; with DIR: start a new run from that checkpoint (a step dir, "
+                             "or an out dir's newest)")
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="replace the run that --out holds (its checkpoints and metrics)")
     parser.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,

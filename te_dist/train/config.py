@@ -114,7 +114,8 @@ class TrainConfig:
     ckpt_every: int = _f(30, "checkpoint every K steps (0: only at the end)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
     checkpoint: bool = _f(True, "false: write no checkpoint at all (benchmarks)")
-    out_dir: str = _f("te_dist_out", "output dir: config.yaml, metrics.jsonl, checkpoints/, tensorboard/")
+    out_dir: Optional[str] = _f(None, "output dir: config.yaml, metrics.jsonl, checkpoints/, tensorboard/; null: a new "
+                                      "directory per run under te_dist_out/ (te_dist_out/latest names the newest)")
     device: str = _f("auto", f"one of {list(DEVICES)}; auto: one GPU per rank when GPUs exist, else CPU")
     threads: int = _f(1, "torch intra-op threads per rank on CPU (fixed, so results are reproducible)")
     log: str = _f("jsonl", f"metrics sinks besides stdout, one of {list(LOGS)} (metrics.jsonl is always written)")
@@ -253,6 +254,8 @@ def _check_types(section_name: str, section) -> None:
             raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}")
         if expected == "Optional[int]" and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"{key} must be an int or null, got {type(value).__name__} {value!r}")
+        if expected == "Optional[str]" and value is not None and not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string or null, got {type(value).__name__} {value!r}")
 
 
 def _positive(key: str, value: int, *, minimum: int = 1) -> None:

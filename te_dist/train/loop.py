@@ -242,6 +242,7 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
     job = _build(cfg)
     rt = job.runtime
     run = open_run(cfg, rt, resume=resume, overwrite=overwrite, skip_invalid=skip_invalid)
+    cfg.train.out_dir = str(run.out_dir)  # a null out_dir became a new run directory: config.yaml records it
     tensorboard = None
     if rt.is_main:
         write_config_yaml(run.out_dir, resolved_config(cfg, world_size=rt.world_size))
