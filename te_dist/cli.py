@@ -91,6 +91,7 @@ def _say(text: str) -> None:
 def _train(ns: argparse.Namespace) -> int:
     from .train.args import config_from_args, output_options, worker_argv
     from .train.config import ConfigError
+    from .train.job_watch import JobLimits
     from .train.launch import launch
     from .train.preflight import check_gpus, check_logging, first_line, memory_report, plan_launch
     from .train.resolved import config_yaml, resolved_config, summary_lines
@@ -124,9 +125,15 @@ def _train(ns: argparse.Namespace) -> int:
         _say(memory_report(cfg, plan, enforce=not ns.skip_memory_check))
         from .train.run_dir import plan_run  # imports torch: after the first line
 
-        plan_run(cfg, **output_options(ns))  # reads only: refuses a taken --out or a bad checkpoint here, exit 2
+        run_plan = plan_run(cfg, **output_options(ns))  # reads only: refuses a taken --out or a bad checkpoint, exit 2
         if ns.fail_rank is not None and not 0 <= ns.fail_rank < plan.nproc:
             raise ConfigError(f"--fail-rank {ns.fail_rank} is not a rank of a {plan.nproc}-rank job")
+        if run_plan.checkpoint is not None and run_plan.step >= cfg.train.steps:
+            # e.g. a run whose rank hung at exit after its last checkpoint (exit code 3): nothing is left to do
+            _unclaim(chosen)
+            _say(f"[te-dist] the run is complete: checkpoint {run_plan.checkpoint} is at step {run_plan.step} and "
+                 f"train.steps is {cfg.train.steps}; nothing to do (raise --steps to train further)")
+            return 0
     except ConfigError as exc:
         _unclaim(chosen)
         print(f"te-dist train: error: {exc}", file=sys.stderr)
@@ -136,10 +143,9 @@ def _train(ns: argparse.Namespace) -> int:
         raise
     if chosen.created:
         point_latest(chosen.path.parent, chosen.path)
-    code = launch(plan.nproc, [*worker_argv(ns), "--from-cli"], grace_s=cfg.train.stop_grace_s)
-    if code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop by signal has said so already
-        print(f"te-dist train: the job failed (torchrun exit code {code}); the failing rank's error is shown above",
-              file=sys.stderr)
+    # The launcher prints the job's outcome in one line when it did not succeed (job_watch.py).
+    code = launch(plan.nproc, [*worker_argv(ns), "--from-cli"], limits=JobLimits.from_config(cfg.train),
+                  log_dir=chosen.path / "logs")
     if "torch" in sys.modules:
         import gc
 

@@ -139,11 +139,18 @@ def test_unknown_config_key_fails(run_cli, tmp_path):
     assert "unknown key(s) ['stpes'] in config section 'train'" in result.output
 
 
-def test_failing_rank_ends_the_job_with_its_error(run_cli):
+def test_failing_rank_ends_the_job_with_its_error(run_cli, tmp_path):
+    """One line on the terminal names the rank, the phase and its error and points at the rank's log,
+    which holds the traceback."""
     result = run_cli("train", "--steps", 4, "--fail-rank", 1, "--fail-step", 2, timeout=120)
-    assert result.returncode != 0
-    assert "injected failure on rank 1 at step 2" in result.output  # the failing rank's own traceback
-    assert "te-dist train: the job failed" in result.output
+    assert result.returncode == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("te-dist train:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith("te-dist train: rank 1 failed in step 2: RuntimeError: injected failure on rank 1 at "
+                               "step 2 (--fail-rank/--fail-step)"), lines[0]  # the cause, not what it set off
+    assert "; results incomplete: this job wrote no checkpoint; logs te_dist_out/" in lines[0], lines[0]
+    log = tmp_path / lines[0].rsplit("; logs ", 1)[1]
+    assert log.name == "rank1.log" and "Traceback" in log.read_text() and "injected failure" in log.read_text()
 
 
 def test_resume_of_another_model_shape_fails(run_cli, tmp_path):
