@@ -91,15 +91,24 @@ def _say(text: str) -> None:
 def _train(ns: argparse.Namespace) -> int:
     from .train.args import config_from_args, output_options, worker_argv
     from .train.config import ConfigError
+    from .train.job_watch import JobLimits
     from .train.launch import launch
     from .train.preflight import check_gpus, check_logging, first_line, memory_report, plan_launch
     from .train.resolved import config_yaml, resolved_config, summary_lines
+    from .train.run_dirs import choose_out_dir, point_latest
 
+    chosen = None  # the output directory (a new one under te_dist_out/ when --out is not given)
     try:
         cfg = config_from_args(ns)
         plan = plan_launch(cfg, ns.nproc)
         if not ns.print_config:
-            _say(first_line(plan, config=ns.config, out_dir=cfg.train.out_dir, resume=ns.resume))
+            chosen = choose_out_dir(cfg.train.out_dir, resume=ns.resume, overwrite=bool(ns.overwrite))
+            cfg.train.out_dir = str(chosen.path)
+            setattr(ns, "train.out_dir", cfg.train.out_dir)  # the ranks write where the parent chose
+            _say(first_line(plan, config=ns.config, out_dir=cfg.train.out_dir, resume=ns.resume,
+                            new_dir=chosen.created))
+            if chosen.note:
+                _say(chosen.note)
         cfg.validate(world_size=plan.nproc)
         resolved = resolved_config(cfg, world_size=plan.nproc)
         if ns.print_config:
@@ -116,21 +125,41 @@ def _train(ns: argparse.Namespace) -> int:
         _say(memory_report(cfg, plan, enforce=not ns.skip_memory_check))
         from .train.run_dir import plan_run  # imports torch: after the first line
 
-        plan_run(cfg, **output_options(ns))  # reads only: refuses a taken --out or a bad checkpoint here, exit 2
+        run_plan = plan_run(cfg, **output_options(ns))  # reads only: refuses a taken --out or a bad checkpoint, exit 2
         if ns.fail_rank is not None and not 0 <= ns.fail_rank < plan.nproc:
             raise ConfigError(f"--fail-rank {ns.fail_rank} is not a rank of a {plan.nproc}-rank job")
+        if run_plan.checkpoint is not None and run_plan.step >= cfg.train.steps:
+            # e.g. a run whose rank hung at exit after its last checkpoint (exit code 3): nothing is left to do
+            _unclaim(chosen)
+            _say(f"[te-dist] the run is complete: checkpoint {run_plan.checkpoint} is at step {run_plan.step} and "
+                 f"train.steps is {cfg.train.steps}; nothing to do (raise --steps to train further)")
+            return 0
     except ConfigError as exc:
+        _unclaim(chosen)
         print(f"te-dist train: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    code = launch(plan.nproc, [*worker_argv(ns), "--from-cli"], grace_s=cfg.train.stop_grace_s)
-    if code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop by signal has said so already
-        print(f"te-dist train: the job failed (torchrun exit code {code}); the failing rank's error is shown above",
-              file=sys.stderr)
+    except BaseException:
+        _unclaim(chosen)
+        raise
+    if chosen.created:
+        point_latest(chosen.path.parent, chosen.path)
+    # The launcher prints the job's outcome in one line when it did not succeed (job_watch.py).
+    code = launch(plan.nproc, [*worker_argv(ns), "--from-cli"], limits=JobLimits.from_config(cfg.train),
+                  log_dir=chosen.path / "logs")
     if "torch" in sys.modules:
         import gc
 
         gc.freeze()  # exit without the collections that walk all of torch's objects (see train/worker.py)
     return code
+
+
+def _unclaim(chosen) -> None:
+    """Remove the new run directory of a job that never started (it is still empty)."""
+    if chosen is not None and chosen.created:
+        try:
+            chosen.path.rmdir()
+        except OSError:  # not empty after all: leave it
+            pass
 
 
 # --------------------------------------------------------------------------- env

@@ -97,10 +97,12 @@ def _unresponsive(group_ranks: list, rank: int) -> Optional[list]:
         return None
 
 
-def wait_collective(work, op: str, group, *, timeout_s: Optional[float] = None) -> None:
+def wait_collective(work, op: str, group, *, timeout_s: Optional[float] = None,
+                    limit_name: str = "train.collective_timeout_s") -> None:
     """Wait for ``work`` (from ``async_op=True``); raise :class:`CollectiveError` naming ``op`` on failure.
 
     ``timeout_s`` (default: the group's timeout) bounds the wait on gloo groups; see the module docstring.
+    ``limit_name``: the setting a timeout error names as the one that sets the limit.
     """
     if timeout_s is None:
         timeout_s = group_timeout_s(group)
@@ -121,7 +123,7 @@ def wait_collective(work, op: str, group, *, timeout_s: Optional[float] = None) 
         who = (f"; rank(s) {missing} did not respond (stopped, dead, or busy outside this collective)"
                if missing else "")
         raise CollectiveTimeoutError(
-            f"{where} did not finish within {timeout_s:g} s{who} (train.collective_timeout_s sets the limit)",
+            f"{where} did not finish within {timeout_s:g} s{who} ({limit_name} sets the limit)",
             op=op, rank=rank, group_ranks=ranks, unresponsive=missing,
         ) from (cause if isinstance(cause, BaseException) else None)
     raise CollectiveError(

@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..recipe import RECIPE_NAMES
 from .config import JobConfig, closest, config_fields, load_config, recipe_setting_names
+from .faults import FAULT_ACTIONS, FAULT_POINTS, FaultInjection
 
 __all__ = ["add_train_arguments", "check_unknown_flags", "config_from_args", "config_overrides", "worker_argv",
            "fault_from_args", "output_options"]
@@ -39,6 +40,7 @@ _OVERRIDES = {
 RESUME_LATEST = True
 # flag dest -> how the output directory is used (run_dir.py); not part of the job's config
 _OUTPUT_FLAGS = ("resume", "overwrite", "skip_invalid")
+_FAULT_FLAGS = ("fail_rank", "fail_step", "fail_with", "fail_at")  # testing aid (faults.py)
 _RECIPE_PREFIX = "recipe."
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -61,6 +63,10 @@ def _parse_optional_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("null", "none") else _parse_int(text)
 
 
+def _parse_optional_str(text: str) -> Optional[str]:
+    return None if text.strip().lower() in ("null", "none") else text
+
+
 def _parse_float(text: str) -> float:
     try:
         return float(text)
@@ -79,8 +85,9 @@ def _parse_yaml_scalar(text: str):
 
 
 _PARSERS = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool, "str": str,
-            "Optional[int]": _parse_optional_int}
-_METAVARS = {"int": "N", "float": "X", "bool": "BOOL", "str": "TEXT", "Optional[int]": "N|null"}
+            "Optional[int]": _parse_optional_int, "Optional[str]": _parse_optional_str}
+_METAVARS = {"int": "N", "float": "X", "bool": "BOOL", "str": "TEXT", "Optional[int]": "N|null",
+             "Optional[str]": "TEXT|null"}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,17 +96,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", choices=RECIPE_NAMES, default=argparse.SUPPRESS,
                         help="quantization recipe by name (default: the config's, else 'current')")
     parser.add_argument("--resume", metavar="DIR", nargs="?", const=RESUME_LATEST,
-                        help="continue the run in --out from its newest valid checkpoint; with DIR: start from that "
-                             "checkpoint (a step dir, or an out dir's newest)")
+                        help="continue the run in --out (without --out: the newest run under te_dist_out/) from its "
+                             "newest valid checkpoint; with DIR: start a new run from that checkpoint (a step dir, "
+                             "or an out dir's newest)")
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="replace the run that --out holds (its checkpoints and metrics)")
     parser.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
                         help="with --resume: pass over checkpoints that fail verification for the newest that verifies")
     parser.add_argument("--no-checkpoint", dest="train.checkpoint", action="store_const", const=False,
                         default=argparse.SUPPRESS, help="write no checkpoint at all (same as --train.checkpoint false)")
-    # Testing aid: make one rank fail, to see the job end with that rank's error (never a hang).
+    # Testing aid (faults.py): make one rank fail or hang, to see the job end with a named error (never a hang).
     parser.add_argument("--fail-rank", type=int, dest="fail_rank", help=argparse.SUPPRESS)
     parser.add_argument("--fail-step", type=int, dest="fail_step", help=argparse.SUPPRESS)
+    parser.add_argument("--fail-with", choices=FAULT_ACTIONS, dest="fail_with", help=argparse.SUPPRESS)
+    parser.add_argument("--fail-at", choices=FAULT_POINTS, dest="fail_at", help=argparse.SUPPRESS)
     # Set by the te-dist parent: it already printed the resolved config and the memory estimate.
     parser.add_argument("--from-cli", action="store_true", dest="from_cli", help=argparse.SUPPRESS)
 
@@ -154,12 +164,12 @@ def output_options(ns: argparse.Namespace) -> dict:
     return {"resume": ns.resume, "overwrite": bool(ns.overwrite), "skip_invalid": bool(ns.skip_invalid)}
 
 
-def fault_from_args(ns: argparse.Namespace):
-    if ns.fail_rank is None and ns.fail_step is None:
+def fault_from_args(ns: argparse.Namespace) -> Optional[FaultInjection]:
+    given = {name: getattr(ns, name, None) for name in _FAULT_FLAGS}
+    if all(value is None for value in given.values()):
         return None
-    from .loop import FaultInjection  # lazy: the loop imports torch
-
-    return FaultInjection(rank=ns.fail_rank or 0, step=ns.fail_step or 1)
+    return FaultInjection(rank=given["fail_rank"] or 0, step=given["fail_step"] or 1,
+                          action=given["fail_with"] or "raise", point=given["fail_at"] or "step")
 
 
 def _flag_value(value) -> str:
@@ -173,7 +183,7 @@ def _flag_value(value) -> str:
 def worker_argv(ns: argparse.Namespace) -> list:
     """Rebuild the job flags for the workers from parsed args (only those that were given)."""
     argv = []
-    for dest in ("config", *_OUTPUT_FLAGS, "fail_rank", "fail_step"):
+    for dest in ("config", *_OUTPUT_FLAGS, *_FAULT_FLAGS):
         value = getattr(ns, dest, None)
         if value is True:  # a bare flag (--resume without DIR, --overwrite, --skip-invalid)
             argv += [f"--{dest.replace('_', '-')}"]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..autocast import autocast
+from ..distributed.bounded import wait_collective
 from . import recipe_state
 from .config import ConfigError
 from .manifest import (CheckpointError, file_digest, fsync_dir, list_checkpoints, read_manifest, select_checkpoint,
@@ -155,14 +156,21 @@ def check_compatible(path, model_config: dict, *, meta: Optional[dict] = None) -
     return meta
 
 
-def _digest_files(directory: Path, runtime: Runtime) -> dict:
+def _digest_files(directory: Path, runtime: Runtime, group) -> dict:
     """{file name: {"size", "sha256"}} of every file in ``directory`` (collective: the ranks share the reading)."""
     names = [sorted(p.name for p in directory.iterdir()) if runtime.is_main else None]
-    dist.broadcast_object_list(names, src=0)
+    dist.broadcast_object_list(names, src=0, group=group)
     mine = {name: file_digest(directory / name) for name in names[0][runtime.rank :: runtime.world_size]}
     gathered = [None] * runtime.world_size
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=group)
     return {name: entry for part in gathered for name, entry in part.items()}
+
+
+def _barrier(group, what: str) -> None:
+    """A barrier of the save, waited with the group's timeout and named when it fails (bounded.py)."""
+    limit = "train.checkpoint_timeout_s" if group is not None else "train.collective_timeout_s"
+    wait_collective(dist.barrier(group=group, async_op=True), f"checkpoint save barrier ({what})", group,
+                    limit_name=limit)
 
 
 def _publish(partial: Path, final: Path) -> None:
@@ -186,31 +194,33 @@ def save_checkpoint(path, *, model, optimizer, runtime: Runtime, step: int, meta
 
     ``meta`` must hold ``model``, ``run_id`` and ``config`` (the resolved config as a dict); it is
     stored in ``meta.json`` with the step, the layout and every file's checksum. ``keep_last`` > 0
-    then deletes all but the newest ``keep_last`` checkpoints beside it.
+    then deletes all but the newest ``keep_last`` checkpoints beside it. The save's collectives run
+    on ``runtime.checkpoint_group`` (its timeout is train.checkpoint_timeout_s), else the default group.
     """
     final = Path(path)
     missing = [key for key in _META_NEEDS if key not in meta]
     if missing:
         raise ValueError(f"save_checkpoint: meta needs the keys {list(_META_NEEDS)}, missing {missing}")
     partial = _marked(final.parent, final.name, ".partial")
+    group = runtime.checkpoint_group
     if runtime.is_main:
         _remove(partial)  # what an interrupted save of this step left behind
         partial.mkdir(parents=True)
-    dist.barrier()
+    _barrier(group, "the partial directory exists")
     state, _ = _state_for(model, optimizer, runtime, for_load=False)
     state[f"rng/cpu/rank{runtime.rank}"] = torch.get_rng_state()
     if runtime.device.type == "cuda":
         state[f"rng/cuda/rank{runtime.rank}"] = torch.cuda.get_rng_state(runtime.device)
     state.update(recipe_state.state_dict(model, f"recipe/rank{runtime.rank}"))
     dcp = _dcp()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True))
-    dist.barrier()
-    files = _digest_files(partial, runtime)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True), process_group=group)
+    _barrier(group, "every shard written")
+    files = _digest_files(partial, runtime, group)
     if runtime.is_main:
         write_manifest(partial, dict(meta, step=step, world_size=runtime.world_size, ep=runtime.ep_size), files)
         _publish(partial, final)
         prune_checkpoints(final.parent, keep_last, newest=step)
-    dist.barrier()
+    _barrier(group, "the commit")
     return final
 
 

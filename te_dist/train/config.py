@@ -12,7 +12,8 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
     data:     {seq_len, global_batch_size, branching, seed}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
                ckpt_every, keep_last, checkpoint, out_dir, device, threads, log,
-               collective_timeout_s, stop_grace_s, autotune}
+               startup_timeout_s, collective_timeout_s, checkpoint_timeout_s, exit_grace_s,
+               stop_grace_s, autotune}
     parallel: {ep, transport}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
     provenance: {...}   # written by te-dist into config.yaml (versions, ranks); ignored when read
@@ -114,11 +115,18 @@ class TrainConfig:
     ckpt_every: int = _f(30, "checkpoint every K steps (0: only at the end)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
     checkpoint: bool = _f(True, "false: write no checkpoint at all (benchmarks)")
-    out_dir: str = _f("te_dist_out", "output dir: config.yaml, metrics.jsonl, checkpoints/, tensorboard/")
+    out_dir: Optional[str] = _f(None, "output dir: config.yaml, metrics.jsonl, checkpoints/, tensorboard/; null: a new "
+                                      "directory per run under te_dist_out/ (te_dist_out/latest names the newest)")
     device: str = _f("auto", f"one of {list(DEVICES)}; auto: one GPU per rank when GPUs exist, else CPU")
     threads: int = _f(1, "torch intra-op threads per rank on CPU (fixed, so results are reproducible)")
     log: str = _f("jsonl", f"metrics sinks besides stdout, one of {list(LOGS)} (metrics.jsonl is always written)")
+    startup_timeout_s: float = _f(600.0, "start-up (rendezvous, process groups) must end within this, else the launcher "
+                                         "names the ranks that had not joined and kills the job")
     collective_timeout_s: float = _f(300.0, "a collective waiting longer on a stuck or dead peer fails on every live rank")
+    checkpoint_timeout_s: float = _f(600.0, "a checkpoint save (every rank's shard written, the commit) must end within "
+                                            "this, else the job ends with a named error and no half-written checkpoint")
+    exit_grace_s: float = _f(60.0, "after the first rank finishes the run, time the others get to exit before they are "
+                                   "killed (exit code 3: the run is complete)")
     stop_grace_s: float = _f(8.0, "after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill")
     autotune: bool = _f(True, "measure grouped-GEMM choices per shape bucket on first use (CUDA; docs/kernels.md "
                               "\"Measured choices\"); TE_DIST_TUNE=0 also turns it off")
@@ -183,7 +191,7 @@ class JobConfig:
                 f"train.warmup_steps, train.weight_decay and train.ckpt_every must be >= 0, got "
                 f"{t.warmup_steps}, {t.weight_decay}, {t.ckpt_every}"
             )
-        for key in ("collective_timeout_s", "stop_grace_s"):
+        for key in ("startup_timeout_s", "collective_timeout_s", "checkpoint_timeout_s", "exit_grace_s", "stop_grace_s"):
             if not getattr(t, key) > 0:
                 raise ConfigError(f"train.{key} must be > 0 seconds, got {getattr(t, key)}")
         _positive("train.log_every", t.log_every)
@@ -253,6 +261,8 @@ def _check_types(section_name: str, section) -> None:
             raise ConfigError(f"{key} must be a string, got {type(value).__name__} {value!r}")
         if expected == "Optional[int]" and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"{key} must be an int or null, got {type(value).__name__} {value!r}")
+        if expected == "Optional[str]" and value is not None and not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string or null, got {type(value).__name__} {value!r}")
 
 
 def _positive(key: str, value: int, *, minimum: int = 1) -> None:

@@ -19,14 +19,18 @@ waits 30 s on a rank that does not exit. The launcher therefore:
     every rank exited    kill torchrun (its own teardown would only delay the exit)
     stop_grace_s later,  kill torchrun, then every process of the job
     or a second signal
-    a rank failed        (its failed.<rank> file) the others get FAILURE_SETTLE_S to report
-                         their own errors, then the job is killed
+    a deadline passed    start-up, a checkpoint save, the exit after the run, the settling after a
+                         rank's failure (job_watch.py): kill the job, print one line saying so
 
 Should the launcher die without a chance to act (SIGKILL), Linux sends torchrun SIGTERM
 (``PR_SET_PDEATHSIG``), and torchrun stops the ranks the same way.
 
-Exit code: 128 + the signal (130 SIGINT, 143 SIGTERM) after a signal, else torchrun's. The
-ranks print the stop line; the launcher prints one only when it had to kill them.
+With a ``log_dir`` every rank's stderr goes to ``<log_dir>/rank<R>.log`` and torchrun's to
+``<log_dir>/torchrun.log``: the terminal gets rank 0's progress and the launcher's one line.
+
+Exit code: 128 + the signal (130 SIGINT, 143 SIGTERM) after a signal, else job_watch.py's (0
+success, 1 failure, 3 a complete run whose rank did not exit cleanly). The ranks print the stop
+line; the launcher prints one when it had to kill the job, or when the job failed.
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import job_files
-from .processes import can_scan, is_tagged, kill_tagged
+from .job_watch import JobLimits, JobWatch
+from .processes import can_scan, environ_value, is_tagged, kill_tagged, tagged_processes
 
-__all__ = ["default_nproc", "torchrun_command", "launch", "DEFAULT_GRACE_S", "FAILURE_SETTLE_S"]
+__all__ = ["default_nproc", "torchrun_command", "launch"]
 
 WORKER_MODULE = "te_dist.train.worker"
-DEFAULT_GRACE_S = 8.0  # train.stop_grace_s's default: every process is gone within 10 s of a signal
-FAILURE_SETTLE_S = 5.0  # time the other ranks get to report their own errors after one rank failed
+TORCHRUN_LOG = "torchrun.log"
 _POLL_S = 0.1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -100,6 +104,16 @@ class _Job:
     def ready(self) -> dict:
         return job_files.ready_pids(self.root)
 
+    def rank_pids(self) -> dict:
+        """{rank: pid}: the ready ranks' pids, and (Linux) the job's other processes that carry a RANK."""
+        pids = self.ready()
+        if len(pids) < self.nproc and can_scan():
+            for pid in tagged_processes(job_files.JOB_DIR_ENV, str(self.root)) or ():
+                rank = environ_value(pid, "RANK")
+                if pid != self.proc.pid and rank is not None and rank.isdigit():
+                    pids.setdefault(int(rank), pid)
+        return pids
+
     def ranks_gone(self) -> bool:
         """Whether every rank that was ready has exited (torchrun then has nothing left to do)."""
         if not can_scan():
@@ -143,11 +157,13 @@ def _terminate_with_parent():
 
 
 def launch(nproc: int, worker_args: Sequence[str], *, env: Optional[dict] = None,
-           grace_s: float = DEFAULT_GRACE_S) -> int:
-    """Run the job and return its exit code: torchrun's (0 only when every rank succeeded), or
-    128 + the signal after SIGINT/SIGTERM. ``grace_s``: how long the ranks get to stop after a signal."""
-    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not grace_s > 0:
-        raise ValueError(f"grace_s must be a number of seconds > 0, got {grace_s!r}")
+           limits: Optional[JobLimits] = None, log_dir=None) -> int:
+    """Run the job and return its exit code (module docstring). ``limits``: the deadlines
+    (job_watch.py; default :class:`JobLimits`()); ``log_dir``: where the rank logs go (None: the
+    ranks write to this process's stderr)."""
+    limits = JobLimits() if limits is None else limits
+    if not isinstance(limits, JobLimits):
+        raise TypeError(f"limits must be a JobLimits, got {type(limits).__name__}")
     child_env = dict(os.environ)
     child_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it anyway, with a warning
     child_env.setdefault("PYTHONUNBUFFERED", "1")  # progress lines appear as they happen
@@ -156,22 +172,47 @@ def launch(nproc: int, worker_args: Sequence[str], *, env: Optional[dict] = None
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, child_env.get("PYTHONPATH")]))
     if env:
         child_env.update(env)
+    if log_dir is not None:
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        child_env[job_files.LOG_DIR_ENV] = str(log_dir)
     with tempfile.TemporaryDirectory(prefix="te_dist_job_") as root, _Signals() as signals:
         child_env[job_files.JOB_DIR_ENV] = root
         # How long torchrun itself waits for the ranks when it is signalled (_terminate_with_parent).
-        child_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(math.ceil(grace_s)))
+        child_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(math.ceil(limits.stop_grace_s)))
+        stderr = _torchrun_log(log_dir)
         # Its own session: a terminal's Ctrl-C reaches only the launcher, which decides for the job.
-        proc = subprocess.Popen(torchrun_command(nproc, worker_args), env=child_env, start_new_session=True,
-                                preexec_fn=_terminate_with_parent())
-        job = _Job(proc, Path(root), nproc)
         try:
-            return _supervise(job, signals, float(grace_s))
+            proc = subprocess.Popen(torchrun_command(nproc, worker_args), env=child_env, start_new_session=True,
+                                    preexec_fn=_terminate_with_parent(), stderr=stderr)
+        finally:
+            if stderr is not None:
+                stderr.close()  # torchrun holds its own copy
+        job = _Job(proc, Path(root), nproc)
+        watch = JobWatch(root, nproc, limits, now=time.monotonic(), log_dir=log_dir, rank_pids=job.rank_pids)
+        try:
+            return _supervise(job, signals, watch, float(limits.stop_grace_s))
         finally:
             job.kill()  # no process of the job outlives the launcher (nothing left after a clean exit)
 
 
-def _supervise(job: _Job, signals: _Signals, grace_s: float) -> int:
-    deadline, handled, failed = None, 0, False
+def _torchrun_log(log_dir: Optional[Path]):
+    """torchrun's stderr (its warnings, its failure summaries): ``<log_dir>/torchrun.log``, appended."""
+    if log_dir is None:
+        return None
+    log = open(log_dir / TORCHRUN_LOG, "a")
+    log.write(f"==== torchrun {time.strftime('%Y-%m-%dT%H:%M:%S%z')} ====\n")
+    log.flush()
+    return log
+
+
+def _say(line: Optional[str]) -> None:
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _supervise(job: _Job, signals: _Signals, watch: JobWatch, grace_s: float) -> int:
+    deadline, handled = None, 0
     while job.proc.poll() is None:
         if len(signals.received) > handled:
             sig = signals.received[0]
@@ -181,24 +222,28 @@ def _supervise(job: _Job, signals: _Signals, grace_s: float) -> int:
             else:  # a second signal, or ranks still starting: no more waiting
                 job.kill()
                 why = "a second signal" if handled else "before every rank had started"
-                print(f"te-dist train: interrupted by {sig.name} ({why}); stopped every process of the job",
-                      file=sys.stderr, flush=True)
+                _say(f"te-dist train: interrupted by {sig.name} ({why}); stopped every process of the job")
                 return 128 + sig
             handled = len(signals.received)
-        if deadline is None and job_files.failures(job.root):
-            deadline, failed = time.monotonic() + FAILURE_SETTLE_S, True
-        if signals.received and job.ranks_gone():  # stopped by themselves: skip torchrun's own teardown
-            job.kill()
-            break
-        if deadline is not None and time.monotonic() >= deadline:
-            job.kill()
-            if signals.received:
+        if signals.received:  # stopping: only the stop's own deadline applies
+            if job.ranks_gone():  # stopped by themselves: skip torchrun's own teardown
+                job.kill()
+                break
+            if time.monotonic() >= deadline:
+                job.kill()
                 sig = signals.received[0]
-                print(f"te-dist train: interrupted by {sig.name}; the ranks did not stop within {grace_s:g} s "
-                      f"(train.stop_grace_s) and were killed", file=sys.stderr, flush=True)
+                _say(f"te-dist train: interrupted by {sig.name}; the ranks did not stop within {grace_s:g} s "
+                     f"(train.stop_grace_s) and were killed")
                 return 128 + sig
-            return 1 if failed else job.proc.returncode
+        else:
+            outcome = watch.poll(time.monotonic())
+            if outcome is not None:
+                job.kill()
+                _say(outcome.line)
+                return outcome.code
         time.sleep(_POLL_S)
     if signals.received:
         return 128 + signals.received[0]
-    return job.proc.returncode
+    outcome = watch.after_exit(job.proc.returncode)
+    _say(outcome.line)
+    return outcome.code

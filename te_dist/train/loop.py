@@ -37,6 +37,8 @@ from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
 from .data import MarkovData
 from .estimate import flops_per_token, memory_estimate
+from .faults import FaultInjection
+from .job_files import RankPhase
 from .model import build_model
 from .parallel import GradientReducer, Runtime, dense_group, init_runtime
 from .progress import Progress, peak_flops_note
@@ -45,14 +47,6 @@ from .run_dir import Run, RunPlan, open_run
 from .stop import StopRequest
 
 __all__ = ["FaultInjection", "TrainResult", "train", "lr_at"]
-
-
-@dataclass(frozen=True)
-class FaultInjection:
-    """Testing aid: raise on ``rank`` at the start of ``step`` (shows how a rank failure ends a job)."""
-
-    rank: int
-    step: int
 
 
 @dataclass
@@ -110,7 +104,8 @@ def _expert_path_report(model, recipe) -> str:
         if not (fc1.native_shape_ok and fc2.native_shape_ok):
             path, why = "emulated", "expert features are not multiples of 128 (the FP8 kernels' scale block)"
         elif not all(layer.fc1.has_native_weight_copy for layer in layers):
-            path, why = "emulated", "the first step did not run the native kernels (see the warnings above)"
+            path, why = "emulated", ("the first step did not run the native kernels (see the warnings in the rank "
+                                     "logs, <out>/logs/)")
     return f"[te-dist] expert MLPs: {path} ({why})"
 
 
@@ -129,7 +124,7 @@ class _Job:
     micro_batches: int
 
 
-def _build(cfg: JobConfig) -> _Job:
+def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection]) -> _Job:
     t, m, d = cfg.train, cfg.model, cfg.data
     if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
@@ -138,7 +133,11 @@ def _build(cfg: JobConfig) -> _Job:
     autotune.configure(enabled=t.autotune)
     ep_size, _ = cfg.layout(int(os.environ.get("WORLD_SIZE", "1")))
     recipe = resolve_recipe(cfg.recipe)
-    rt = init_runtime(device=t.device, ep_size=ep_size, timeout_s=t.collective_timeout_s)
+    if fault is not None:
+        fault.at(int(os.environ.get("RANK", "0")), "startup")
+    rt = init_runtime(device=t.device, ep_size=ep_size, timeout_s=t.collective_timeout_s,
+                      startup_timeout_s=t.startup_timeout_s, checkpoint_timeout_s=t.checkpoint_timeout_s)
+    phase.started()
     agreed_key = None
     if recipe is not None:
         from ..distributed import sync_recipe
@@ -206,14 +205,22 @@ def _resume(job: _Job, plan: RunPlan, cfg: JobConfig) -> tuple:
     return int(meta["step"]), {int(k): v for k, v in meta.get("losses", {}).items()}
 
 
-def save_step(job: _Job, run: Run, cfg: JobConfig, step: int, history: dict) -> Path:
+def save_step(job: _Job, run: Run, cfg: JobConfig, step: int, history: dict, *, phase: Optional[RankPhase] = None,
+              fault: Optional[FaultInjection] = None) -> Path:
     """Collective: checkpoint ``step`` into the run's output directory (with the run id, the resolved
-    config and the losses so far), then apply ``train.keep_last``."""
+    config and the losses so far), then apply ``train.keep_last``. ``phase`` marks the save's start
+    and end for the launcher's ``train.checkpoint_timeout_s`` (job_watch.py)."""
+    phase = phase if phase is not None else RankPhase()
     meta = {"model": asdict(cfg.model), "recipe": cfg.recipe, "recipe_key": job.agreed_key, "run_id": run.run_id,
             "config": resolved_config(cfg, world_size=job.runtime.world_size),
             "losses": {str(k): v for k, v in sorted(history.items())}}
-    return save_checkpoint(checkpoint_dir(run.out_dir, step), model=job.model, optimizer=job.optimizer,
+    phase.saving(step)
+    if fault is not None:
+        fault.at(job.runtime.rank, "save", step)
+    path = save_checkpoint(checkpoint_dir(run.out_dir, step), model=job.model, optimizer=job.optimizer,
                            runtime=job.runtime, step=step, meta=meta, keep_last=cfg.train.keep_last)
+    phase.saved(step)
+    return path
 
 
 def _announce(cfg: JobConfig, world_size: int) -> str:
@@ -226,22 +233,26 @@ def _announce(cfg: JobConfig, world_size: int) -> str:
 
 
 def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None, stop: Optional[StopRequest] = None,
-          overwrite: bool = False, skip_invalid: bool = False, announce: bool = True) -> TrainResult:
+          overwrite: bool = False, skip_invalid: bool = False, announce: bool = True,
+          phase: Optional[RankPhase] = None) -> TrainResult:
     """Run the job on this rank (collective; call on every rank of the torchrun job).
 
     ``resume``: None, True (the newest valid checkpoint in ``train.out_dir``) or a checkpoint /
     output directory; ``overwrite`` and ``skip_invalid`` as the flags of the same names.
     ``stop``: the signals this rank received (installed by the worker); None never stops early.
     ``announce``: rank 0 prints the resolved config and the memory estimate first (False when the
-    ``te-dist`` parent already did).
+    ``te-dist`` parent already did). ``phase``: where this rank is, marked for the launcher's
+    deadlines and named by a failure (job_files.RankPhase; the worker passes its own).
     """
     cfg.validate()
     t, m, d = cfg.train, cfg.model, cfg.data
+    phase = phase if phase is not None else RankPhase()
     if announce and int(os.environ.get("RANK", "0")) == 0:
         print(_announce(cfg, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
-    job = _build(cfg)
+    job = _build(cfg, phase, fault)
     rt = job.runtime
     run = open_run(cfg, rt, resume=resume, overwrite=overwrite, skip_invalid=skip_invalid)
+    cfg.train.out_dir = str(run.out_dir)  # a null out_dir became a new run directory: config.yaml records it
     tensorboard = None
     if rt.is_main:
         write_config_yaml(run.out_dir, resolved_config(cfg, world_size=rt.world_size))
@@ -267,8 +278,9 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
     t_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         t0 = time.perf_counter()
-        if fault is not None and fault.step == step and fault.rank == rt.rank:
-            raise RuntimeError(f"injected failure on rank {rt.rank} at step {step} (--fail-rank/--fail-step)")
+        phase.step(step)
+        if fault is not None:
+            fault.at(rt.rank, "step", step)
         lr = lr_at(step, cfg)
         loss, grad_norm, stop_signal = _step(job, step, lr, stop.votes() if stop is not None else [0.0, 0.0])
         losses[step] = loss
@@ -292,7 +304,7 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
         saved_now = t.checkpoint and ((t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps or preempted)
         if saved_now:
             history.update(losses)
-            last_ckpt = save_step(job, run, cfg, step, history)
+            last_ckpt = save_step(job, run, cfg, step, history, phase=phase, fault=fault)
             if not stopping:  # the stop line below names it
                 _say(rt, f"[te-dist] checkpoint {last_ckpt}")
         if stopping:
@@ -307,10 +319,12 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
     if tensorboard is not None:
         tensorboard.close()
     result = TrainResult(start_step + 1, t.steps, losses, sum(speeds) / len(speeds) if speeds else float("nan"),
-                         time.perf_counter() - t_start, str(last_ckpt) if last_ckpt else None)
+                         time.perf_counter() - t_start,
+                         str(last_ckpt) if last_ckpt else (run.plan.checkpoint if not losses else None))
     if rt.is_main:
         _print_summary(result, job.data, rt, job.ep_size, job.agreed_key)
     run.close()
+    phase.done(t.steps, t.steps, result.checkpoint)
     return result
 
 

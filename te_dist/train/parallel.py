@@ -38,6 +38,7 @@ class Runtime:
     device: torch.device
     backend: str
     groups: object  # te_dist.distributed.groups.ExpertParallelGroups
+    checkpoint_group: object = None  # gloo, every rank, timeout train.checkpoint_timeout_s (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -64,11 +65,17 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(*, device: str, ep_size: int, timeout_s: float = 300.0) -> Runtime:
+def init_runtime(*, device: str, ep_size: int, timeout_s: float = 300.0, startup_timeout_s: Optional[float] = None,
+                 checkpoint_timeout_s: Optional[float] = None) -> Runtime:
     """Join the torchrun job (env:// rendezvous) and build the EP/EDP groups.
 
     ``timeout_s`` bounds every collective of the job on all its groups (te_dist.distributed.bounded).
-    Runs as world size 1 without torchrun too (a plain ``python -m te_dist.train.worker``).
+    ``startup_timeout_s`` (default ``timeout_s``) bounds the rendezvous: the default group is created
+    with it (a peer may still be importing torch), then set to ``timeout_s`` for the collectives.
+    ``checkpoint_timeout_s``: a gloo group of every rank with this timeout carries the checkpoint
+    saves' coordination (a rank's shard may take longer to write than a step's collective may
+    wait; gloo on every device, as DCP's CPU coordination is). Runs as world size 1 without
+    torchrun too (a plain ``python -m te_dist.train.worker``).
     """
     from ..distributed.groups import init_expert_parallel_groups
 
@@ -79,9 +86,15 @@ def init_runtime(*, device: str, ep_size: int, timeout_s: float = 300.0) -> Runt
         if "RANK" not in os.environ:  # not started by torchrun: a one-rank job on a private port
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        joining_s = startup_timeout_s if startup_timeout_s is not None else timeout_s
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=joining_s), **kwargs)
+        if joining_s != timeout_s:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     groups = init_expert_parallel_groups(ep_size, timeout_s=timeout_s)
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, groups)
+    checkpoint_group = None
+    if checkpoint_timeout_s is not None:
+        checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=checkpoint_timeout_s))
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, groups, checkpoint_group)
 
 
 def _free_port() -> int:

@@ -71,11 +71,12 @@ def plan_launch(cfg: JobConfig, nproc: Optional[int]) -> LaunchPlan:
     return LaunchPlan(nproc=nproc, device=device, nproc_given=given)
 
 
-def first_line(plan: LaunchPlan, *, config: Optional[str], out_dir: str, resume) -> str:
+def first_line(plan: LaunchPlan, *, config: Optional[str], out_dir: str, resume, new_dir: bool = False) -> str:
+    """``new_dir``: ``out_dir`` was made for this run (no ``--out``: te_dist.train.run_dirs)."""
     from .. import __version__
 
     parts = [f"[te-dist] train: {plan.nproc} rank{'s' if plan.nproc != 1 else ''} ({plan.backend}, {plan.device})",
-             f"config {config or '(defaults)'}", f"out {out_dir}"]
+             f"config {config or '(defaults)'}", f"out {out_dir}" + (" (new)" if new_dir else "")]
     if resume:
         parts.append("resume (newest checkpoint in out)" if resume is True else f"resume {resume}")
     parts.append(f"te_dist {__version__}")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["can_scan", "tagged_processes", "is_tagged", "kill_tagged"]
+__all__ = ["can_scan", "tagged_processes", "is_tagged", "kill_tagged", "environ_value", "process_state"]
 
 _PROC = Path("/proc")
 
@@ -26,18 +26,49 @@ def can_scan() -> bool:
     return _PROC.is_dir()
 
 
-def _environ_has(pid: int, entry: bytes) -> bool:
+def _environ(pid: int) -> list:
+    """``pid``'s environment entries (``b"NAME=value"``); empty when gone, a zombie, or another user's."""
     try:
-        return entry in (_PROC / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:  # gone, a zombie, or another user's process
-        return False
+        return (_PROC / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _environ_has(pid: int, entry: bytes) -> bool:
+    return entry in _environ(pid)
+
+
+def _state_letter(pid: int) -> Optional[str]:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, t, Z, ...), None when it is gone."""
+    try:
+        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    return _state_letter(pid) in (None, "Z")
+
+
+# What a state says about a rank that holds up its job (running and sleeping say nothing).
+_STATE_WORDS = {"T": "stopped", "t": "stopped", "D": "in uninterruptible I/O", "Z": "exited", None: "exited"}
+
+
+def process_state(pid: int) -> Optional[str]:
+    """"stopped" (SIGSTOP, a debugger), "in uninterruptible I/O", "exited", or None (running or
+    sleeping, or unknown without /proc): the words the launcher adds to a rank it names."""
+    if not can_scan():
+        return None
+    return _STATE_WORDS.get(_state_letter(pid))
+
+
+def environ_value(pid: int, name: str) -> Optional[str]:
+    """The value of ``name`` in ``pid``'s environment (None: unset, gone, or unreadable)."""
+    prefix = f"{name}=".encode()
+    for entry in _environ(pid):
+        if entry.startswith(prefix):
+            return entry[len(prefix):].decode(errors="replace")
+    return None
 
 
 def is_tagged(pid: int, name: str, value: str) -> bool:

@@ -4,7 +4,10 @@
     <out>/metrics.jsonl            one line per step of this run, each with its run id
     <out>/checkpoints/step_NNNNNN/ whole checkpoints (checkpoint.py, manifest.py)
 
-Rules (checked by the ``te-dist`` parent before any rank starts, and again by rank 0 under the lock):
+Without ``train.out_dir`` (no ``--out``) a run gets a new directory under ``te_dist_out/`` and
+``--resume`` continues the newest one there (run_dirs.py); the ``te-dist`` parent chooses it, or
+rank 0 does under a plain torchrun. Rules for the chosen or given directory (checked by the
+``te-dist`` parent before any rank starts, and again by rank 0 under the lock):
 
 - an ``--out`` that holds a run (checkpoints or metrics) is refused, unless ``--resume``
   continues it (from its newest checkpoint that verifies) or ``--overwrite`` replaces it;
@@ -19,6 +22,7 @@ broadcasts the plan or the error, so every rank follows the same plan or raises 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -34,6 +38,7 @@ from .checkpoint import check_compatible, remove_stale
 from .config import PROVENANCE, ConfigError, JobConfig
 from .manifest import CheckpointError, list_checkpoints, select_checkpoint, step_of
 from .resolved import resolved_config
+from .run_dirs import choose_out_dir, point_latest
 from .run_lock import RunLock, lock_holder
 
 __all__ = ["RunPlan", "Run", "plan_run", "open_run", "RESUME_LATEST"]
@@ -53,6 +58,7 @@ class RunPlan:
     replace: bool = False  # --overwrite: the previous run's files go first
     history: dict = field(default_factory=dict)  # step -> (run id, loss) up to ``step``, from the checkpoint
     notes: list = field(default_factory=list)  # lines rank 0 prints at start-up
+    out_dir: Optional[str] = None  # the directory the run writes to (set by rank 0 under the lock)
 
 
 def new_run_id() -> str:
@@ -198,8 +204,13 @@ def _start_metrics(path: Path, plan: RunPlan) -> list:
 
 
 def _claim(cfg: JobConfig, resume, overwrite: bool, skip_invalid: bool) -> tuple:
-    """Rank 0: lock ``--out``, plan, then make the directory match the plan. Returns (plan, lock)."""
-    out = Path(cfg.train.out_dir)
+    """Rank 0: choose the directory (``--out``, else run_dirs.py), lock it, plan, then make the directory
+    match the plan. Returns (plan, lock)."""
+    chosen = choose_out_dir(cfg.train.out_dir, resume=resume, overwrite=overwrite)
+    if chosen.created:
+        point_latest(chosen.path.parent, chosen.path)
+    out = chosen.path
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out)))
     lock = RunLock(out).acquire()
     try:
         plan = plan_run(cfg, resume=resume, overwrite=overwrite, skip_invalid=skip_invalid, check_lock=False)
@@ -207,6 +218,11 @@ def _claim(cfg: JobConfig, resume, overwrite: bool, skip_invalid: bool) -> tuple
         lock.release()
         raise
     lock.record(plan.run_id)
+    plan.out_dir = str(out)
+    if chosen.note:
+        plan.notes.insert(0, chosen.note)
+    elif chosen.created:
+        plan.notes.insert(0, f"[te-dist] run directory {out} (new; {out.parent}/latest names it)")
     if lock.stale:
         plan.notes.append(f"[te-dist] took over the lock left by {lock.stale}, which is no longer alive")
     if plan.replace:
@@ -222,7 +238,8 @@ def _claim(cfg: JobConfig, resume, overwrite: bool, skip_invalid: bool) -> tuple
 
 def open_run(cfg: JobConfig, runtime, *, resume=None, overwrite: bool = False, skip_invalid: bool = False) -> Run:
     """Collective: rank 0 claims ``--out`` and plans the run; every rank gets the plan or raises
-    the same error (ConfigError, CheckpointError) naming the flag or the file."""
+    the same error (ConfigError, CheckpointError) naming the flag or the file. ``run.out_dir`` is
+    the directory chosen (``cfg.train.out_dir``, or a new one under te_dist_out/ when that is None)."""
     message = [None]
     lock = None
     if runtime.is_main:
@@ -234,7 +251,8 @@ def open_run(cfg: JobConfig, runtime, *, resume=None, overwrite: bool = False, s
         except ConfigError as exc:
             message = [("config", str(exc))]
         except Exception as exc:  # e.g. an unwritable --out: still tell every rank, so none waits
-            message = [("error", f"rank 0 could not prepare --out {cfg.train.out_dir}: {type(exc).__name__}: {exc}")]
+            where = cfg.train.out_dir or "(a new directory under te_dist_out/)"
+            message = [("error", f"rank 0 could not prepare --out {where}: {type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(message, src=0)
     got = message[0]
     if isinstance(got, tuple):
@@ -243,4 +261,4 @@ def open_run(cfg: JobConfig, runtime, *, resume=None, overwrite: bool = False, s
     if runtime.is_main:
         for note in got.notes:
             print(note, flush=True)
-    return Run(got, Path(cfg.train.out_dir), lock, runtime.is_main)
+    return Run(got, Path(got.out_dir), lock, runtime.is_main)

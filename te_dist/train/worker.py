@@ -5,9 +5,14 @@
 stops the other ranks as soon as one exits non-zero, so a failing rank ends the job.
 
 SIGINT/SIGTERM are handled from the first line of :func:`main` (te_dist.train.stop): the ranks
-stop together at a step boundary and exit 0 at once, without the process-group teardown. A failed or timed-out collective is reported in one
-line and ends the process at once: the collective's thread may still be blocked, and an orderly
-interpreter exit would wait on it or abort in the process group's destructor.
+stop together at a step boundary and exit 0 at once, without the process-group teardown. A failed
+or timed-out collective is reported in one line and ends the process at once: the collective's
+thread may still be blocked, and an orderly interpreter exit would wait on it or abort in the
+process group's destructor.
+
+Under ``te-dist train`` the rank's stderr goes to its log file (job_files.redirect_stderr), it
+marks the phases the launcher's deadlines run from (job_files.RankPhase), and a failure records
+its one line and phase; the launcher prints the job's outcome (job_watch.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ EXIT_COLLECTIVE_FAILED = 1
 @record
 def main(argv: Optional[Sequence[str]] = None) -> int:
     stop = StopRequest().install()  # first: from here on a signal stops the job at a step boundary
+    job_files.redirect_stderr()
     job_files.mark_ready()
+    phase = job_files.RankPhase()
 
     import torch.distributed as dist
 
@@ -45,18 +52,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_train_arguments(parser)
     ns, extras = parser.parse_known_args(argv)
     check_unknown_flags(parser, extras)
+    fault = fault_from_args(ns)
     try:
         cfg = config_from_args(ns)
-        result = train(cfg, fault=fault_from_args(ns), stop=stop, announce=not ns.from_cli, **output_options(ns))
+        result = train(cfg, fault=fault, stop=stop, announce=not ns.from_cli, phase=phase, **output_options(ns))
     except ConfigError as exc:
         print(f"te-dist train: error: {exc}", file=sys.stderr, flush=True)
-        job_files.mark_failed(str(exc))
+        job_files.mark_failed(str(exc), phase.where)
         raise
     except CollectiveError as exc:
-        _exit_now(exc)
+        _exit_now(exc, phase.where)
     except BaseException as exc:
-        job_files.mark_failed(f"{type(exc).__name__}: {exc}")
+        job_files.mark_failed(f"{type(exc).__name__}: {exc}", phase.where)
         raise
+    if fault is not None:
+        fault.at(int(os.environ.get("RANK", "0")), "exit")
     if result.stopped_by is not None:  # every rank is past its last collective; a teardown only delays the stop
         sys.stdout.flush()
         sys.stderr.flush()
@@ -73,10 +83,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _exit_now(exc: BaseException) -> None:
+def _exit_now(exc: BaseException, phase: str) -> None:
     """One line on stderr, the failure recorded for the launcher and torchrun, then exit (module docstring)."""
     print(f"te-dist train: error: {exc}", file=sys.stderr, flush=True)
-    job_files.mark_failed(str(exc))
+    job_files.mark_failed(str(exc), phase)
     ErrorHandler().record_exception(exc)
     sys.stdout.flush()
     os._exit(EXIT_COLLECTIVE_FAILED)

@@ -133,8 +133,8 @@ def _damage(kind, where, rng, out, golden, runtime, monkeypatch) -> set:
     if where == "dcp":
         real_save = dcp.save
 
-        def half_written(state, storage_writer):
-            real_save(state, storage_writer=storage_writer)
+        def half_written(state, storage_writer, **kwargs):
+            real_save(state, storage_writer=storage_writer, **kwargs)
             shard = next(Path(storage_writer.path).glob("*.distcp"))
             shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
             killed()

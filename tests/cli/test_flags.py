@@ -132,3 +132,21 @@ def test_bare_resume_means_the_run_dir_latest_and_round_trips():
     given = _parse("--resume", "--overwrite", "--keep-last", 2)
     assert given.resume is run_dir.RESUME_LATEST and given.__dict__["train.keep_last"] == 2
     assert vars(_parse(*worker_argv(given))) == vars(given)
+
+
+def test_fault_flags_reach_the_workers_and_name_a_fault():
+    from te_dist.train.args import fault_from_args
+    from te_dist.train.faults import FaultInjection
+
+    assert fault_from_args(_parse()) is None
+    assert fault_from_args(_parse("--fail-rank", 1, "--fail-step", 2)) == FaultInjection(rank=1, step=2)
+    given = _parse("--fail-rank", 1, "--fail-with", "stop", "--fail-at", "save", "--fail-step", 4,
+                   "--out", "run")
+    assert vars(_parse(*worker_argv(given))) == vars(given)
+    assert fault_from_args(given) == FaultInjection(rank=1, step=4, action="stop", point="save")
+    with pytest.raises(ValueError, match="FaultInjection.point must be one of"):
+        FaultInjection(rank=0, point="teardown")
+    with pytest.raises(RuntimeError, match="injected failure on rank 0 at the save of step 3"):
+        FaultInjection(rank=0, step=3, point="save").at(0, "save", 3)
+    FaultInjection(rank=0, step=3, point="save").at(1, "save", 3)  # another rank: nothing happens
+    FaultInjection(rank=0, step=3, point="save").at(0, "step", 3)  # another point: nothing happens

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from te_dist.train import job_files
+from te_dist.train.job_watch import JobLimits
 from te_dist.train.launch import launch
 from te_dist.train.processes import can_scan, is_tagged, kill_tagged, tagged_processes
 from te_dist.train.stop import StopRequest
@@ -46,9 +47,24 @@ def test_job_files_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv(job_files.JOB_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
     job_files.mark_ready()
-    job_files.mark_failed("rank 3: token combine (all_to_all) did not finish\nsecond line dropped")
+    job_files.mark_failed("rank 3: token combine (all_to_all) did not finish\nsecond line dropped", "step 7")
     assert job_files.ready_pids(tmp_path) == {3: os.getpid()}
-    assert job_files.failures(tmp_path) == {3: "rank 3: token combine (all_to_all) did not finish"}
+    failure = job_files.failures(tmp_path)[3]
+    assert failure.pop("at") <= time.time()
+    assert failure == {"error": "rank 3: token combine (all_to_all) did not finish", "phase": "step 7"}
+    phase = job_files.RankPhase()
+    assert job_files.progress(tmp_path) == {} and phase.where == "start-up"
+    phase.started()
+    assert job_files.progress(tmp_path)[3]["stage"] == "started"
+    phase.step(4)
+    assert phase.where == "step 4" and job_files.progress(tmp_path)[3]["stage"] == "started"  # steps: memory only
+    phase.saving(4)
+    assert job_files.progress(tmp_path)[3] == {"stage": "saving", "step": 4, "saved": None}
+    assert phase.where == "the checkpoint save of step 4"
+    phase.saved(4)
+    phase.done(6, 6, "out/checkpoints/step_000006")
+    assert job_files.progress(tmp_path)[3] == {"stage": "done", "step": 6, "steps": 6, "saved": 4,
+                                               "checkpoint": "out/checkpoints/step_000006"}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
 
 
@@ -72,7 +88,10 @@ def test_stop_votes_and_agreement():
     assert StopRequest.agreed(1.0, 1.0) == signal.SIGTERM  # a checkpoint was asked for: it wins
 
 
-@pytest.mark.parametrize("grace_s", [0, -1.0, "8", True])
-def test_launch_rejects_a_bad_grace_period(grace_s):
-    with pytest.raises(ValueError, match="grace_s"):
-        launch(2, [], grace_s=grace_s)
+@pytest.mark.parametrize("field", ["startup_s", "checkpoint_s", "exit_grace_s", "stop_grace_s"])
+@pytest.mark.parametrize("seconds", [0, -1.0, "8", True])
+def test_job_limits_reject_a_bad_deadline(field, seconds):
+    with pytest.raises(ValueError, match=f"JobLimits.{field} must be a number of seconds > 0, got {seconds!r}"):
+        JobLimits(**{field: seconds})
+    with pytest.raises(TypeError, match="limits must be a JobLimits"):
+        launch(2, [], limits={field: 1.0})

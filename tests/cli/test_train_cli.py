@@ -25,17 +25,17 @@ def test_two_ranks_three_steps(run_cli, tmp_path):
     assert out.count("[te-dist] expert MLPs: emulated (cpu: the float32 reference path)") == 1
     assert all(f"step {s:>5}/3" in out for s in (1, 2, 3))
     assert "te-dist train summary" in out and "tokens/s" in out
-    losses = _losses(tmp_path / "te_dist_out")
+    losses = _losses(tmp_path / "te_dist_out" / "latest")
     assert sorted(losses) == [1, 2, 3]
     assert losses[3] < losses[1]
-    assert (tmp_path / "te_dist_out" / "checkpoints" / "step_000003" / "meta.json").is_file()
+    assert (tmp_path / "te_dist_out" / "latest" / "checkpoints" / "step_000003" / "meta.json").is_file()
 
 
 def test_loss_goes_down_with_a_recipe(run_cli, tmp_path):
     result = run_cli("train", "--steps", 20, "--recipe", "current").check()
     assert "agreed recipe key: Float8CurrentScaling(" in result.output
     assert "[te-dist] expert MLPs: emulated (cpu: the float32 reference path)" in result.output
-    losses = _losses(tmp_path / "te_dist_out")
+    losses = _losses(tmp_path / "te_dist_out" / "latest")
     first, last = losses[1], losses[20]
     assert last < first - 1.5, losses  # real learning: from ~ln(64)=4.16 towards the chain entropy 0.68
 
@@ -74,12 +74,45 @@ def test_resume_at_another_ep_size(run_cli, tmp_path):
         assert ep1[step] == pytest.approx(ep2[step], rel=1e-5, abs=0)
 
 
+def test_the_main_command_runs_again_and_again(run_cli, tmp_path):
+    """The README's ``te-dist train``, three times in one directory: three runs in three directories,
+    nothing overwritten, ``latest`` naming the newest; ``--resume`` (no --out) continues the third."""
+    runs = []
+    for _ in range(3):
+        result = run_cli("train", "--steps", 1).check()
+        first = result.output.splitlines()[0]
+        out = first.split(" | out ")[1].split(" (new)")[0]  # the first line names the new directory
+        assert out.startswith("te_dist_out/") and out not in runs, first
+        runs.append(out)
+        assert (tmp_path / "te_dist_out" / "latest").resolve() == (tmp_path / out).resolve()
+    rows = {out: _rows(tmp_path / out) for out in runs}
+    assert all([r["step"] for r in r_] == [1] for r_ in rows.values())
+    assert len({r_[0]["run"] for r_ in rows.values()}) == 3  # three runs, each in its own files
+    resumed = run_cli("train", "--steps", 2, "--resume").check()
+    assert f"out {runs[2]} | resume" in resumed.output.splitlines()[0]
+    assert f"resumed from {runs[2]}/checkpoints/step_000001 at step 1" in resumed.output
+    assert [r["step"] for r in _rows(tmp_path / runs[2])] == [1, 2]
+    assert _rows(tmp_path / runs[0]) == rows[runs[0]] and _rows(tmp_path / runs[1]) == rows[runs[1]]
+
+
+def test_out_dir_flags_without_out(run_cli, tmp_path):
+    """``--overwrite`` needs ``--out`` (a run without one gets a new directory: nothing to replace);
+    the refusal leaves no directory behind. ``--print-config`` shows ``out_dir: null``."""
+    refused = run_cli("train", "--overwrite", timeout=120)
+    assert refused.returncode == 2, refused.output
+    assert "te-dist train: error: --overwrite replaces the run that --out holds: pass --out DIR" in refused.output
+    assert not (tmp_path / "te_dist_out").exists() or not any((tmp_path / "te_dist_out").iterdir())
+    shown = run_cli("train", "--print-config", timeout=120).check()
+    assert "  out_dir: null\n" in shown.output and not any((tmp_path / "te_dist_out").glob("*"))
+
+
 def test_bad_config_fails_before_launch(run_cli, tmp_path):
     (tmp_path / "bad.yaml").write_text("model:\n  num_experts: 3\nparallel:\n  ep: 2\n")
     result = run_cli("train", "--config", "bad.yaml", timeout=60)
     assert result.returncode == 2
     assert "te-dist train: error: model.num_experts=3 is not divisible by parallel.ep=2" in result.output
     assert "torch.distributed" not in result.output  # no rank was started
+    assert list((tmp_path / "te_dist_out").iterdir()) == []  # the new run directory is removed again
 
 
 def test_micro_batches_accumulate_the_same_step(run_cli, tmp_path):
@@ -106,11 +139,18 @@ def test_unknown_config_key_fails(run_cli, tmp_path):
     assert "unknown key(s) ['stpes'] in config section 'train'" in result.output
 
 
-def test_failing_rank_ends_the_job_with_its_error(run_cli):
+def test_failing_rank_ends_the_job_with_its_error(run_cli, tmp_path):
+    """One line on the terminal names the rank, the phase and its error and points at the rank's log,
+    which holds the traceback."""
     result = run_cli("train", "--steps", 4, "--fail-rank", 1, "--fail-step", 2, timeout=120)
-    assert result.returncode != 0
-    assert "injected failure on rank 1 at step 2" in result.output  # the failing rank's own traceback
-    assert "te-dist train: the job failed" in result.output
+    assert result.returncode == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("te-dist train:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith("te-dist train: rank 1 failed in step 2: RuntimeError: injected failure on rank 1 at "
+                               "step 2 (--fail-rank/--fail-step)"), lines[0]  # the cause, not what it set off
+    assert "; results incomplete: this job wrote no checkpoint; logs te_dist_out/" in lines[0], lines[0]
+    log = tmp_path / lines[0].rsplit("; logs ", 1)[1]
+    assert log.name == "rank1.log" and "Traceback" in log.read_text() and "injected failure" in log.read_text()
 
 
 def test_resume_of_another_model_shape_fails(run_cli, tmp_path):

@@ -15,7 +15,7 @@ def _losses(out_dir):
 def test_one_gpu_rank(run_cli, tmp_path):
     result = run_cli("train", "--nproc", 1, "--steps", 5, "--log-every", 1).check()
     assert "1 ranks (nccl, cuda)" in result.output
-    losses = _losses(tmp_path / "te_dist_out")
+    losses = _losses(tmp_path / "te_dist_out" / "latest")
     assert losses[5] < losses[1]
 
 
@@ -27,7 +27,7 @@ def test_fp8_recipes_run_the_native_expert_path(run_cli, tmp_path, recipe):
         pytest.skip("the native FP8 grouped kernels are sm_90a only")
     result = run_cli("train", "--nproc", 1, "--steps", 5, "--log-every", 1, "--recipe", recipe).check()
     assert "[te-dist] expert MLPs: native (CUTLASS SM90 FP8 grouped GEMMs" in result.output
-    losses = _losses(tmp_path / "te_dist_out")
+    losses = _losses(tmp_path / "te_dist_out" / "latest")
     assert losses[5] < losses[1]
 
 
