@@ -178,36 +178,6 @@ def _roll_history(amax_bits, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, n
 
 
 @triton.jit
-def _per_tensor_multiplier(first, scale_ptr, amax_ptr, scale_inv_ptr, FMT_MAX: tl.constexpr,
-                           SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr):
-    """The cast's scale: read from ``scale_ptr``, or derived from the amax bits at ``amax_ptr`` (then
-    the ``first`` program writes scale_inv)."""
-    if SCALE_FROM_AMAX:
-        scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
-        if first:
-            tl.store(scale_inv_ptr, _recip(scale))
-    else:
-        scale = tl.load(scale_ptr)
-    return scale
-
-
-@triton.jit
-def _record_amax(amax_bits, num_programs, amax_ptr, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr,
-                 new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX: tl.constexpr, UPDATE: tl.constexpr,
-                 ALGO_MAX: tl.constexpr, HIST_BLOCK: tl.constexpr, HIST_ITERS: tl.constexpr):
-    """This program's amax into ``amax_ptr``; with UPDATE the program that finishes last (a counter at
-    ``amax_ptr + 1``, zeroed with the amax) rolls the history. Each program's amax goes out before its
-    counter increment (one thread issues both; acq_rel orders them), and the last program reads the
-    amax with an atomic, after every other program's increment."""
-    tl.atomic_max(amax_ptr, amax_bits, sem="relaxed")
-    if UPDATE:
-        if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == num_programs - 1:
-            _roll_history(tl.atomic_add(amax_ptr, 0, sem="acquire"), hist_ptr, scale_ptr, new_hist_ptr,
-                          new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK,
-                          HIST_ITERS)
-
-
-@triton.jit
 def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n, hist_ptr, new_hist_ptr,
                             new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul,
                             FMT_MAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POWER_2: tl.constexpr,
@@ -217,14 +187,22 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
     """out = fp8(clamp(x * scale)); the scale is read from ``scale_ptr`` or derived from the amax
     bits at ``amax_ptr`` (program 0 then writes scale_inv); RECORD_AMAX accumulates amax(x) there.
 
-    UPDATE (delayed scaling, with RECORD_AMAX): the last program rolls amax(x) into the history and
-    writes the next scale (``_record_amax``), so a cast and its update are one launch.
+    UPDATE (delayed scaling, with RECORD_AMAX): the program that finishes last (a counter at
+    ``amax_ptr + 1``, zeroed with the amax) rolls amax(x) into the history and writes the next scale
+    (``_roll_history``), so a cast and its update are one launch. Each program's amax goes out before
+    its counter increment (one thread issues both; acq_rel orders them), and the last program reads the
+    amax with an atomic, after every other program's increment.
 
     REVERSE walks x from its end: right after an amax pass, the tail that pass read last is still
     in L2, so the cast's first programs read it from there instead of from HBM."""
     pid = tl.program_id(0)
     chunk = tl.num_programs(0) - 1 - pid if REVERSE else pid
-    scale = _per_tensor_multiplier(pid == 0, scale_ptr, amax_ptr, scale_inv_ptr, FMT_MAX, SCALE_FROM_AMAX, POWER_2)
+    if SCALE_FROM_AMAX:
+        scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
+        if pid == 0:
+            tl.store(scale_inv_ptr, _recip(scale))
+    else:
+        scale = tl.load(scale_ptr)
     base = chunk.to(tl.int64) * (BLOCK * ITERS)
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for i in range(ITERS):
@@ -236,9 +214,12 @@ def _cast_per_tensor_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, scale_inv_ptr, 
         if RECORD_AMAX:
             acc = tl.maximum(acc, _abs_bits(x))
     if RECORD_AMAX:
-        _record_amax(tl.max(acc, axis=0), tl.num_programs(0), amax_ptr, hist_ptr, scale_ptr, new_hist_ptr,
-                     new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, UPDATE, ALGO_MAX, HIST_BLOCK,
-                     HIST_ITERS)
+        tl.atomic_max(amax_ptr, tl.max(acc, axis=0), sem="relaxed")
+        if UPDATE:
+            if tl.atomic_add(amax_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+                _roll_history(tl.atomic_add(amax_ptr, 0, sem="acquire"), hist_ptr, scale_ptr, new_hist_ptr,
+                              new_scale_ptr, new_scale_inv_ptr, hist_len, margin_mul, FMT_MAX, ALGO_MAX, HIST_BLOCK,
+                              HIST_ITERS)
 
 
 @triton.jit
@@ -460,31 +441,26 @@ def _per_tensor_grid(n: int):
     return (max(1, cdiv(n, _PT_BLOCK * _PT_ITERS)),)
 
 
-def _cast_args(scale, amax_bits, scale_inv, update):
-    """(pointer args, history args, history constexprs) shared by the per-tensor cast kernels.
-    ``update``: (history, new_history, new_scale, new_scale_inv, margin, algo) of a delayed-scaling cast
-    whose last program rolls the history (``amax_bits`` then holds a zeroed counter after the amax)."""
-    dummy = amax_bits if amax_bits is not None else scale
-    pointers = (scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
-                scale_inv if scale_inv is not None else dummy)
-    if update is None:
-        return pointers, (dummy, dummy, dummy, dummy, 0, 1.0), dict(UPDATE=False, ALGO_MAX=False, HIST_BLOCK=16,
-                                                                     HIST_ITERS=0)
-    history, new_history, new_scale, new_scale_inv, margin, algo = update
-    hist_len = history.numel()
-    hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
-    return pointers, (history, new_history, new_scale, new_scale_inv, hist_len, math.ldexp(1.0, -margin)), dict(
-        UPDATE=True, ALGO_MAX=algo == "max", HIST_BLOCK=hist_block, HIST_ITERS=cdiv(hist_len, hist_block))
-
-
 def _launch_cast(x, out, *, scale=None, amax_bits=None, scale_inv=None, fmt_max, from_amax, power_2, record,
                  reverse=False, update=None):
-    """The per-tensor cast of x into ``out`` (see ``_cast_args`` for ``update``)."""
-    pointers, hist, hist_consts = _cast_args(scale, amax_bits, scale_inv, update)
+    """``update``: (history, new_history, new_scale, new_scale_inv, margin, algo) of a delayed-scaling
+    cast whose last program rolls the history (``amax_bits`` then holds a zeroed counter after the amax)."""
+    dummy = amax_bits if amax_bits is not None else scale
     n = x.numel()
-    launch(_cast_per_tensor_kernel, _per_tensor_grid(n), x, out, *pointers, n, *hist, FMT_MAX=fmt_max,
-           SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse, BLOCK=_PT_BLOCK,
-           ITERS=_PT_ITERS, num_warps=_PT_WARPS, **hist_consts)
+    if update is None:
+        hist = (dummy, dummy, dummy, dummy, 0, 1.0)
+        algo_max, hist_block, hist_len = False, 16, 0
+    else:
+        history, new_history, new_scale, new_scale_inv, margin, algo = update
+        hist_len = history.numel()
+        hist = (history, new_history, new_scale, new_scale_inv, hist_len, math.ldexp(1.0, -margin))
+        algo_max, hist_block = algo == "max", min(1024, next_power_of_2(max(hist_len, 1)))
+    launch(_cast_per_tensor_kernel, _per_tensor_grid(n),
+           x, out, scale if scale is not None else dummy, amax_bits if amax_bits is not None else dummy,
+           scale_inv if scale_inv is not None else dummy, n, *hist,
+           FMT_MAX=fmt_max, SCALE_FROM_AMAX=from_amax, POWER_2=power_2, RECORD_AMAX=record, REVERSE=reverse,
+           UPDATE=update is not None, ALGO_MAX=algo_max, BLOCK=_PT_BLOCK, ITERS=_PT_ITERS, HIST_BLOCK=hist_block,
+           HIST_ITERS=cdiv(hist_len, hist_block), num_warps=_PT_WARPS)
 
 
 def _amax_bits(x: torch.Tensor) -> torch.Tensor:
