@@ -8,7 +8,7 @@ Inputs (each optional; a missing file skips its plot):
   moe_layer.json     ``benchmarks/moe_layer.py --json``: the MoE layer against its baselines
   grouped_gemm_fp8.json  the same script's output for an FP8 recipe: plotted against the bf16 run
 
-Needs matplotlib (``pip install matplotlib``); nothing else in the project or CI imports it.
+Needs matplotlib (``pip install -e '.[plot]'``, also part of the ``test`` extra).
 """
 
 from __future__ import annotations

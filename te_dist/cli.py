@@ -1,13 +1,16 @@
 """The ``te-dist`` command.
 
     te-dist train [--nproc N] [--config FILE] [--SECTION.KEY VALUE ...] [--print-config] [--resume DIR] ...
+    te-dist plot OUT [OUT ...] [--to DIR]
     te-dist env [--json]
     te-dist tune --shapes FILE [--bucket-ms MS] [--device cuda:N]
     te-dist --version
 
 ``train`` prints what it launches at once, validates the job in this process (a bad config fails
 here with exit code 2, before any rank starts), prints the resolved config and a memory estimate,
-then runs the ranks under torchrun and returns its exit code. ``env`` reports versions, backends
+checks and tokenizes a ``--data.path`` file, then runs the ranks under torchrun and returns its
+exit code. ``plot`` draws the loss and throughput of one or several runs (te_dist/train/plots.py,
+needs matplotlib). ``env`` reports versions, backends
 and the grouped-GEMM support matrix for every visible device and recipe. ``tune`` measures the
 grouped-GEMM choices of a list of shapes ahead of a run (``te_dist/tune.py``).
 
@@ -53,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction, help="print the te_dist and torch versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a small MoE transformer (starts its own torchrun workers)",
-                           description="Train a small MoE transformer on synthetic text; starts its own torchrun "
-                                       "workers. Every config field is a --SECTION.KEY flag (below).",
+                           description="Train a small MoE transformer on synthetic text or a --data.path file "
+                                       "(tokens or text); starts its own torchrun workers. Every config field is a "
+                                       "--SECTION.KEY flag (below).",
                            usage="%(prog)s [--nproc N] [--config FILE] [--SECTION.KEY VALUE ...] [--print-config] "
                                  "[--resume DIR] [options]",
                            allow_abbrev=False)
@@ -64,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--skip-memory-check", action="store_true",
                        help="launch a CPU job even when its memory estimate exceeds the machine's available memory")
     add_train_arguments(train)
+    plot = sub.add_parser("plot", help="draw loss and throughput of runs (several runs: one chart)",
+                          description="Draw loss.png (train and validation loss against steps and tokens) and "
+                                      "throughput.png (tokens/s, memory) of one or several te-dist train output "
+                                      "directories, every run on the same axes. Needs matplotlib.",
+                          allow_abbrev=False)
+    plot.add_argument("out_dirs", nargs="+", metavar="OUT", help="a te-dist train output directory")
+    plot.add_argument("--to", metavar="DIR", help="where to write the PNGs (default: OUT/plots for one run, "
+                                                  "./te_dist_plots for several)")
     env = sub.add_parser("env", help="versions, backends and the support matrix per device and recipe")
     env.add_argument("--json", action="store_true", help="print machine-readable JSON")
     tune = sub.add_parser("tune", help="measure the grouped-GEMM choices of a list of shapes ahead of a run (GPU)",
@@ -134,6 +146,11 @@ def _train(ns: argparse.Namespace) -> int:
             _say(f"[te-dist] the run is complete: checkpoint {run_plan.checkpoint} is at step {run_plan.step} and "
                  f"train.steps is {cfg.train.steps}; nothing to do (raise --steps to train further)")
             return 0
+        from .train.datasets import prepare_data
+
+        data_plan = prepare_data(cfg)  # a bad --data.path: exit 2 here; text is tokenized once, for every rank
+        if data_plan is not None and data_plan.cache_line():
+            _say(data_plan.cache_line())
     except ConfigError as exc:
         _unclaim(chosen)
         print(f"te-dist train: error: {exc}", file=sys.stderr)
@@ -160,6 +177,22 @@ def _unclaim(chosen) -> None:
             chosen.path.rmdir()
         except OSError:  # not empty after all: leave it
             pass
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def _plot(ns: argparse.Namespace) -> int:
+    from .train.plots import PlotError, write_plots
+
+    try:
+        paths = write_plots(ns.out_dirs, ns.to)
+    except (PlotError, ImportError) as exc:
+        print(f"te-dist plot: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for path in paths:
+        print(path)
+    return 0
 
 
 # --------------------------------------------------------------------------- env
@@ -379,6 +412,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .tune import run
 
         return run(ns)
+    if ns.command == "plot":
+        return _plot(ns)
     return _env(ns)
 
 

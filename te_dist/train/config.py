@@ -9,11 +9,11 @@ YAML layout (every key optional; see ``launchers/configs/*.yaml``)::
 
     model:    {vocab_size, hidden_size, ffn_hidden_size, num_layers, num_heads,
                num_experts, top_k, activation, expert_bias, aux_loss_coeff, dtype}
-    data:     {seq_len, global_batch_size, branching, seed}
+    data:     {seq_len, global_batch_size, branching, seed, path, token_dtype, val_fraction, cache_dir}
     train:    {steps, lr, min_lr_ratio, warmup_steps, weight_decay, seed, log_every,
                ckpt_every, keep_last, checkpoint, out_dir, device, threads, log,
                startup_timeout_s, collective_timeout_s, checkpoint_timeout_s, exit_grace_s,
-               stop_grace_s, autotune}
+               stop_grace_s, autotune, eval_every, eval_batches, plots}
     parallel: {ep, transport}
     recipe:   "none" | "delayed" | ... | a Recipe.to_dict() mapping ({"type": ..., settings...})
     provenance: {...}   # written by te-dist into config.yaml (versions, ranks); ignored when read
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -60,7 +61,12 @@ def model_dtype(dtype: str, device_type: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device_type == "cuda" else "float32"
-TRANSPORTS = ("auto", "all_to_all", "peer")  # te_dist.moe.TRANSPORTS, spelled here so the check imports no torch
+TRANSPORTS = ("auto", "all_to_all", "peer")
+TOKEN_SUFFIXES = (".bin", ".npy")  # pre-tokenized token files (te_dist/train/token_files.py)
+TEXT_SUFFIXES = (".txt", ".jsonl")  # text, read as byte-level tokens (te_dist/train/text_tokens.py)
+TOKEN_DTYPES = ("uint16", "uint32")
+BYTE_VOCAB_SIZE = 256  # the vocabulary of byte-level tokens: model.vocab_size's default for a text data.path
+MAX_VAL_FRACTION = 0.5  # te_dist.moe.TRANSPORTS, spelled here so the check imports no torch
 DEFAULT_RECIPE = "current"  # Float8CurrentScaling: stateless FP8 (emulated on CPU), a real recipe key to agree on
 
 
@@ -77,7 +83,8 @@ def _f(default, help: str, **kwargs):
 class ModelConfig:
     """A small decoder: embedding, ``num_layers`` x (RMSNorm, causal attention, RMSNorm, MoE), LM head."""
 
-    vocab_size: int = _f(64, "vocabulary size (embedding rows, LM head outputs)")
+    vocab_size: int = _f(64, "vocabulary size (embedding rows, LM head outputs); checked against a --data.path "
+                             f"file's largest token; a text data.path makes the default {BYTE_VOCAB_SIZE} (byte-level tokens)")
     hidden_size: int = _f(128, "model width (a multiple of 128 tiles every recipe's scaling blocks)")
     ffn_hidden_size: int = _f(128, "hidden size of each expert's MLP")
     num_layers: int = _f(2, "transformer blocks")
@@ -93,12 +100,22 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Synthetic Markov-chain text: ``branching`` possible successors per token, so the loss can fall."""
+    """What the model reads: a token or text file (``path``), else synthetic Markov-chain text
+    (``branching`` possible successors per token, so the loss can fall)."""
 
     seq_len: int = _f(32, "tokens per sequence")
     global_batch_size: int = _f(8, "sequences per step, summed over all ranks")
     branching: int = _f(2, "likely successors per token in the synthetic Markov chain")
     seed: int = _f(1234, "data seed (the batch of step s is a pure function of it and s)")
+    path: str = _f("", "training data: a token file (.bin: flat tokens as nanoGPT and Megatron write them; .npy) "
+                       "or text (.txt; .jsonl with a \"text\" field) read as byte-level tokens; empty: the "
+                       "synthetic Markov chain")
+    token_dtype: str = _f("uint16", f"element type of a .bin token file, one of {list(TOKEN_DTYPES)} "
+                                    "(a .npy file carries its own)")
+    val_fraction: float = _f(0.02, "the tail of the data.path file held out for the validation loss "
+                                   f"(0 to {MAX_VAL_FRACTION}; 0: no validation)")
+    cache_dir: str = _f("", "where text is tokenized to (once; rebuilt when the text changes); "
+                            "empty: <train.out_dir>/token_cache")
 
 
 @dataclass(kw_only=True)
@@ -130,6 +147,16 @@ class TrainConfig:
     stop_grace_s: float = _f(8.0, "after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill")
     autotune: bool = _f(True, "measure grouped-GEMM choices per shape bucket on first use (CUDA; docs/kernels.md "
                               "\"Measured choices\"); TE_DIST_TUNE=0 also turns it off")
+    eval_every: int = _f(0, "validation loss every N steps and at the last step; 0: ten times a run with a "
+                            "data.path (val_fraction > 0), never on the synthetic data (its batches are all new)")
+    eval_batches: int = _f(8, "global batches of held-out data one validation reads (the same ones each time)")
+    plots: bool = _f(True, "write <out>/plots/loss.png and throughput.png at the end (needs matplotlib: "
+                           "pip install -e '.[plot]')")
+
+    def evaluates_at(self, step: int, *, has_val: bool) -> bool:
+        """Whether ``step`` ends with a validation loss (``has_val``: the data holds held-out tokens)."""
+        every = self.eval_every or (math.ceil(self.steps / 10) if has_val else 0)
+        return bool(every) and (step % every == 0 or step == self.steps)
 
 
 @dataclass(kw_only=True)
@@ -180,6 +207,7 @@ class JobConfig:
         _positive("data.branching", d.branching)
         if d.branching >= m.vocab_size:
             raise ConfigError(f"data.branching={d.branching} must be < model.vocab_size={m.vocab_size}")
+        _check_data(d, t)
         _positive("train.steps", t.steps)
         if not t.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
@@ -265,6 +293,30 @@ def _check_types(section_name: str, section) -> None:
             raise ConfigError(f"{key} must be a string or null, got {type(value).__name__} {value!r}")
 
 
+def data_kind(path: str) -> Optional[str]:
+    """"text", "tokens", or None for the synthetic data (an empty ``data.path``); by the file's suffix."""
+    if not path:
+        return None
+    suffix = Path(path).suffix.lower()
+    return "text" if suffix in TEXT_SUFFIXES else "tokens" if suffix in TOKEN_SUFFIXES else suffix
+
+
+def _check_data(d: "DataConfig", t: "TrainConfig") -> None:
+    """The shape of the data settings (the file itself is checked by te_dist.train.datasets)."""
+    kind = data_kind(d.path)
+    if kind not in (None, "text", "tokens"):
+        raise ConfigError(f"data.path {d.path}: expected a token file ({', '.join(TOKEN_SUFFIXES)}) or text "
+                          f"({', '.join(TEXT_SUFFIXES)}), got a {kind or 'suffix-less'} file")
+    _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    if not 0 <= d.val_fraction <= MAX_VAL_FRACTION:
+        raise ConfigError(f"data.val_fraction must be in [0, {MAX_VAL_FRACTION}], got {d.val_fraction}")
+    _positive("train.eval_every", t.eval_every, minimum=0)
+    _positive("train.eval_batches", t.eval_batches)
+    if kind is not None and d.val_fraction == 0 and t.eval_every:
+        raise ConfigError(f"train.eval_every={t.eval_every} needs held-out data, but data.val_fraction is 0; "
+                          f"set data.val_fraction (e.g. 0.02) or train.eval_every 0")
+
+
 def _positive(key: str, value: int, *, minimum: int = 1) -> None:
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
@@ -323,6 +375,9 @@ def config_from_dict(data: dict) -> JobConfig:
         raise ConfigError(f"unknown top-level config key(s) {unknown}{_did_you_mean(unknown, allowed)}; "
                           f"expected some of {allowed}")
     sections = {name: _section_from_dict(name, data.get(name)) for name in _SECTIONS}
+    model_given = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if data_kind(sections["data"].path) == "text" and "vocab_size" not in model_given:
+        sections["model"].vocab_size = BYTE_VOCAB_SIZE  # byte-level tokens: the vocabulary the text needs
     return JobConfig(**sections, recipe=data.get("recipe", DEFAULT_RECIPE))
 
 

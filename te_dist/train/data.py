@@ -15,7 +15,24 @@ import math
 
 import torch
 
-__all__ = ["MarkovData"]
+__all__ = ["MarkovData", "step_generator", "rank_rows"]
+
+# The held-out batches of the synthetic data come from their own stream, never from a training step's.
+_VAL_STREAM = 7_919
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator that draws step ``step``'s global batch: a pure function of (seed, step)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def rank_rows(global_batch_size: int, rank: int, world_size: int) -> slice:
+    """The rows of a global batch that ``rank`` of ``world_size`` trains on: a contiguous equal share,
+    so the ranks together always cover the same global batch whatever their number."""
+    if global_batch_size % world_size:
+        raise ValueError(f"{global_batch_size=} is not divisible by {world_size=}")
+    per_rank = global_batch_size // world_size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
 class MarkovData:
@@ -47,6 +64,16 @@ class MarkovData:
         # successors_VC[y] = the tokens that may follow token y
         self.successors_VC = self.perm_V[(inverse_V[:, None] + self.offsets_C[None, :]) % vocab_size]
 
+    has_val = False  # every batch is new: the training loss is already a held-out loss (train.eval_every)
+
+    def describe(self) -> str:
+        return (f"Markov chain, uniform loss {self.uniform_loss():.4f}, best possible loss (entropy rate) "
+                f"{self.entropy_rate():.4f}")
+
+    def reference_losses(self) -> dict:
+        """Losses the summary compares with: a model that knows nothing, and the best possible one."""
+        return {"uniform": self.uniform_loss(), "best possible": self.entropy_rate()}
+
     def entropy_rate(self) -> float:
         """The best achievable mean loss (nats/token) for a model that knows the chain."""
         p = self.probs_C
@@ -57,7 +84,7 @@ class MarkovData:
 
     def global_batch(self, step: int) -> torch.Tensor:
         """Token ids [B, S+1] (int64) of training step ``step`` (1-based), identical on every rank."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        gen = step_generator(self.seed, step)
         B, S = self.global_batch_size, self.seq_len
         start_B = torch.randint(self.vocab_size, (B, 1), generator=gen)
         u_BS = torch.rand(B, S, generator=gen, dtype=torch.float64)
@@ -67,8 +94,10 @@ class MarkovData:
 
     def local_batch(self, step: int, rank: int, world_size: int) -> tuple:
         """(inputs [b, S], targets [b, S]) for ``rank``: its contiguous share of the global batch."""
-        if self.global_batch_size % world_size:
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by {world_size=}")
-        per_rank = self.global_batch_size // world_size
-        rows = self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
+        rows = self.global_batch(step)[rank_rows(self.global_batch_size, rank, world_size)]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def val_batch(self, index: int, rank: int, world_size: int) -> tuple:
+        """Held-out batch ``index`` (0-based), from a stream no training step draws."""
+        rows = self.global_batch(-_VAL_STREAM - index)[rank_rows(self.global_batch_size, rank, world_size)]
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -9,11 +9,16 @@ The loss all-reduce also carries the ranks' SIGINT/SIGTERM votes (te_dist.train.
 stops after the same step, SIGTERM after saving a checkpoint, and rank 0 prints one line saying so.
 Every collective is bounded by ``train.collective_timeout_s`` (te_dist.distributed.bounded).
 
+Every ``train.eval_every`` steps (and after the last) the ranks score the held-out batches under
+``no_grad`` (te_dist.train.datasets), after the step and before its checkpoint, so a resumed run
+continues from the same state.
+
 Rank 0 prints the agreed recipe key and the fusion plan once, a progress line every
-``log_every`` steps and a summary; it also writes ``<out>/config.yaml`` (the resolved config) and
-``<out>/metrics.jsonl`` (one JSON line per step with the run id, losses as exact floats, the
-fields of progress.py) so runs can be repeated and compared bit for bit. What the run
-may do with ``<out>`` (refuse, resume, overwrite) is decided in run_dir.py.
+``log_every`` steps (and at every evaluation) and a summary; it also writes ``<out>/config.yaml``
+(the resolved config), ``<out>/metrics.jsonl`` (one JSON line per step with the run id, losses as
+exact floats, the fields of progress.py) so runs can be repeated and compared bit for bit, and at
+the end ``<out>/plots/`` (plots.py; skipped with a note without matplotlib). What the run may do
+with ``<out>`` (refuse, resume, overwrite) is decided in run_dir.py.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from ..distributed.bounded import wait_collective
 from ..ops.basic.weight_copy import set_first_microbatch
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
-from .data import MarkovData
+from .datasets import build_data, prepare_data
 from .estimate import flops_per_token, memory_estimate
 from .faults import FaultInjection
 from .job_files import RankPhase
 from .model import build_model
+from .plots import plots_after_run
 from .parallel import GradientReducer, Runtime, dense_group, init_runtime
 from .progress import Progress, peak_flops_note
 from .resolved import resolved_config, summary_lines, write_config_yaml
@@ -58,6 +64,7 @@ class TrainResult:
     wall_s: float = 0.0
     checkpoint: Optional[str] = None
     stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" when a signal ended the run early
+    val: Optional[tuple] = None  # (step, validation loss) of the run's last evaluation
 
 
 def lr_at(step: int, cfg) -> float:
@@ -116,7 +123,7 @@ class _Job:
     runtime: Runtime
     recipe: object
     agreed_key: Optional[str]
-    data: MarkovData
+    data: object  # MarkovData or TokenData (datasets.py)
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     reducer: GradientReducer
@@ -124,8 +131,8 @@ class _Job:
     micro_batches: int
 
 
-def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection]) -> _Job:
-    t, m, d = cfg.train, cfg.model, cfg.data
+def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *, announce: bool) -> _Job:
+    t, m = cfg.train, cfg.model
     if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
     from ..backends import autotune  # measured grouped-GEMM choices: the config's switch (CUDA calls only)
@@ -143,7 +150,10 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection]) ->
         from ..distributed import sync_recipe
 
         agreed_key = sync_recipe(recipe, group=dense_group())  # raises on every rank if ranks disagree
-    data = MarkovData(m.vocab_size, d.seq_len, d.global_batch_size, branching=d.branching, seed=d.seed)
+    plan = prepare_data(cfg)  # the te-dist parent checked the file and filled the cache: this finds them
+    if plan is not None and announce and rt.is_main and plan.cache_line():
+        print(plan.cache_line(), flush=True)
+    data = build_data(cfg, plan)
     model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device,
                         transport=cfg.parallel.transport)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -185,6 +195,20 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     if not math.isfinite(global_loss):
         raise FloatingPointError(f"loss is {global_loss} at step {step}; lower train.lr or check the recipe")
     return global_loss, grad_norm, StopRequest.agreed(sigint_votes, sigterm_votes)
+
+
+def _evaluate(job: _Job, cfg: JobConfig) -> float:
+    """The mean loss over the held-out batches, the same on every rank (collective; no state changes
+    but what a forward under the recipe records)."""
+    rt, model = job.runtime, job.model
+    total = torch.zeros(1, dtype=torch.float64)
+    with torch.no_grad(), autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
+        for index in range(cfg.train.eval_batches):
+            x_BS, y_BS = (b.to(rt.device) for b in job.data.val_batch(index, rt.rank, rt.world_size))
+            total += model.loss(x_BS, y_BS).double().cpu()
+    if dist.is_initialized():
+        wait_collective(dist.all_reduce(total, async_op=True), "validation loss all-reduce", None)
+    return float(total) / (cfg.train.eval_batches * rt.world_size)
 
 
 def _recipe_state_word(recipe, meta: dict) -> str:
@@ -249,7 +273,7 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
     phase = phase if phase is not None else RankPhase()
     if announce and int(os.environ.get("RANK", "0")) == 0:
         print(_announce(cfg, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
-    job = _build(cfg, phase, fault)
+    job = _build(cfg, phase, fault, announce=announce)
     rt = job.runtime
     run = open_run(cfg, rt, resume=resume, overwrite=overwrite, skip_invalid=skip_invalid)
     cfg.train.out_dir = str(run.out_dir)  # a null out_dir became a new run directory: config.yaml records it
@@ -267,13 +291,12 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
               f"edp={rt.groups.edp_size} | {num_params:,} params/rank | {m.num_layers} layers, {m.num_experts} "
               f"experts top-{m.top_k} | {tokens_per_step} tokens/step | steps {start_step + 1}..{t.steps}"))
     _say(rt, f"[te-dist] agreed recipe key: {job.agreed_key}")
-    _say(rt, f"[te-dist] data: Markov chain, uniform loss {job.data.uniform_loss():.4f}, best possible loss "
-             f"(entropy rate) {job.data.entropy_rate():.4f}")
+    _say(rt, f"[te-dist] data: {job.data.describe()}")
     note = peak_flops_note(rt.device)
     if note:
         _say(rt, f"[te-dist] {note}; model FLOPs per token: {flops_per_token(m, d.seq_len):,}")
 
-    speeds, losses, last_ckpt = [], {}, None
+    speeds, losses, last_ckpt, last_val = [], {}, None, None
     progress = Progress(cfg, start_step=start_step, world_size=rt.world_size, device=rt.device)
     t_start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
@@ -287,15 +310,20 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
         dt = time.perf_counter() - t0
         if step > start_step + 1 or t.steps == start_step + 1:  # the first step pays for warm-up
             speeds.append(tokens_per_step / dt)
-        row = progress.record(step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=dt) if rt.is_main else None
+        if step == start_step + 1:  # the plans of the training step, before an evaluation runs its own
+            _say(rt, _fuser_report(job.model))
+            _say(rt, _expert_path_report(job.model, job.recipe))
+        evaluated = t.evaluates_at(step, has_val=job.data.has_val)
+        val_loss = _evaluate(job, cfg) if evaluated else None
+        if evaluated:
+            last_val = (step, val_loss)
+        row = progress.record(step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=dt,
+                              val_loss=val_loss) if rt.is_main else None
         if rt.is_main:
             run.append_metrics(row)
             if tensorboard is not None:
                 tensorboard.write(row)
-        if step == start_step + 1:
-            _say(rt, _fuser_report(job.model))
-            _say(rt, _expert_path_report(job.model, job.recipe))
-        if rt.is_main and (step % t.log_every == 0 or step == t.steps or step == start_step + 1):
+        if rt.is_main and (step % t.log_every == 0 or step == t.steps or step == start_step + 1 or evaluated):
             _say(rt, progress.line(row))
             if tensorboard is not None:
                 tensorboard.flush()
@@ -320,22 +348,27 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
         tensorboard.close()
     result = TrainResult(start_step + 1, t.steps, losses, sum(speeds) / len(speeds) if speeds else float("nan"),
                          time.perf_counter() - t_start,
-                         str(last_ckpt) if last_ckpt else (run.plan.checkpoint if not losses else None))
+                         str(last_ckpt) if last_ckpt else (run.plan.checkpoint if not losses else None), val=last_val)
     if rt.is_main:
         _print_summary(result, job.data, rt, job.ep_size, job.agreed_key)
+        if t.plots and result.losses:
+            print(plots_after_run(run.out_dir), flush=True)
     run.close()
     phase.done(t.steps, t.steps, result.checkpoint)
     return result
 
 
-def _print_summary(result: TrainResult, data: MarkovData, rt: Runtime, ep_size: int, agreed_key) -> None:
+def _print_summary(result: TrainResult, data, rt: Runtime, ep_size: int, agreed_key) -> None:
     lines = ["", "=" * 24 + " te-dist train summary " + "=" * 24]
     if result.losses:
         first, last = result.losses[result.first_step], result.losses[result.last_step]
         lines.append(f"steps      {result.first_step}..{result.last_step} on {rt.world_size} ranks "
                      f"({rt.backend}, {rt.device.type}), ep={ep_size}")
-        lines.append(f"loss       {first:.4f} -> {last:.4f}  (uniform {data.uniform_loss():.4f}, "
-                     f"best possible {data.entropy_rate():.4f})")
+        refs = ", ".join(f"{name} {value:.4f}" for name, value in data.reference_losses().items())
+        lines.append(f"loss       {first:.4f} -> {last:.4f}  ({refs})")
+        if result.val is not None:
+            step, val_loss = result.val
+            lines.append(f"val loss   {val_loss:.4f} (perplexity {math.exp(min(val_loss, 700)):.2f}) at step {step}")
         lines.append(f"throughput {result.tokens_per_s:,.0f} tokens/s (mean over steps after the first)")
     else:
         lines.append(f"nothing to do: the checkpoint is already at step {result.first_step - 1}")

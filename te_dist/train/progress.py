@@ -1,13 +1,15 @@
 """Rank 0's account of a training run: one metrics row per step and the progress line.
 
-Each row holds loss, learning rate, global gradient norm, step time, tokens/s, MFU (model FLOPs
-per token x tokens/s over the job's peak; GPUs of known peak only), rank 0's peak memory (GPU
-allocator peak, or the process's peak RSS on CPU), elapsed time and ETA. The same row goes to
+Each row holds loss, learning rate, global gradient norm, step time, tokens trained on so far,
+tokens/s, MFU (model FLOPs per token x tokens/s over the job's peak; GPUs of known peak only),
+rank 0's peak memory (GPU allocator peak, or the process's peak RSS on CPU), elapsed time and
+ETA; on a step that ends with an evaluation also ``val_loss`` and ``val_ppl`` (its perplexity). The same row goes to
 ``metrics.jsonl``, to TensorBoard (``--log tensorboard``) and, every ``log_every`` steps, to stdout.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -59,20 +61,26 @@ class Progress:
             return {"peak_gpu_mem_gib": torch.cuda.max_memory_allocated(self.device) / GiB}
         return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB}  # Linux: KiB
 
-    def record(self, step: int, *, loss: float, lr: float, grad_norm: float, step_s: float) -> dict:
+    def record(self, step: int, *, loss: float, lr: float, grad_norm: float, step_s: float,
+               val_loss: Optional[float] = None) -> dict:
         """The metrics row of ``step`` (call once per step, in order)."""
         if step > self.start_step + 1:
             self._recent = (self._recent + [step_s])[-_ETA_WINDOW:]
         per_step = statistics.mean(self._recent) if self._recent else step_s
         tokens_per_s = self.tokens_per_step / step_s
         mfu = self.flops_per_token * tokens_per_s / self.job_peak_flops if self.job_peak_flops else None
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": step_s,
-                "tokens_per_s": tokens_per_s, "mfu": mfu, **self._memory(),
-                "elapsed_s": time.perf_counter() - self.t_start, "eta_s": (self.total_steps - step) * per_step}
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": step_s,
+               "tokens": step * self.tokens_per_step, "tokens_per_s": tokens_per_s, "mfu": mfu, **self._memory(),
+               "elapsed_s": time.perf_counter() - self.t_start, "eta_s": (self.total_steps - step) * per_step}
+        if val_loss is not None:
+            row["val_loss"], row["val_ppl"] = val_loss, math.exp(min(val_loss, 700.0))  # finite: JSON has no inf
+        return row
 
     def line(self, row: dict) -> str:
-        parts = [f"step {row['step']:>5}/{self.total_steps} [{_bar(row['step'], self.total_steps)}] loss {row['loss']:.4f}",
-                 f"lr {row['lr']:.2e}", f"gnorm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:>9,.0f} tok/s"]
+        parts = [f"step {row['step']:>5}/{self.total_steps} [{_bar(row['step'], self.total_steps)}] loss {row['loss']:.4f}"]
+        if "val_loss" in row:
+            parts.append(f"val {row['val_loss']:.4f} ppl {row['val_ppl']:.2f}")
+        parts += [f"lr {row['lr']:.2e}", f"gnorm {row['grad_norm']:.3g}", f"{row['tokens_per_s']:>9,.0f} tok/s"]
         if row["mfu"] is not None:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
         if "peak_gpu_mem_gib" in row:

@@ -23,9 +23,9 @@ class CliResult:
         return self
 
 
-def _run(args, *, cwd, timeout: float = 240) -> CliResult:
+def _run(args, *, cwd, timeout: float = 240, pythonpath_first=None) -> CliResult:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath_first, str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     # `python -m te_dist.cli` is exactly what the `te-dist` console script calls (te_dist.cli:main).
     proc = subprocess.Popen(
@@ -43,10 +43,12 @@ def _run(args, *, cwd, timeout: float = 240) -> CliResult:
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """``run_cli(*args, timeout=...)`` runs ``te-dist *args`` in a fresh temporary directory."""
+    """``run_cli(*args, timeout=..., pythonpath_first=DIR)`` runs ``te-dist *args`` in a fresh temporary
+    directory (``pythonpath_first``: a folder whose modules shadow installed ones, in every process)."""
 
-    def run(*args, timeout: float = 240) -> CliResult:
-        return _run(args, cwd=tmp_path, timeout=timeout)
+    def run(*args, timeout: float = 240, pythonpath_first=None) -> CliResult:
+        return _run(args, cwd=tmp_path, timeout=timeout,
+                    pythonpath_first=str(pythonpath_first) if pythonpath_first else None)
 
     return run
 
