@@ -66,7 +66,8 @@ def _config(out: Path) -> dict:
 def _label(out: Path, config: dict) -> str:
     recipe = config.get("recipe")
     name = recipe.get("type") if isinstance(recipe, dict) else recipe
-    return f"{out.name or out} ({name})" if name else str(out.name or out)
+    run = out.name or str(out)
+    return f"{run} ({name})" if name and name != run else run
 
 
 def read_run(out_dir) -> RunSeries:
