@@ -1,7 +1,8 @@
-"""``te-dist train``: the model, synthetic data, training loop and checkpoints behind the command.
+"""``te-dist train``: the model, its data (synthetic, or a token or text file), training loop,
+checkpoints and plots behind the command.
 
-    cli (parent) --validates config--> torchrun --starts--> worker (every rank) --> loop.train
-                                                                  model / data / parallel / checkpoint
+    cli (parent) --validates config and data--> torchrun --starts--> worker (every rank) --> loop.train
+                                                    model / datasets / parallel / checkpoint / plots
 """
 
 from .config import ConfigError, JobConfig, load_config
