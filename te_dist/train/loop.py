@@ -201,6 +201,8 @@ def _evaluate(job: _Job, cfg: JobConfig) -> float:
     """The mean loss over the held-out batches, the same on every rank (collective; no state changes
     but what a forward under the recipe records)."""
     rt, model = job.runtime, job.model
+    if job.micro_batches > 1:  # cast the FP8 expert weights afresh, keep no copy: training's reuse rule stays its own
+        set_first_microbatch(model, None)
     total = torch.zeros(1, dtype=torch.float64)
     with torch.no_grad(), autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
         for index in range(cfg.train.eval_batches):
