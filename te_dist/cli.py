@@ -1,7 +1,7 @@
 """The ``te-dist`` command.
 
     te-dist train [--nproc N] [--config FILE] [--SECTION.KEY VALUE ...] [--print-config] [--resume DIR] ...
-    te-dist plot OUT [OUT ...] [--to DIR]
+    te-dist plot [OUT ...] [--to DIR]
     te-dist env [--json]
     te-dist tune --shapes FILE [--bucket-ms MS] [--device cuda:N]
     te-dist --version
@@ -9,9 +9,9 @@
 ``train`` prints what it launches at once, validates the job in this process (a bad config fails
 here with exit code 2, before any rank starts), prints the resolved config and a memory estimate,
 checks and tokenizes a ``--data.path`` file, then runs the ranks under torchrun and returns its
-exit code. ``plot`` draws the loss and throughput of one or several runs (te_dist/train/plots.py,
-needs matplotlib). ``env`` reports versions, backends
-and the grouped-GEMM support matrix for every visible device and recipe. ``tune`` measures the
+exit code. ``plot`` draws the loss and throughput of one or several runs, by default the newest
+(te_dist/train/plots.py, needs matplotlib). ``env`` reports versions, backends and the
+grouped-GEMM support matrix for every visible device and recipe. ``tune`` measures the
 grouped-GEMM choices of a list of shapes ahead of a run (``te_dist/tune.py``).
 
 Building the parser and ``--help``/``--version`` never import torch (they answer in a fraction of
@@ -71,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw loss and throughput of runs (several runs: one chart)",
                           description="Draw loss.png (train and validation loss against steps and tokens) and "
                                       "throughput.png (tokens/s, memory) of one or several te-dist train output "
-                                      "directories, every run on the same axes. Needs matplotlib.",
+                                      "directories (default: the newest run), every run on the same axes. "
+                                      "Needs matplotlib.",
                           allow_abbrev=False)
-    plot.add_argument("out_dirs", nargs="+", metavar="OUT", help="a te-dist train output directory")
+    plot.add_argument("out_dirs", nargs="*", metavar="OUT",
+                      help="a te-dist train output directory (default: the newest run, te_dist_out/latest)")
     plot.add_argument("--to", metavar="DIR", help="where to write the PNGs (default: OUT/plots for one run, "
                                                   "./te_dist_plots for several)")
     env = sub.add_parser("env", help="versions, backends and the support matrix per device and recipe")
@@ -183,10 +185,10 @@ def _unclaim(chosen) -> None:
 
 
 def _plot(ns: argparse.Namespace) -> int:
-    from .train.plots import PlotError, write_plots
+    from .train.plots import PlotError, runs_to_plot, write_plots
 
     try:
-        paths = write_plots(ns.out_dirs, ns.to)
+        paths = write_plots(runs_to_plot(ns.out_dirs), ns.to)
     except (PlotError, ImportError) as exc:
         print(f"te-dist plot: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

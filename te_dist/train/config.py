@@ -115,7 +115,7 @@ class DataConfig:
     val_fraction: float = _f(0.02, "the tail of the data.path file held out for the validation loss "
                                    f"(0 to {MAX_VAL_FRACTION}; 0: no validation)")
     cache_dir: str = _f("", "where text is tokenized to (once; rebuilt when the text changes); "
-                            "empty: <train.out_dir>/token_cache")
+                            "empty: te_dist_out/token_cache (shared by every run)")
 
 
 @dataclass(kw_only=True)

@@ -27,16 +27,19 @@ import torch
 
 from .config import JobConfig, data_kind
 from .data import MarkovData, rank_rows, step_generator
+from .run_dirs import DEFAULT_ROOT
 from .text_tokens import tokenize_text
 from .token_files import DataError, TokenFile, TokenStats, open_token_file, token_stats
 
 __all__ = ["DataPlan", "TokenData", "prepare_data", "build_data", "cache_dir_of", "CACHE_DIR"]
 
-CACHE_DIR = "token_cache"  # under train.out_dir unless data.cache_dir names another place
+CACHE_DIR = "token_cache"  # under the default output root unless data.cache_dir names another place
 
 
 def cache_dir_of(cfg: JobConfig) -> Path:
-    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.train.out_dir) / CACHE_DIR
+    """``data.cache_dir``, else ``te_dist_out/token_cache``: beside the run directories, not in one,
+    so every run on the same file (each in a directory of its own) reuses one tokenization."""
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(DEFAULT_ROOT) / CACHE_DIR
 
 
 @dataclass(frozen=True)

@@ -353,11 +353,20 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
                          str(last_ckpt) if last_ckpt else (run.plan.checkpoint if not losses else None), val=last_val)
     if rt.is_main:
         _print_summary(result, job.data, rt, job.ep_size, job.agreed_key)
-        if t.plots and result.losses:
-            print(plots_after_run(run.out_dir), flush=True)
+    if t.plots and result.losses:
+        _draw_plots(rt, run.out_dir)
     run.close()
     phase.done(t.steps, t.steps, result.checkpoint)
     return result
+
+
+def _draw_plots(rt: Runtime, out_dir: Path) -> None:
+    """Rank 0 draws the run's plots while the other ranks wait (collective), so no rank is done before
+    they exist: the launcher's exit deadline (train.exit_grace_s, from the first rank done) starts after."""
+    if rt.is_main:
+        print(plots_after_run(out_dir), flush=True)
+    if dist.is_initialized():
+        wait_collective(dist.barrier(async_op=True), "end-of-run wait for rank 0's plots", None)
 
 
 def _print_summary(result: TrainResult, data, rt: Runtime, ep_size: int, agreed_key) -> None:

@@ -7,7 +7,8 @@
 
 Rank 0 writes them to ``<out>/plots/`` at the end of a run; ``te-dist plot OUT [OUT ...]`` draws
 one or several runs on the same axes (bf16 against FP8 on one corpus, say), each labelled by its
-directory and recipe. matplotlib is an optional extra (``pip install -e '.[plot]'``): without it
+directory and recipe, and ``te-dist plot`` alone the newest run under ``te_dist_out/`` (the one
+``te_dist_out/latest`` names, run_dirs.py). matplotlib is an optional extra (``pip install -e '.[plot]'``): without it
 a run prints how to get the plots and carries on. Nothing here imports torch.
 """
 
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .run_dirs import DEFAULT_ROOT, latest_run_dir
+
 __all__ = ["PLOTS_DIR", "INSTALL_HINT", "PlotError", "RunSeries", "read_run", "matplotlib_missing", "write_plots",
-           "plots_after_run", "default_dest"]
+           "plots_after_run", "default_dest", "runs_to_plot"]
 
 PLOTS_DIR = "plots"
 COMPARE_DIR = "te_dist_plots"  # where several runs' plots go unless --to says otherwise
@@ -201,6 +204,16 @@ def _throughput_figure(runs: Sequence[RunSeries]):
 def default_dest(out_dirs: Sequence) -> Path:
     """``<out>/plots`` for one run; ``te_dist_plots`` in the working directory for several."""
     return Path(out_dirs[0]) / PLOTS_DIR if len(out_dirs) == 1 else Path(COMPARE_DIR)
+
+
+def runs_to_plot(out_dirs: Sequence, *, root=DEFAULT_ROOT) -> list:
+    """``out_dirs`` as given, or none given: the newest run under ``root``; PlotError when there is none."""
+    if out_dirs:
+        return list(out_dirs)
+    latest = latest_run_dir(root)
+    if latest is None:
+        raise PlotError(f"no run under {root}/ to plot (run te-dist train first, or name the run: te-dist plot OUT)")
+    return [latest]
 
 
 def write_plots(out_dirs: Sequence, dest=None) -> list:

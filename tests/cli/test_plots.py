@@ -1,5 +1,5 @@
-"""Plots of runs from their metrics.jsonl: one run or several on the same axes; without matplotlib a
-run's end says how to get them and nothing fails."""
+"""Plots of runs from their metrics.jsonl: one run or several on the same axes, the newest run when none
+is named; without matplotlib a run's end says how to get them and nothing fails."""
 
 import json
 import sys
@@ -9,12 +9,13 @@ import yaml
 
 from te_dist.cli import main
 from te_dist.train.plots import INSTALL_HINT, PlotError, plots_after_run, read_run, write_plots
+from te_dist.train.run_dirs import new_run_dir, point_latest
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _run_dir(path, *, recipe, steps=40, resumed_rows=(), gpu=False):
-    path.mkdir(parents=True)
+def _run_dir(path, *, recipe, steps=40, resumed_rows=(), gpu=False, exist_ok=False):
+    path.mkdir(parents=True, exist_ok=exist_ok)
     memory = "peak_gpu_mem_gib" if gpu else "max_rss_gib"
     rows = [{"run": "r", "step": s, "loss": 1 / s} for s in resumed_rows]  # lines a resume kept: loss only
     for step in range(len(rows) + 1, steps + 1):
@@ -52,6 +53,21 @@ def test_one_run_and_several_runs_on_one_chart(tmp_path, monkeypatch):
     assert main(["plot", "bf16", "fp8", "--to", "compare"]) == 0
     assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["loss.png", "throughput.png"]
     assert "[te-dist] plots: " in plots_after_run(bf16)
+
+
+def test_without_a_directory_the_newest_run_is_plotted(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot"]) == 2
+    assert capsys.readouterr().err.strip() == ("te-dist plot: error: no run under te_dist_out/ to plot (run te-dist "
+                                               "train first, or name the run: te-dist plot OUT)")
+    older, newer = new_run_dir(now=1e9), new_run_dir(now=2e9)
+    for run in (older, newer):
+        _run_dir(run, recipe="none", exist_ok=True)
+    point_latest("te_dist_out", older)  # latest names the run, whatever the names' order
+    assert main(["plot"]) == 0
+    assert capsys.readouterr().out.split() == [str(older / "plots" / "loss.png"), str(older / "plots" / "throughput.png")]
+    assert not (newer / "plots").exists()
 
 
 def test_a_directory_without_metrics_is_named(tmp_path, capsys):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,12 @@ from te_dist.train.token_files import DataError, TokenFile, open_token_file, sca
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """The default token cache (te_dist_out/token_cache) lies in the working directory: a fresh one per test."""
+    monkeypatch.chdir(tmp_path)
 
 
 def _cfg(tmp_path, path, **overrides):
@@ -114,14 +121,16 @@ def test_text_is_byte_tokens_in_a_cache_reused_and_rebuilt_when_the_text_changes
     assert cfg.model.vocab_size == 256  # a text data.path makes byte-level tokens the default vocabulary
     plan = prepare_data(cfg)
     assert plan.cache_state == "built" and "tokenized into" in plan.cache_line()
-    cached = tmp_path / "out" / "token_cache"
-    assert plan.tokens.path.startswith(str(cached)) and plan.tokens.path.endswith(".bin")
+    cached = tmp_path / "te_dist_out" / "token_cache"  # beside the run directories, not in one
+    assert Path(plan.tokens.path).parent.resolve() == cached and plan.tokens.path.endswith(".bin")
     assert np.fromfile(plan.tokens.path, dtype="<u2").tobytes() == np.frombuffer(TEXT.encode(), np.uint8).astype("<u2").tobytes()
     built_at = os.stat(plan.tokens.path).st_mtime_ns
 
     again = prepare_data(cfg)
     assert again.cache_state == "reused" and "reusing its tokens" in again.cache_line()
     assert os.stat(again.tokens.path).st_mtime_ns == built_at  # not written again
+    next_run = prepare_data(_cfg(tmp_path, text, train__out_dir=None))  # a run in a directory of its own
+    assert next_run.cache_state == "reused" and next_run.tokens.path == plan.tokens.path
 
     os.utime(text, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched, same content: still reused
     assert prepare_data(cfg).cache_state == "reused"

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from te_dist.cli import main
+from te_dist.train.run_dirs import run_dir_names
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,24 +37,27 @@ def test_text_run_evaluates_plots_and_resumes_bit_exactly(run_cli, tmp_path):
     _corpus(tmp_path / "corpus.txt")
     common = ("train", "--data.path", "corpus.txt", "--steps", 6, "--ckpt-every", 3, "--train.eval_every", 2,
               "--train.eval_batches", 2, "--log-every", 6)
-    straight = run_cli(*common, "--out", "straight").check().output
-    assert "[te-dist] data: corpus.txt tokenized into straight/token_cache/corpus-" in straight
+    straight = run_cli(*common).check().output  # no --out: a run directory of its own under te_dist_out/
+    (run_dir,) = run_dir_names(tmp_path / "te_dist_out")
+    run = f"te_dist_out/{run_dir.name}"
+    assert "[te-dist] data: corpus.txt tokenized into te_dist_out/token_cache/corpus-" in straight
     assert "vocab_size=256" in straight  # byte-level tokens: the default vocabulary for text
     assert "unigram entropy" in straight and "val loss   " in straight
-    rows = _rows(tmp_path / "straight")
+    rows = _rows(run_dir)
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]
     assert [s for s in rows if "val_loss" in rows[s]] == [2, 4, 6]
     assert all(rows[s]["val_ppl"] == pytest.approx(math.exp(rows[s]["val_loss"])) for s in (2, 4, 6))
     assert rows[6]["tokens"] == 6 * 8 * 32
     assert f"val {rows[4]['val_loss']:.4f} ppl" in straight  # an eval step prints its line
     for name in ("loss.png", "throughput.png"):
-        assert (tmp_path / "straight" / "plots" / name).read_bytes().startswith(PNG)
-    assert "[te-dist] plots: straight/plots/loss.png, straight/plots/throughput.png" in straight
+        assert (run_dir / "plots" / name).read_bytes().startswith(PNG)
+    assert f"[te-dist] plots: {run}/plots/loss.png, {run}/plots/throughput.png" in straight
 
     crashed = run_cli(*common, "--out", "crashy", "--fail-rank", 1, "--fail-step", 5)
     assert crashed.returncode != 0
+    assert "reusing its tokens in te_dist_out/token_cache/corpus-" in crashed.output  # another run, one cache
     resumed = run_cli(*common, "--out", "crashy", "--resume").check().output
-    assert "[te-dist] data: corpus.txt reusing its tokens in crashy/token_cache/corpus-" in resumed
+    assert "[te-dist] data: corpus.txt reusing its tokens in te_dist_out/token_cache/corpus-" in resumed
     assert "resumed from crashy/checkpoints/step_000003 at step 3" in resumed
     again = _rows(tmp_path / "crashy")
     for step in range(1, 7):  # exact float equality: the same batches, the same validation windows
@@ -81,10 +85,11 @@ def test_without_matplotlib_the_run_says_how_to_get_the_plots(run_cli, tmp_path)
     (shadow / "matplotlib").mkdir(parents=True)
     (shadow / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib (test)')\n")
     result = run_cli("train", "--nproc", 1, "--steps", 2, "--no-checkpoint", pythonpath_first=shadow).check()
+    (run_dir,) = run_dir_names(tmp_path / "te_dist_out")
     assert ("[te-dist] plots: not drawn, matplotlib is not installed: pip install -e '.[plot]' (or pip install "
-            "matplotlib); then: te-dist plot te_dist_out") in result.output
-    assert not (tmp_path / "te_dist_out" / "plots").exists()
-    refused = run_cli("plot", "te_dist_out", pythonpath_first=shadow, timeout=60)
+            f"matplotlib); then: te-dist plot te_dist_out/{run_dir.name}\n") in result.output
+    assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "plots").exists()
+    refused = run_cli("plot", pythonpath_first=shadow, timeout=60)  # the newest run, as `te-dist plot` alone
     assert refused.returncode == 2
     assert refused.output.strip() == ("te-dist plot: error: matplotlib is not installed: pip install -e '.[plot]' "
                                       "(or pip install matplotlib)")
@@ -109,6 +114,7 @@ def test_a_bad_data_file_exits_2_before_any_rank_starts(tmp_path, monkeypatch, c
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith(f"te-dist train: error: data.path {name}: ")
     assert problem in errors[0]
+    assert run_dir_names(tmp_path / "te_dist_out") == []  # the run directory made for it is gone again
 
 
 def test_bad_data_from_the_command_line(run_cli, tmp_path):
