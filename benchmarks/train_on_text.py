@@ -6,7 +6,7 @@ unigram entropy (the loss of a model that knows only byte frequencies).
 The corpus: the manual pages of common commands rendered as plain text (``man`` and ``col``), or,
 without ``man``, the licence texts of ``/usr/share/common-licenses``; nothing is downloaded. Each
 recipe trains ``te-dist train --nproc 2 --data.path corpus.txt --steps N --recipe R`` into
-``DIR/<recipe>``; with several recipes ``te-dist plot`` draws them on one chart (``--plot-to``).
+``DIR/runs/<recipe>``; with several recipes ``te-dist plot`` draws them on one chart (``--plot-to``).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     te_dist = [sys.executable, "-m", "te_dist.cli"]
     for recipe in args.recipes:
-        out = work / recipe
+        out = work / "runs" / recipe  # not --out none: a flag's "none" is null, a new directory under te_dist_out/
         cmd = [*te_dist, "train", "--nproc", "2", "--data.path", "corpus.txt", "--steps", str(args.steps),
-               "--recipe", recipe, "--out", recipe, "--overwrite"]
+               "--recipe", recipe, "--out", str(out.relative_to(work)), "--overwrite"]
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
@@ -77,8 +77,8 @@ def main() -> None:
               + ", ".join(f"{v:.3f}@{s}" for s, v in vals)
               + f"; final {val:.4f} {'<' if val < entropy else '>='} unigram entropy {entropy:.4f}; plots {out / 'plots'}")
     if len(args.recipes) > 1 and args.plot_to:
-        subprocess.run([*te_dist, "plot", *args.recipes, "--to", str(args.plot_to.resolve())], cwd=work, env=env,
-                       check=True)
+        subprocess.run([*te_dist, "plot", *(f"runs/{r}" for r in args.recipes), "--to", str(args.plot_to.resolve())],
+                       cwd=work, env=env, check=True)
         print(f"chart of {', '.join(args.recipes)}: {args.plot_to}")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .run_dirs import DEFAULT_ROOT, latest_run_dir
+from .run_dirs import DEFAULT_ROOT, LATEST, latest_run_dir
 
 __all__ = ["PLOTS_DIR", "INSTALL_HINT", "PlotError", "RunSeries", "read_run", "matplotlib_missing", "write_plots",
            "plots_after_run", "default_dest", "runs_to_plot"]
@@ -206,10 +206,19 @@ def default_dest(out_dirs: Sequence) -> Path:
     return Path(out_dirs[0]) / PLOTS_DIR if len(out_dirs) == 1 else Path(COMPARE_DIR)
 
 
+def _named_run(out: Path) -> Path:
+    """``out``, or for a ``<root>/latest`` pointer (a symlink, or a file where there are none) the run
+    directory it names: the plots are labelled by the run's own name and go into it."""
+    if out.name == LATEST and (out.is_symlink() or out.is_file()):
+        return latest_run_dir(out.parent) or out
+    return out
+
+
 def runs_to_plot(out_dirs: Sequence, *, root=DEFAULT_ROOT) -> list:
-    """``out_dirs`` as given, or none given: the newest run under ``root``; PlotError when there is none."""
+    """``out_dirs`` as given (a ``latest`` pointer as the run it names), or none given: the newest run
+    under ``root``; PlotError when there is none."""
     if out_dirs:
-        return list(out_dirs)
+        return [_named_run(Path(out)) for out in out_dirs]
     latest = latest_run_dir(root)
     if latest is None:
         raise PlotError(f"no run under {root}/ to plot (run te-dist train first, or name the run: te-dist plot OUT)")

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from te_dist.cli import main
-from te_dist.train.plots import INSTALL_HINT, PlotError, plots_after_run, read_run, write_plots
+from te_dist.train.plots import (INSTALL_HINT, PlotError, plots_after_run, read_run, runs_to_plot,
+                                 write_plots)
 from te_dist.train.run_dirs import new_run_dir, point_latest
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -68,6 +69,11 @@ def test_without_a_directory_the_newest_run_is_plotted(tmp_path, monkeypatch, ca
     assert main(["plot"]) == 0
     assert capsys.readouterr().out.split() == [str(older / "plots" / "loss.png"), str(older / "plots" / "throughput.png")]
     assert not (newer / "plots").exists()
+    assert main(["plot", "te_dist_out/latest", str(newer), "--to", "both"]) == 0  # latest as the run it names
+    assert read_run(runs_to_plot(["te_dist_out/latest"])[0]).label == f"{older.name} (none)"
+    (tmp_path / "te_dist_out" / "latest").unlink()
+    (tmp_path / "te_dist_out" / "latest").write_text(newer.name + "\n")  # the pointer where symlinks fail
+    assert runs_to_plot(["te_dist_out/latest"]) == [newer]
 
 
 def test_a_directory_without_metrics_is_named(tmp_path, capsys):
