@@ -67,15 +67,16 @@ def test_text_run_evaluates_plots_and_resumes_bit_exactly(run_cli, tmp_path):
 
 def test_one_and_two_ranks_train_on_the_same_global_batch_and_plots_never_fail_a_run(run_cli, tmp_path):
     """1 -> 2 ranks: step 1 (the same initial weights) scores the same global batch, up to the order of
-    the reductions; the validation after it the same windows, with weights one update apart (the
-    gradients were summed in another order). The one-rank run has no matplotlib: it still succeeds and
-    says how to get the plots."""
+    the reductions, also when the two ranks split their rows into micro-batches; the validation after it
+    the same windows, with weights one update apart (the gradients were summed in another order). The
+    one-rank run has no matplotlib: it still succeeds and says how to get the plots."""
     _corpus(tmp_path / "corpus.txt")
     shadow = tmp_path / "no_matplotlib"
     (shadow / "matplotlib").mkdir(parents=True)
     (shadow / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib (test)')\n")
     common = ("train", "--data.path", "corpus.txt", "--steps", 1, "--recipe", "none", "--no-checkpoint",
-              "--train.eval_batches", 2)
+              "--train.eval_batches", 2, "--model.aux_loss_coeff", 0)  # no load-balancing loss: a micro-batch's
+    # gradient is exactly its share of the batch's (the balance of half a batch is not half the balance)
     without = run_cli(*common, "--nproc", 1, "--out", "one", pythonpath_first=shadow).check().output
     assert ("[te-dist] plots: not drawn, matplotlib is not installed: pip install -e '.[plot]' (or pip install "
             "matplotlib); then: te-dist plot one\n") in without
@@ -84,7 +85,7 @@ def test_one_and_two_ranks_train_on_the_same_global_batch_and_plots_never_fail_a
     assert refused.returncode == 2
     assert refused.output.strip() == ("te-dist plot: error: matplotlib is not installed: pip install -e '.[plot]' "
                                       "(or pip install matplotlib)")
-    run_cli(*common, "--nproc", 2, "--out", "two", "--train.plots", "false").check()
+    run_cli(*common, "--nproc", 2, "--out", "two", "--train.plots", "false", "--train.micro_batches", 2).check()
     one, two = _rows(tmp_path / "one")[1], _rows(tmp_path / "two")[1]
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-6, abs=0)
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-4, abs=0)
