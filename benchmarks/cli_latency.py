@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import timing
+
+REPO = timing.REPO
 
 
 def time_command(args, *, repo: Path = REPO, step_marker: str = "step ") -> dict:
@@ -60,13 +62,18 @@ def _cell(value) -> str:
     return f"{value:>12.2f}" if value is not None else f"{'-':>12}"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps of the `train` case")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repo", type=Path, default=REPO, help="checkout whose te_dist runs (default: this one)")
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     train = ["train", "--nproc", str(args.nproc), "--steps", str(args.steps), "--no-checkpoint", "--device", "cpu"]
     cases = [
         ("te-dist --help", ["--help"]),
@@ -88,6 +95,8 @@ def main() -> int:
     for name, row in rows:
         cells = "".join(_cell(row[k]) for k in ("first_line", "first_step", "last_line", "exit")) if row else f"{'fails':>12}"
         print(f"{name:<40}{cells}")
+    timing.write_json(args.json, [dict(command=name, **(row or {"fails": True})) for name, row in rows],
+                      repo=str(args.repo.resolve()), load_before=load_before, load_after=load, benchmark="cli_latency")
     return 0
 
 

@@ -27,7 +27,6 @@ DeepSeek-like (H 7168, F 2048, E 64, top-8, 4096), Qwen3-235B-like (H 4096, F 15
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -35,6 +34,8 @@ import torch
 import te_dist as td
 from te_dist.moe import MoELayer
 from te_dist.recipe import recipe_from_name
+
+import timing
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=4096),
@@ -97,16 +98,20 @@ def run_arm(arm, xs, grads, iters, warmup):
     return mb, opt, diff, native
 
 
-def main():
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="mixtral,deepseek,qwen3_235b,qwen3_30b,gptoss")
     p.add_argument("--recipes", default="current,delayed,block")
     p.add_argument("--micro-batches", default="1,4")
     p.add_argument("--fixed", action="store_true", help="add the fixed-weight rows (weights never written)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     rows = []
     for name in args.configs.split(","):
         c = CONFIGS[name]
@@ -145,9 +150,7 @@ def main():
     for r in rows:
         print(f"{r['config']:<11} {r['recipe']:<14} {r['micro_batches']:>2} {r['mb_ms']:8.2f} {r['opt_ms']:8.2f} "
               f"{r['speed']:7.2f}x {r['speed_opt']:11.2f}x {r['path']:>9} {r['diff']:8.1e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    timing.write_json(args.json, rows, benchmark="fp8_layer")
 
 
 if __name__ == "__main__":

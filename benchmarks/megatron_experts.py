@@ -23,13 +23,7 @@ from pathlib import Path
 
 import torch
 
-# benchmarks/ holds scripts named like packages (grouped_gemm.py) that Megatron imports: not on the path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "megatron"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import mcore_helpers as H  # noqa: E402
+import timing
 
 PRESETS = {
     # tokens = sequence x batch entering the layer; experts = the experts one rank computes.
@@ -62,14 +56,33 @@ def _time_step(layer, x, dy, warmup: int, iters: int) -> list:
     return times
 
 
-def main() -> None:
+def _helpers():
+    """tests/megatron/mcore_helpers.py (imports Megatron), with this folder off the path: it holds scripts
+    named like packages Megatron imports (grouped_gemm.py)."""
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    sys.path.insert(0, str(timing.REPO / "tests" / "megatron"))
+    sys.path.insert(0, str(timing.REPO))
+    import mcore_helpers
+
+    return mcore_helpers
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--dispatcher", choices=["allgather", "alltoall"], default="alltoall")
     parser.add_argument("--recipe", default="none", help="te_dist recipe name for our experts (default none)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    H = _helpers()
     shape = dict(PRESETS[args.preset])
     seq, batch, dtype = shape.pop("seq"), shape.pop("batch"), shape.pop("dtype")
     if args.dispatcher == "alltoall" and not torch.cuda.is_available():
@@ -99,10 +112,14 @@ def main() -> None:
     base = statistics.median(results["SequentialMLP"])
     print(f"relative L2 difference of the outputs: {rel_err:.2e}")
     print(f"{'experts':36s} {'median ms':>10s} {'min ms':>8s} {'speed-up':>9s}")
+    rows = []
     for name, times in results.items():
         med = statistics.median(times)
+        rows.append(dict(experts=name, median_ms=med * 1e3, min_ms=min(times) * 1e3, speedup=base / med))
         print(f"{name:36s} {med * 1e3:10.3f} {min(times) * 1e3:8.3f} {base / med:8.2f}x")
     H.destroy_megatron()
+    timing.write_json(args.json, rows, preset=args.preset, dispatcher=args.dispatcher, rel_l2_difference=rel_err,
+                      benchmark="megatron_experts")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import time
 
@@ -59,6 +58,8 @@ from te_dist.moe.transports import TRANSPORT_ENV
 from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
+
+import timing
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=[8192, 2048]),
@@ -348,7 +349,7 @@ def print_table(rows, header):
         print("| " + " | ".join(fmt.format(r[c]) for c, fmt in cols) + " |")
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU check of the whole script)")
@@ -360,7 +361,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the rows as JSON (rank 0; benchmarks/plots.py reads it)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -382,10 +387,8 @@ def main():
             hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
             print_table(rows, f"\nMoE layer fwd+bwd, {world} rank(s) x {hw}, {dtype}, {args.backend}, "
                               f"torch {torch.__version__}, iters {args.iters} warmup {args.warmup}")
-            if args.json:
-                meta = dict(hardware=f"{world} x {hw}", dtype=str(dtype), backend=args.backend, torch=torch.__version__)
-                with open(args.json, "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            timing.write_json(args.json, rows, hardware=f"{world} x {hw}", dtype=str(dtype), backend=args.backend,
+                              benchmark="moe_layer")
     finally:
         dist.destroy_process_group()
 

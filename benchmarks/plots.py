@@ -6,7 +6,6 @@
 Inputs (each optional; a missing file skips its plot):
   grouped_gemm.json  ``benchmarks/grouped_gemm.py --json``: forward TFLOP/s per shape and backend
   moe_layer.json     ``benchmarks/moe_layer.py --json``: the MoE layer against its baselines
-  grouped_gemm_fp8.json  the same script's output for an FP8 recipe: plotted against the bf16 run
 
 Needs matplotlib (``pip install -e '.[plot]'``, also part of the ``test`` extra).
 """
@@ -76,21 +75,15 @@ def moe_layer(data: dict, out: Path) -> Path:
                  f"MoE layer step ({_subtitle(data.get('meta', {}))})", out / "moe_layer.png", rotate=False)
 
 
-def fp8_vs_bf16(bf16: dict, fp8: dict, out: Path) -> Path:
-    """The selected grouped GEMM's forward TFLOP/s per shape: the FP8 run against the bf16 run."""
-    ours = {r["shape"]: r["tflops"]["auto"] for r in fp8["forward"]}
-    base = {r["shape"]: r["tflops"]["auto"] for r in bf16["forward"]}
-    shapes = [s for s in base if s in ours]
-    series = [("bf16", [base[s] for s in shapes]), ("FP8", [ours[s] for s in shapes])]
-    return _bars(shapes, series, "TFLOP/s", f"Grouped GEMM forward, FP8 vs bf16 ({_subtitle(fp8.get('meta', {}))})",
-                 out / "grouped_gemm_fp8.png")
-
-
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT / "docs" / "data")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     def load(name):
@@ -98,13 +91,11 @@ def main(argv=None) -> int:
         return json.loads(path.read_text()) if path.exists() else None
 
     made = []
-    gemm, layer, fp8 = load("grouped_gemm.json"), load("moe_layer.json"), load("grouped_gemm_fp8.json")
+    gemm, layer = load("grouped_gemm.json"), load("moe_layer.json")
     if gemm:
         made.append(grouped_gemm(gemm, args.out))
     if layer:
         made.append(moe_layer(layer, args.out))
-    if gemm and fp8:
-        made.append(fp8_vs_bf16(gemm, fp8, args.out))
     for path in made:
         print(path)
     return 0 if made else 1

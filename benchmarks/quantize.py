@@ -1,224 +1,253 @@
-"""Quantize throughput per recipe, against a device-to-device copy measured in the same run.
+"""Quantization throughput against a device-to-device copy measured in the same run.
 
-    python benchmarks/quantize.py                      # CUDA if present (8192x8192 bf16), else a tiny CPU run
-    python benchmarks/quantize.py --device cpu --rows 256 --cols 512
-    python benchmarks/quantize.py --eager              # without torch.compile (shows what fusion buys)
-    python benchmarks/quantize.py --no-fused           # skip the fused Triton rows
+    python benchmarks/quantize.py casts                 # every recipe's cast of x (CUDA: 8192x8192 bf16, else tiny)
+    python benchmarks/quantize.py casts --eager         # without torch.compile (what fusion buys)
+    python benchmarks/quantize.py casts --device cpu --rows 256 --cols 512
+    python benchmarks/quantize.py weights [--configs mixtral,deepseek,qwen3_235b] [--recipes current,delayed,block]
+                                          [--sweep]     # (GPU) the expert weights' FP8 cast per training step
 
-Each FP8 case prints two rows on CUDA: "triton" (the fused Triton casts, ``set_fused_casts_enabled(None)``)
-and "compiled" (the torch.compile'd cast functions, ``set_fused_casts_enabled(False)``); NVFP4's fused
-kernels make the rowwise copy (the rows below are rowwise). "vs compiled" is the compiled time over
-this row's time.
+``casts``: per case a "triton" row (the fused Triton casts, the default on CUDA) and a "compiled" (or
+"eager") row: the cast functions. GB/s counts the bytes a quantize must move at least once (input read,
+every output written, scales included); ``vs copy`` divides by the copy's GB/s (input read and written).
+"time" is a queued loop, host included ("host" near it: host-bound); "GPU" replays the same calls from
+one CUDA graph (kernels only) against a graph-replayed copy. Goal: GPU >= 0.50 of copy bandwidth for
+per-tensor and block formats.
 
-GB/s counts the bytes a quantize must move at least once: the input read plus every output
-written (elements and scales). The copy baseline moves the input's bytes in and out
-(``dst.copy_(src)``), so ``vs copy`` is the fraction of practical memory bandwidth reached.
-"time" is a queued loop (host included: when "host" is close to it, the host is the bottleneck);
-"GPU" replays the same calls from a CUDA graph (kernels only), against a graph-replayed copy.
-Goal (issue 3): >= 50% of copy bandwidth for per-tensor and block formats on H200.
+``weights``: ``GroupedLinear.quantized_weight()`` of fc1 [E, 2F, H] and fc2 [E, H, F], the whole path a
+training forward runs after the optimizer wrote the weights (both GEMM layouts, scales), median of
+--iters calls, against a copy of the same bf16 weights. ``floor GB`` = the bytes the recipe must move
+(current scaling: an amax read, then one pass writing both layouts = 6 bytes per element; delayed: 4;
+128x128 blocks: 4, plus scales); ``of bound`` = (floor GB / ms) / the copy's bandwidth, goal >= 0.8;
+``vs 4 B`` = moving 4 bytes per element at copy bandwidth over ``ms``. ``--sweep`` also times the
+candidate tiles of the 128x128 block cast (``tile=``), each checked against the default tile's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
-from te_dist import recipe as R
-from te_dist.quantization import Float8Tensor, fused_casts_available, make_quantizer, set_compile_enabled
-from te_dist.quantization import set_fused_casts_enabled
+import timing
 
-# recipes with a fused Triton cast (te_dist/quantization/triton_casts.py)
-FUSED_RECIPES = (R.DelayedScaling, R.Float8CurrentScaling, R.Float8BlockScaling, R.MXFP8BlockScaling,
-                 R.NVFP4BlockScaling)
-
-# (label, recipe factory, role[, columnwise copy too]): one row each
-CASES = [
-    ("delayed (E4M3, per-tensor)", lambda: R.DelayedScaling(fp8_format=R.Format.E4M3, amax_history_len=1024), "input"),
-    ("current (E4M3, per-tensor)", lambda: R.Float8CurrentScaling(fp8_format=R.Format.E4M3), "input"),
-    ("current pow2 (E5M2 grad)", lambda: R.Float8CurrentScaling(use_power_2_scales=True), "grad_output"),
-    ("block 1x128 (input)", lambda: R.Float8BlockScaling(), "input"),
-    ("block 128x128 (weight)", lambda: R.Float8BlockScaling(), "weight"),
-    ("block 1x128 row+col (input)", lambda: R.Float8BlockScaling(), "input", True),
-    ("mxfp8 1x32", lambda: R.MXFP8BlockScaling(), "input"),
-    ("mxfp8 1x32 row+col", lambda: R.MXFP8BlockScaling(), "input", True),
-    ("nvfp4 1x16 (input, rowwise)", lambda: R.NVFP4BlockScaling(), "input"),
-    ("nvfp4 16x16 (weight)", lambda: R.NVFP4BlockScaling(), "weight"),
-    ("nvfp4 1x16 SR (grad)", lambda: R.NVFP4BlockScaling(), "grad_output"),
+CASES = [  # (label, recipe name, role, columnwise copy too)
+    ("delayed (E4M3, per-tensor)", "delayed_e4m3", "input", False),
+    ("current (E4M3, per-tensor)", "current_e4m3", "input", False),
+    ("current pow2 (E5M2 grad)", "current_pow2", "grad_output", False),
+    ("block 1x128 (input)", "block", "input", False),
+    ("block 128x128 (weight)", "block", "weight", False),
+    ("block 1x128 row+col (input)", "block", "input", True),
+    ("mxfp8 1x32", "mxfp8", "input", False),
+    ("mxfp8 1x32 row+col", "mxfp8", "input", True),
+    ("nvfp4 1x16 (input, rowwise)", "nvfp4", "input", False),
+    ("nvfp4 16x16 (weight)", "nvfp4", "weight", False),
+    ("nvfp4 1x16 SR (grad)", "nvfp4", "grad_output", False),
 ]
 
 
+def _recipe(name):
+    from te_dist import recipe as R
+
+    return {"delayed_e4m3": lambda: R.DelayedScaling(fp8_format=R.Format.E4M3, amax_history_len=1024),
+            "current_e4m3": lambda: R.Float8CurrentScaling(fp8_format=R.Format.E4M3),
+            "current_pow2": lambda: R.Float8CurrentScaling(use_power_2_scales=True),
+            "block": R.Float8BlockScaling, "mxfp8": R.MXFP8BlockScaling, "nvfp4": R.NVFP4BlockScaling}[name]()
+
+
 def _output_bytes(q) -> int:
+    from te_dist.quantization import Float8Tensor
+
     if isinstance(q, Float8Tensor):
         return q.data.numel() * q.data.element_size() + 4
     total = 0
     for copy in (q.rowwise, q.columnwise):
         if copy is not None:
-            total += copy.data.numel() * copy.data.element_size()
-            total += copy.scale_inv.numel() * copy.scale_inv.element_size()
+            total += copy.data.numel() * copy.data.element_size() + copy.scale_inv.numel() * copy.scale_inv.element_size()
             total += 4 if copy.global_scale_inv is not None else 0
     return total
 
 
-def _time(fn, device: torch.device, warmup: int, iters: int) -> tuple:
-    """(seconds per call, host seconds per call): medians over 5 rounds of ``iters`` back-to-back calls.
-
-    On CUDA the calls of a round are queued without syncing between them, as in training where
-    the host runs ahead, so the launch overhead overlaps with the previous call's kernels. The host
-    time is how long queueing one call takes: when it is close to the first number, the host is the
-    bottleneck, not the kernels.
-    """
+def _queued(fn, device, warmup: int, iters: int) -> tuple:
+    """(seconds per call, host seconds to queue one): medians over 5 rounds of ``iters`` calls queued back to
+    back, as in training where the host runs ahead of the GPU."""
+    if device.type != "cuda":
+        us = timing.host_us(fn, iters, rounds=5, warmup=warmup)
+        return us / 1e6, us / 1e6
     for _ in range(warmup):
         fn()
     rounds, host = [], []
     for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            host.append((time.perf_counter() - t0) / iters)
-            end.record()
-            end.synchronize()
-            rounds.append(start.elapsed_time(end) / 1e3 / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            rounds.append((time.perf_counter() - t0) / iters)
-            host.append(rounds[-1])
-    return statistics.median(rounds), statistics.median(host)
-
-
-def _graph_time(fn, iters: int):
-    """GPU seconds per call without host overhead: ``iters`` calls captured in one CUDA graph, the
-    replay timed (median of 5). None when the call cannot be captured."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-    except Exception as exc:  # e.g. a compiled function that recompiles under capture
-        print(f"  (no CUDA graph: {exc!r:.120})")
-        return None
-    graph.replay()
-    rounds = []
-    for _ in range(5):
+        torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host.append((time.perf_counter() - t0) / iters)
         end.record()
         end.synchronize()
         rounds.append(start.elapsed_time(end) / 1e3 / iters)
-    return statistics.median(rounds)
+    return statistics.median(rounds), statistics.median(host)
 
 
-def _kernel_times(fn, iters: int) -> list:
-    """[(kernel name, GPU us per call)] from the torch profiler, largest first (``--profile``)."""
-    from torch.profiler import ProfilerActivity, profile
+def casts(args) -> list:
+    from te_dist import recipe as R
+    from te_dist.quantization import fused_casts_available, make_quantizer, set_compile_enabled
+    from te_dist.quantization import set_fused_casts_enabled
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rows", type=int, default=None)
-    parser.add_argument("--cols", type=int, default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--eager", action="store_true", help="disable torch.compile of the cast functions")
-    parser.add_argument("--compile", action="store_true", help="compile the cast functions on any device (CPU too)")
-    parser.add_argument("--no-fused", action="store_true", help="skip the fused Triton rows")
-    parser.add_argument("--profile", action="store_true", help="CUDA: list each case's kernels and their GPU time")
-    parser.add_argument("--fused", action="store_true",
-                        help="fused rows on any device (CPU: Triton's interpreter, TRITON_INTERPRET=1; logic only)")
-    args = parser.parse_args(argv)
-
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    rows = args.rows or (8192 if cuda else 256)
-    cols = args.cols or (8192 if cuda else 512)
+    rows_n, cols_n = args.rows or (8192 if cuda else 256), args.cols or (8192 if cuda else 512)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 3)
     iters = args.iters if args.iters is not None else (20 if cuda else 3)
-    dtype = getattr(torch, args.dtype)
     if args.eager and args.compile:
-        parser.error("--eager and --compile exclude each other")
+        raise SystemExit("--eager and --compile exclude each other")
+    if args.fused and args.no_fused:
+        raise SystemExit("--fused and --no-fused exclude each other")
     set_compile_enabled(False if args.eager else (True if args.compile else None))
-
     torch.manual_seed(0)
-    x = torch.randn(rows, cols, device=device, dtype=dtype)
+    x = torch.randn(rows_n, cols_n, device=device, dtype=getattr(torch, args.dtype))
     in_bytes = x.numel() * x.element_size()
     dst = torch.empty_like(x)
-    copy_s, _ = _time(lambda: dst.copy_(x), device, warmup, iters)
+    copy_s, _ = _queued(lambda: dst.copy_(x), device, warmup, iters)
     copy_gbs = 2 * in_bytes / copy_s / 1e9
-    copy_graph_s = _graph_time(lambda: dst.copy_(x), iters) if cuda else None
-
-    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    copy_graph = timing.graph_ms(lambda: dst.copy_(x), iters) if cuda else None
     mode = "torch.compile" if args.compile or (cuda and not args.eager) else "eager"
-    if args.fused and args.no_fused:
-        parser.error("--fused and --no-fused exclude each other")
     with_fused = (cuda or args.fused) and not args.no_fused and fused_casts_available()
-    fused_on = True if args.fused else None  # None: automatic (CUDA)
-    if with_fused:
-        import triton
-
-        mode += f" + fused Triton {triton.__version__}"
-    print(f"device={name} torch={torch.__version__} x={rows}x{cols} {args.dtype} mode={mode} median of 5 rounds x {iters} calls")
-    reference = "compiled" if mode.startswith("torch.compile") else "eager"
-    print(f"| case | path | time (us) | host (us) | GB/s | vs copy | vs {reference} | GPU (us) | GPU vs copy |")
+    fused_setting = True if args.fused else None  # None: automatic (CUDA)
+    fused_recipes = (R.DelayedScaling, R.Float8CurrentScaling, R.Float8BlockScaling, R.MXFP8BlockScaling,
+                     R.NVFP4BlockScaling)
+    reference = "compiled" if mode == "torch.compile" else "eager"
+    print(f"device={timing.hardware(device)} torch={torch.__version__} x={rows_n}x{cols_n} {args.dtype} mode={mode}"
+          f"{' + fused Triton' if with_fused else ''}, median of 5 rounds x {iters} calls")
+    print(f"| case | path | time (µs) | host (µs) | GB/s | vs copy | vs {reference} | GPU (µs) | GPU vs copy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    graph_cell = f"{copy_graph_s * 1e6:.1f} | 1.00" if copy_graph_s else " | "
+    graph_cell = f"{copy_graph * 1e3:.1f} | 1.00" if copy_graph else " | "
     print(f"| device-to-device copy | | {copy_s * 1e6:.1f} | | {copy_gbs:.3g} | 1.00 | | {graph_cell} |")
-    profiles = []
+    out = [dict(case="copy", path="", us=copy_s * 1e6, gbs=copy_gbs, gpu_us=copy_graph and copy_graph * 1e3)]
     try:
-        for label, build, role, *both in CASES:
-            recipe = build()
-            paths = [("triton", fused_on)] if with_fused and isinstance(recipe, FUSED_RECIPES) else []
+        for label, name, role, both in CASES:
+            rec = _recipe(name)
+            paths = [("triton", fused_setting)] if with_fused and isinstance(rec, fused_recipes) else []
             paths.append((reference, False))
-            rows_out = []
-            for path, fused_setting in paths:
-                set_fused_casts_enabled(fused_setting)
-                quantizer = make_quantizer(recipe, role)
-                quantizer.set_usage(rowwise=True, columnwise=bool(both and both[0]))
-                out_bytes = _output_bytes(quantizer(x))
-                seconds, host = _time(lambda: quantizer(x), device, warmup, iters)
-                graph_s = _graph_time(lambda: quantizer(x), iters) if cuda else None
-                rows_out.append((path, seconds, host, (in_bytes + out_bytes) / seconds / 1e9, graph_s))
-                if args.profile and cuda:
-                    profiles.append((f"{label} [{path}]", _kernel_times(lambda: quantizer(x), iters)))
-            ref_seconds = rows_out[-1][1]
-            for path, seconds, host, gbs, graph_s in rows_out:
-                graph_cell = (f"{graph_s * 1e6:.1f} | {copy_graph_s / graph_s * (in_bytes + out_bytes) / (2 * in_bytes):.2f}"
-                              if graph_s and copy_graph_s else " | ")
-                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | "
-                      f"{gbs / copy_gbs:.2f} | {ref_seconds / seconds:.2f} | {graph_cell} |")
+            measured = []
+            for path, setting in paths:
+                set_fused_casts_enabled(setting)
+                quantizer = make_quantizer(rec, role)
+                quantizer.set_usage(rowwise=True, columnwise=both)
+                moved = in_bytes + _output_bytes(quantizer(x))
+                seconds, host = _queued(lambda: quantizer(x), device, warmup, iters)
+                graph = timing.graph_ms(lambda: quantizer(x), iters) if cuda else None
+                measured.append((path, seconds, host, moved, graph))
+            ref_seconds = measured[-1][1]
+            for path, seconds, host, moved, graph in measured:
+                gbs = moved / seconds / 1e9
+                gpu_vs_copy = copy_graph / graph * moved / (2 * in_bytes) if graph and copy_graph else None
+                out.append(dict(case=label, path=path, us=seconds * 1e6, host_us=host * 1e6, gbs=gbs,
+                                vs_copy=gbs / copy_gbs, gpu_us=graph and graph * 1e3, gpu_vs_copy=gpu_vs_copy))
+                cell = f"{graph * 1e3:.1f} | {gpu_vs_copy:.2f}" if gpu_vs_copy else " | "
+                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | {gbs / copy_gbs:.2f} | "
+                      f"{ref_seconds / seconds:.2f} | {cell} |", flush=True)
     finally:
         set_fused_casts_enabled(None)
-    for label, kernels in profiles:
-        total = sum(us for _, us in kernels)
-        print(f"\n{label}: {total:.1f} us of kernels per call")
-        for name, us in kernels:
-            print(f"  {us:8.1f} us  {name[:110]}")
+    return out
+
+
+WEIGHT_CONFIGS = {
+    "mixtral": dict(hidden=4096, ffn=14336, experts=8),
+    "deepseek": dict(hidden=7168, ffn=2048, experts=64),
+    "qwen3_235b": dict(hidden=4096, ffn=1536, experts=128),
+}
+BYTES_PER_ELEMENT = {"current": 6, "delayed": 4, "block": 4}
+BLOCK_TILES = [(1, 64, 4), (1, 32, 4), (1, 64, 8), (2, 64, 8), (1, 128, 8), (2, 32, 4)]
+
+
+def _tile_sweep(w, iters):
+    """(family, tile, ms, same bytes as the default tile) of the 128x128 block cast's candidate tiles."""
+    from te_dist.quantization import triton_casts as tc
+
+    cast = lambda tile=None: tc.cast_fp8_blocks(w, 128, 128, torch.float8_e4m3fn, 448.0, True,  # noqa: E731
+                                                rowwise=True, columnwise=True, tile=tile)
+    ref, rows = cast(), []
+    for tile in BLOCK_TILES:
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cast(tile), ref))
+        rows.append(("128x128 blocks", tile, timing.each_call_ms(lambda: cast(tile), iters=iters), same))
+    return rows
+
+
+def weights(args) -> list:
+    from te_dist.ops import GroupedLinear
+    from te_dist.recipe import recipe_from_name
+
+    rows, sweeps = [], []
+    for name in args.configs.split(","):
+        c = WEIGHT_CONFIGS[name]
+        E, H, F = c["experts"], c["hidden"], c["ffn"]
+        ops = [GroupedLinear(E, H, 2 * F, dtype=torch.bfloat16, device="cuda"),
+               GroupedLinear(E, F, H, dtype=torch.bfloat16, device="cuda")]
+        numel = sum(op.weight.numel() for op in ops)
+        src = torch.cat([op.weight.detach().reshape(-1) for op in ops])
+        dst = torch.empty_like(src)
+        copy_bw = 4 * numel / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6  # GB/s read + written
+        del src, dst
+        for rname in args.recipes.split(","):
+            for op in ops:
+                op.reset_recipe_state(recipe_from_name(rname))
+            ms = timing.each_call_ms(lambda: [op.quantized_weight() for op in ops], iters=args.iters)
+            gb = BYTES_PER_ELEMENT[rname] * numel / 1e9
+            rows.append(dict(config=name, recipe=rname, ms=ms, gb=gb, of_bound=gb / ms * 1e3 / copy_bw,
+                             vs4=4 * numel / 1e9 / copy_bw * 1e3 / ms, copy_bw=copy_bw))
+            print(f"row {name} {rname} {ms:.3f} ms {rows[-1]['of_bound']:.2f} of bound", flush=True)
+        if args.sweep:
+            sweeps += [(name, *r) for r in _tile_sweep(ops[0].weight.detach(), args.iters)]
+        del ops
+        torch.cuda.empty_cache()
+    print(f"\nExpert weight cast (fc1 + fc2), {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    print(f"{'config':<11} {'recipe':<8} {'ms':>8} {'floor GB':>10} {'of bound':>9} {'vs 4 B':>7} {'copy GB/s':>10}")
+    for r in rows:
+        print(f"{r['config']:<11} {r['recipe']:<8} {r['ms']:8.3f} {r['gb']:10.2f} {r['of_bound']:9.2f} "
+              f"{r['vs4']:7.2f} {r['copy_bw']:10.0f}")
+    if sweeps:
+        print(f"\n{'config':<11} {'family':<22} {'tile':<14} {'fc1 ms':>8} {'same bytes':>10}")
+        for name, family, tile, ms, same in sweeps:
+            print(f"{name:<11} {family:<22} {str(tile):<14} {ms:8.3f} {str(same):>10}")
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("casts", help="every recipe's cast of one tensor against a copy")
+    p.add_argument("--device", default=None, help="default: cuda if present, else cpu")
+    p.add_argument("--rows", type=int, default=None)
+    p.add_argument("--cols", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--eager", action="store_true", help="disable torch.compile of the cast functions")
+    p.add_argument("--compile", action="store_true", help="compile the cast functions on any device (CPU too)")
+    p.add_argument("--no-fused", action="store_true", help="skip the fused Triton rows")
+    p.add_argument("--fused", action="store_true",
+                   help="fused rows on any device (CPU: Triton's interpreter, TRITON_INTERPRET=1; logic only)")
+    p = sub.add_parser("weights", help="(GPU) the expert weights' FP8 cast against the copy bandwidth")
+    p.add_argument("--configs", default="mixtral,deepseek,qwen3_235b")
+    p.add_argument("--recipes", default="current,delayed,block")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also the 128x128 block cast's candidate tiles")
+    for p in sub.choices.values():
+        p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rows = {"casts": casts, "weights": weights}[args.what](args)
+    timing.write_json(args.json, rows, benchmark=f"quantize {args.what}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,6 +4,7 @@
 #                                          # them back (unpack into .kcache/ and carry it next time)
 #   bash benchmarks/run_fp8_gpu.sh tests   # the FP8 GPU tests (casts, weight copy, layer, off-grid)
 #   bash benchmarks/run_fp8_gpu.sh bench   # the weight cast and the training-step benchmarks
+#   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
 source tests/device_env.sh
@@ -23,7 +24,7 @@ tests|all)
   tail -n 15 "$OUT/tests.txt"
   ;;&
 bench|all)
-  timeout ${CAST_LIMIT:-100} python3 benchmarks/weight_cast.py ${CAST_ARGS:-} > "$OUT/weight_cast.txt" 2>&1
+  timeout ${CAST_LIMIT:-100} python3 benchmarks/quantize.py weights ${CAST_ARGS:-} > "$OUT/weight_cast.txt" 2>&1
   tail -n 12 "$OUT/weight_cast.txt"
   timeout ${LAYER_LIMIT:-330} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---fixed} --json "$OUT/fp8_layer.json" \
     > "$OUT/fp8_layer.txt" 2>&1

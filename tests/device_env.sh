@@ -1,4 +1,4 @@
-# Sourced by the device-machine scripts (tests/run_gpu_suite.sh, benchmarks/run_h200x2.sh):
+# Sourced by the device-machine scripts (tests/run_gpu_suite.sh, benchmarks/run_suite.sh):
 # $OUT for logs, NVLink multicast off, carried wheels from .whl/ on PYTHONPATH, the repo importable,
 # the CUTLASS kernel cache in .kcache/ (carried) unless TE_DIST_CACHE says otherwise.
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"

@@ -18,6 +18,6 @@ mkdir -p "$TE_DIST_CACHE"
 timeout ${BUILD_TIMEOUT:-240} python3 -m cutlass_kernels --jobs 12 2>&1 | tee "$OUT/build.txt"
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout 200 -rs tests/kernels/test_grouped_mm_gpu.py tests/test_support.py::test_real_device_answer 2>&1 | tee "$OUT/tests.txt"
 timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/grouped_gemm.py --json "$OUT/grouped_gemm.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
-timeout 120 python3 benchmarks/support_overhead.py --real-device 2>&1 | tee "$OUT/support.txt"
+timeout 120 python3 benchmarks/overhead.py support --real-device 2>&1 | tee "$OUT/support.txt"
 [ -n "${SKIP_CACHE_TAR:-}" ] || tar czf "$OUT/kcache.tgz" -C "$TE_DIST_CACHE" . 2>/dev/null
 exit 0

@@ -9,6 +9,6 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv;
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"; } 2>&1 | tee "$OUT/env.txt"
 timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout 300 -rs -m gpu tests/quantization 2>&1 | tee "$OUT/quant_tests.txt"
-timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/quantize.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/quant_bench.txt"
-timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/quantize.py --eager ${BENCH_ARGS:-} 2>&1 | tee "$OUT/quant_bench_eager.txt"
+timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/quantize.py casts ${BENCH_ARGS:-} 2>&1 | tee "$OUT/quant_bench.txt"
+timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/quantize.py casts --eager ${BENCH_ARGS:-} 2>&1 | tee "$OUT/quant_bench_eager.txt"
 exit 0
