@@ -108,13 +108,16 @@ def shown(step: Step, data: Path) -> str:
 
 
 def load_script(path: Path):
-    """Import a benchmark script under a name of its own (bench_<stem>), running nothing."""
+    """Import a benchmark script as module bench_<stem>, running nothing."""
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    name = f"bench_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def check(steps) -> list:

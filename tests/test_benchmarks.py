@@ -1,0 +1,136 @@
+"""benchmarks/ as a suite: every script imports and accepts the arguments the suite passes it, the suite
+covers every row of the headline table of docs/benchmarks.md, one GPU call fits ten minutes, no script
+changes another module's globals, and the docs name only scripts that exist. Nothing is timed."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+DEVICE_CALL_S = 600  # one device call
+
+
+def _suite():
+    """benchmarks/suite.py, loaded under a name of its own with its folder on the path only meanwhile."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_suite_under_test", BENCH / "suite.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("timing", None)  # benchmarks/timing.py: not a name for the rest of the session
+    return module
+
+
+def _headline_areas() -> list:
+    """The area (link text) of every row of the table under docs/benchmarks.md's '| area |' header."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| area |"))
+    areas = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        areas.append(re.match(r"\| \[([^\]]+)\]", line).group(1))
+    return areas
+
+
+def test_at_most_twelve_scripts():
+    scripts = sorted(p.name for p in BENCH.glob("*.py"))
+    assert len(scripts) <= 12, scripts
+
+
+def test_the_suite_covers_every_headline_row():
+    suite, areas = _suite(), _headline_areas()
+    assert len(areas) >= 10 and len(set(areas)) == len(areas), areas
+    claimed = {step.area for step in suite.HEADLINE}
+    assert set(areas) - claimed == set(), "headline rows no suite step reruns"
+    assert claimed - set(areas) == set(), "suite steps naming no headline row"
+    gpu_areas = {step.area for step in suite.HEADLINE if step.mode == "gpu"}
+    assert {"Grouped GEMM", "Quantization", "FP8 expert MLP", "MoE layer"} <= gpu_areas
+    names = [step.json for step in suite.HEADLINE]
+    assert len(set(names)) == len(names), "two steps would write one JSON file"
+
+
+def test_one_gpu_call_fits_ten_minutes():
+    suite = _suite()
+    for mode in ("gpu", "gpu2"):
+        limits = [step.limit_s for step in suite.HEADLINE if step.mode == mode]
+        assert sum(limits) <= suite.BUDGET_S[mode] <= DEVICE_CALL_S - 10, (mode, sum(limits))
+
+
+def test_every_script_imports_and_every_step_parses():
+    """In a fresh process (the scripts import as top-level modules): suite.check imports every script of
+    benchmarks/ and parses each step's arguments with its script's own parser; a wrong option is caught."""
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(BENCH)!r})
+import suite, te_dist
+bad = suite.Step("Recipe string", "cpu", "overhead.py", ("recipe", "--no-such-option"), "x.json", 1)
+print(json.dumps({{"te_dist": te_dist.__file__, "problems": suite.check(suite.HEADLINE),
+                  "bad": suite.check([bad]), "modules": sorted(m for m in sys.modules if m.startswith("bench_"))}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["te_dist"]).resolve().is_relative_to(ROOT), out["te_dist"]  # this checkout's package
+    assert out["problems"] == []
+    assert len(out["bad"]) == 1 and "--no-such-option" in out["bad"][0]
+    assert out["modules"] == sorted(f"bench_{p.stem}" for p in BENCH.glob("*.py"))
+
+
+def _imported_names(tree) -> set:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+ALLOWED_TARGETS = ("os.environ", "sys.path", "sys.modules")  # documented environment switches; the import system
+
+
+def test_no_script_assigns_another_modules_globals():
+    """The switchboard rule: a benchmark switches a fast path through a public function or parameter, never
+    by assigning (or setattr-ing) an attribute of an imported module or of a class imported from one."""
+    found = []
+    for path in sorted(BENCH.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = _imported_names(tree)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            for target in targets:
+                base = target
+                while isinstance(base, (ast.Attribute, ast.Subscript)):
+                    base = base.value
+                text = ast.unparse(target)
+                if (target is not base and isinstance(base, ast.Name) and base.id in imported
+                        and not text.startswith(ALLOWED_TARGETS)):
+                    found.append(f"{path.name}:{node.lineno}: {text}")
+    assert found == []
+
+
+def test_docs_and_scripts_name_only_existing_benchmarks():
+    """Every benchmarks/NAME.py or .sh named in docs/, README.md and the shell scripts exists, unless the
+    line calls it retired (finished investigations, kept in git history)."""
+    files = [*ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("tests/**/*.sh"), *BENCH.glob("*.sh")]
+    missing = []
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for name in re.findall(r"benchmarks/([A-Za-z0-9_]+\.(?:py|sh))", line):
+                if not (BENCH / name).exists() and "retired" not in line:
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: benchmarks/{name}")
+    assert missing == []
