@@ -76,9 +76,11 @@ def quantized_operands(x, w, dy):
     from te_dist.quantization import make_quantizer
 
     out = {}
-    for label, rec in (("block", R.Float8BlockScaling()), ("tensor", R.Float8CurrentScaling(fp8_format=R.Format.HYBRID))):
+    for label, rec in (("block", R.Float8BlockScaling()),
+                       ("tensor", R.Float8CurrentScaling(fp8_format=R.Format.HYBRID))):
         qi, qw, qg = (make_quantizer(rec, role) for role in ("input", "weight", "grad_output"))
-        out[label] = (qi(x, rowwise=True, columnwise=True), K.prepare_quantized_weight(qw(w, rowwise=True, columnwise=True)),
+        out[label] = (qi(x, rowwise=True, columnwise=True),
+                      K.prepare_quantized_weight(qw(w, rowwise=True, columnwise=True)),
                       qg(dy, rowwise=True, columnwise=True))
     return out
 
@@ -129,7 +131,8 @@ def _torch_rowwise(x, w, dy, offs):
         return {}
     (xf, xs), (wf, ws), (dyf, dys) = rowwise(x), rowwise(w), rowwise(dy)
     wtf, wts = rowwise(w.transpose(1, 2).contiguous())  # [E, K, N]
-    calls = {"fwd": lambda: torch._scaled_grouped_mm(xf, wf.transpose(1, 2), xs, ws, offs=offs, out_dtype=torch.bfloat16),
+    calls = {"fwd": lambda: torch._scaled_grouped_mm(xf, wf.transpose(1, 2), xs, ws, offs=offs,
+                                                     out_dtype=torch.bfloat16),
              "dgrad": lambda: torch._scaled_grouped_mm(dyf, wtf.transpose(1, 2), dys, wts, offs=offs,
                                                        out_dtype=torch.bfloat16)}
     ok = {}
@@ -404,8 +407,8 @@ def ceiling(args) -> list:
                 for label, fn in columns.items():
                     per_clock = FP8_FLOP_PER_CLOCK_PER_SM // (2 if label == "bf16 dense" else 1)
                     row[label] = _clocked(fn, flops, sampler, sms, per_clock)
-                    print(f"row {name} {direction} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in row[label].items()),
-                          flush=True)
+                    print(f"row {name} {direction} {label}: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in row[label].items()), flush=True)
                 rows.append(row)
                 del a, b, columns
                 torch.cuda.empty_cache()

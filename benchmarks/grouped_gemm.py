@@ -414,7 +414,8 @@ def sweep(args) -> list:
     rows = []
     for g in gemms:
         for routing in ("even", "zipf"):
-            sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else [g.rows_per_expert] * g.num_experts
+            even = [g.rows_per_expert] * g.num_experts
+            sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else even
             x, w, dy, off = operands(g.num_experts, sizes, g.k, g.n)
             for direction in directions:
                 fns = columns(direction, x, w, dy, off, sizes, configs)
@@ -480,14 +481,14 @@ def summary_lines(rows) -> List[str]:
     to_torch = [r["auto_over_torch"] for r in rows]
     same = [r["ms"]["auto"] / r["ms"][_column(r["auto_pick"])] for r in rows if _column(r["auto_pick"]) in r["ms"]]
     settled = [r for r in rows if r.get("settle_calls")]
-    lines = [f"first call of a bucket (wall ms): median {_quantile(firsts, 0.5):.1f}, p90 {_quantile(firsts, 0.9):.1f}, "
-             f"max {max(firsts):.1f}",
+    lines = [f"first call of a bucket (wall ms): median {_quantile(firsts, 0.5):.1f}, p90 "
+             f"{_quantile(firsts, 0.9):.1f}, max {max(firsts):.1f}",
              f"measuring a bucket (miss to choice, file write included, + live settling's charge), ms: median "
              f"{_quantile(walls, 0.5):.1f}, p90 {_quantile(walls, 0.9):.1f}, max {max(walls):.1f}; "
              f"{sum(w > 50 for w in walls)} of {len(walls)} rows past 50 ms"]
     if settled:
-        lines.append(f"settled on live calls: {len(settled)} rows, calls median "
-                     f"{_quantile([r['settle_calls'] for r in settled], 0.5)}, max {max(r['settle_calls'] for r in settled)}")
+        calls = [r["settle_calls"] for r in settled]
+        lines.append(f"settled on live calls: {len(settled)} rows, calls median {_quantile(calls, 0.5)}, max {max(calls)}")
     for label, rs in (("first pass", rows), ("after re-timing", final)):
         lines.append(f"{label}: auto >= {GOAL}x the best in {sum(r['auto_over_best'] <= 1 / GOAL for r in rs)} of "
                      f"{len(rs)} rows (worst {1 / max(r['auto_over_best'] for r in rs):.2f}x), >= {GOAL}x torch in "
@@ -518,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=4096, help="--sweep: tokens per rank")
     ap.add_argument("--bucket-ms", type=float, default=None, help="--sweep: timed ms per bucket for auto's measurement")
     ap.add_argument("--tune-dir", default=None, help="--sweep: tuning-file directory (default: a fresh temp dir)")
-    ap.add_argument("--write-shapes", default=None, help="--sweep: write the shapes as JSON for `te-dist tune` and exit")
+    ap.add_argument("--write-shapes", default=None,
+                    help="--sweep: write the shapes as JSON for `te-dist tune` and exit")
     ap.add_argument("--directions", default="fwd,dgrad,wgrad", help="--sweep: comma-separated directions")
     ap.add_argument("--settle-burst", type=int, default=None, help="--sweep: live calls per preconditioning "
                                                                   "while a bucket settles (default: --iters)")

@@ -51,7 +51,8 @@ def recipe(args) -> list:
         cached, rebuild = cached - loop, rebuild - loop_r
         met = cached <= 0.15 and cached <= rebuild / 8
         rows.append(dict(recipe=cls.__name__, cached_us=cached, rebuild_us=rebuild, met=met))
-        print(f"{cls.__name__:<22}{cached:>11.3f}{rebuild:>12.3f}{rebuild / cached:>8.1f}x  {'met' if met else 'MISSED'}")
+        print(f"{cls.__name__:<22}{cached:>11.3f}{rebuild:>12.3f}{rebuild / cached:>8.1f}x  "
+              f"{'met' if met else 'MISSED'}")
     return rows
 
 
@@ -117,7 +118,8 @@ def routing(args) -> list:
     from te_dist.ops import GroupedLinear
 
     pred, rows = S.is_op_fuser_grouped_tensor_supported, []
-    print(f"\n{'routing per forward':<38}{'experts':>8}{'seen sizes':>12}{'new sizes':>11}  goal <= {ROUTING_GOAL_US} µs")
+    print(f"\n{'routing per forward':<38}{'experts':>8}{'seen sizes':>12}{'new sizes':>11}  "
+          f"goal <= {ROUTING_GOAL_US} µs")
     calls = args.calls // 10
     for experts in (8, 64):
         for label, rec in (("Float8Block", R.Float8BlockScaling()), ("Float8Current", R.Float8CurrentScaling())):
@@ -217,7 +219,8 @@ def _fuser_mlp_rows(args, recipe, E=4, H=64, F=64):
     fc1, fc2 = fuser.basic_ops[0], fuser.basic_ops[2]
     w1, w2 = fc1.weight.detach().transpose(1, 2), fc2.weight.detach().transpose(1, 2)
     offsets = torch.cumsum(splits, 0, dtype=torch.int32)
-    xd, h, s, dy = x.detach(), torch.randn(T, 2 * F, **FACTORY), torch.randn(T, F, **FACTORY), torch.randn(T, H, **FACTORY)
+    xd, h = x.detach(), torch.randn(T, 2 * F, **FACTORY)
+    s, dy = torch.randn(T, F, **FACTORY), torch.randn(T, H, **FACTORY)
 
     def gemms():  # the six grouped GEMMs as GroupedLinear calls them (backward operands already validated)
         kernels.grouped_mm_forward(xd, w1, offsets, check_offsets=False)

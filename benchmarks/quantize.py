@@ -65,7 +65,8 @@ def _output_bytes(q) -> int:
     total = 0
     for copy in (q.rowwise, q.columnwise):
         if copy is not None:
-            total += copy.data.numel() * copy.data.element_size() + copy.scale_inv.numel() * copy.scale_inv.element_size()
+            total += copy.data.numel() * copy.data.element_size()
+            total += copy.scale_inv.numel() * copy.scale_inv.element_size()
             total += 4 if copy.global_scale_inv is not None else 0
     return total
 
@@ -149,8 +150,8 @@ def casts(args) -> list:
                 out.append(dict(case=label, path=path, us=seconds * 1e6, host_us=host * 1e6, gbs=gbs,
                                 vs_copy=gbs / copy_gbs, gpu_us=graph and graph * 1e3, gpu_vs_copy=gpu_vs_copy))
                 cell = f"{graph * 1e3:.1f} | {gpu_vs_copy:.2f}" if gpu_vs_copy else " | "
-                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | {gbs / copy_gbs:.2f} | "
-                      f"{ref_seconds / seconds:.2f} | {cell} |", flush=True)
+                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | "
+                      f"{gbs / copy_gbs:.2f} | {ref_seconds / seconds:.2f} | {cell} |", flush=True)
     finally:
         set_fused_casts_enabled(None)
     return out

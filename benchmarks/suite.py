@@ -52,8 +52,8 @@ HEADLINE = [
     Step("Support predicates", "cpu", "overhead.py", ("support",), "support_overhead_cpu.json", 150),
     Step("Fuser overhead", "cpu", "overhead.py", ("fuser", "--repeats", "7"), "fuser_overhead.json", 180),
     Step("Recipe consensus", "cpu", "overhead.py", ("consensus",), "consensus_cpu.json", 120),
-    Step("Megatron-Core", "cpu", "megatron_experts.py", ("--preset", "tiny", "--dispatcher", "allgather", "--iters", "50"),
-         "megatron_experts_cpu.json", 120),
+    Step("Megatron-Core", "cpu", "megatron_experts.py",
+         ("--preset", "tiny", "--dispatcher", "allgather", "--iters", "50"), "megatron_experts_cpu.json", 120),
     Step("Training", "cpu", "train.py", ("throughput", "--variants", "none:2", "none:1", "current:2", "delayed:2",
                                          "block:2"), "train_throughput_cpu.json", 300),
     # One GPU: the sum of the limits stays within BUDGET_S["gpu"] (tests/test_benchmarks.py checks it).
@@ -86,8 +86,9 @@ HEADLINE = [
          nproc=2),
     Step("Recipe consensus", "gpu2", "overhead.py", ("consensus", "--backend", "nccl", "--steps", "300"),
          "consensus_gpu.json", 90),
-    Step("Training", "gpu2", "train.py", ("throughput", "--nproc", "2", "--config", "launchers/configs/mixtral_like.yaml",
-                                          "--steps", "12", "--variants", "none:2", "none:1"),
+    Step("Training", "gpu2", "train.py", ("throughput", "--nproc", "2", "--config",
+                                          "launchers/configs/mixtral_like.yaml", "--steps", "12", "--variants",
+                                          "none:2", "none:1"),
          "train_throughput_gpu2.json", 150),
 ]
 
@@ -137,7 +138,8 @@ def check(steps) -> list:
         try:
             module.build_parser().parse_args([*step.args, "--json", step.json])
         except SystemExit as exc:
-            problems.append(f"{step.area}: {step.script} {' '.join(step.args)}: its parser refused it (exit {exc.code})")
+            problems.append(f"{step.area}: {step.script} {' '.join(step.args)}: its parser refused it "
+                            f"(exit {exc.code})")
     return problems
 
 

@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRECONDITION_GEMMS = 6  # dense 8192^3 bf16 GEMMs before every GPU sample (queued_start)
 
-__all__ = ["REPO", "median", "geomean", "timeit_us", "cpu_us", "host_us", "cuda_sync", "cuda_ms", "each_call_ms", "interleaved_ms",
-           "queued_start", "busy_host_us", "graph_ms", "do_bench_ms", "hardware", "write_json", "repo_env"]
+__all__ = ["REPO", "median", "geomean", "timeit_us", "cpu_us", "host_us", "cuda_sync", "cuda_ms", "each_call_ms",
+           "interleaved_ms", "queued_start", "busy_host_us", "graph_ms", "do_bench_ms", "hardware", "write_json",
+           "repo_env"]
 
 
 def median(values) -> float:

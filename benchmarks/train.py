@@ -58,7 +58,8 @@ def throughput(args) -> list:
                         "last_loss": rows[-1]["loss"], "job_wall_s": wall})
     base = results[0]["tokens_per_s"]
     print(f"te-dist train throughput: nproc={args.nproc} steps={args.steps} config={args.config or 'defaults'}")
-    print(f"{'recipe':<10}{'ep':>4}{'tokens/s':>14}{'median':>12}{'ratio':>8}{'loss first->last':>22}{'job wall s':>12}")
+    print(f"{'recipe':<10}{'ep':>4}{'tokens/s':>14}{'median':>12}{'ratio':>8}{'loss first->last':>22}"
+          f"{'job wall s':>12}")
     for r in results:
         r["ratio"] = r["tokens_per_s"] / base
         print(f"{r['recipe']:<10}{r['ep']:>4}{r['tokens_per_s']:>14,.0f}{r['median_tokens_per_s']:>12,.0f}"

@@ -54,7 +54,7 @@ from .transports.selector import check_transport
 __all__ = ["MoELayer"]
 
 # The experts' first GEMM takes the dispatch's expand gather where it can (EP size 1, native FP8 path:
-# te_dist.ops.RowGather). False: the dispatcher copies the rows (the A/B of benchmarks/fp8_layer.py ":copy").
+# te_dist.ops.RowGather). False: the dispatcher copies the rows (the reference path of docs/moe.md "FP8 rows at EP size 1").
 GATHER_IN_EXPERTS = True
 _PROBS_POSITIONS = ("expert", "combine")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

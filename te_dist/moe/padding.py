@@ -145,7 +145,7 @@ def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int):
 
 
 _MAX_TRITON_EXPERTS = 8192  # the Triton tables kernel holds every local expert in one program
-USE_TRITON = True  # False: torch ops on CUDA too (the A/B of benchmarks/dispatch_host_time.py)
+USE_TRITON = True  # False: torch ops on CUDA too (the reference the Triton kernels are checked against)
 
 
 def _triton_maps():
@@ -172,7 +172,7 @@ def plan_padding(sizes, alignment: int, device) -> PaddingPlan:
 
 def _spread(rows, src_P, pad_rows):
     """rows -> [P, ...]: a row gather, then the padding rows zeroed. A gather, not an
-    ``index_copy_`` scatter: the scatter moved 2-byte elements one by one (3x the gather's time on H200)."""
+    ``index_copy_`` scatter: the scatter moves 2-byte elements one by one (docs/moe.md has the figures)."""
     return rows.index_select(0, src_P).index_fill_(0, pad_rows, 0)
 
 

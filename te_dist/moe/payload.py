@@ -1,7 +1,7 @@
 """Token rows and their routing probabilities in one buffer, so one all-to-all moves both.
 
-Why: a variable-split all-to-all costs ~0.1-0.2 ms of host time on the H200 host (c10d's NCCL
-path), and the dispatch's all-to-alls are queued right after the step's one host read, while the
+Why: a variable-split all-to-all costs the host a fixed share of every step (c10d's NCCL path;
+figures in docs/moe.md), and the dispatch's all-to-alls are queued right after the step's one host read, while the
 GPU waits for work (docs/moe.md "The host read"). Carrying each row's probability in 16 extra
 bytes folds the probability all-to-all into the token one, in the forward and in the backward.
 

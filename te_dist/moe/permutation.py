@@ -58,8 +58,8 @@ class _PermuteRows(torch.autograd.Function):
     """``out = x[gather_idx]``; backward ``grad_x = grad_out[scatter_idx]``.
 
     ``scatter_idx`` is the inverse permutation of ``gather_idx``, so both directions are
-    gathers: a row gather is vectorised on GPU, an ``index_copy_`` scatter of the same rows was
-    3x slower on H200 (benchmarks/moe_profile.py). ``zero_out`` / ``zero_grad``: padding rows of
+    gathers: a row gather is vectorised on GPU, an ``index_copy_`` scatter of the same rows moves
+    elements one by one (docs/moe.md). ``zero_out`` / ``zero_grad``: padding rows of
     the output (the gather writes the padded side) or of x's gradient (x is the padded side).
     """
 
@@ -98,9 +98,8 @@ def _gather_sum_kernel(y_SH: torch.Tensor, inverse_S: torch.Tensor, top_k: int) 
 
     Pure tensor code, written as K row gathers added in order (K is static) so that, compiled on
     CUDA, it becomes one pointwise pass with K coalesced row loads per output row. Written as a
-    gather followed by a sum over a [T, K, H] view, Inductor emitted a reduction that moved only
-    ~0.9 TB/s on H200 (1.15 ms per call in a DeepSeek-like 8192-token step); with this form that
-    layer step was 2.2 ms faster (benchmarks/moe_layer.py, docs/benchmarks.md)."""
+    gather followed by a sum over a [T, K, H] view, Inductor emits a reduction far below memory
+    bandwidth (docs/moe.md has the figures)."""
     acc = torch.promote_types(y_SH.dtype, torch.float32)
     rows_TK = inverse_S.view(-1, top_k)
     out = y_SH.index_select(0, rows_TK[:, 0]).to(acc)

@@ -35,8 +35,8 @@ __all__ = [
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# On by default (automatic): on H200 the fused kernels pass the bit-exact GPU tests and beat the
-# compiled casts (docs/benchmarks.md, "Quantization throughput").
+# On by default (automatic): the fused kernels pass the bit-exact GPU tests and beat the compiled
+# casts (docs/benchmarks.md, "Quantization throughput").
 DEFAULT = None
 _state = {"enabled": DEFAULT}  # None: auto (CUDA sm89+), True: everywhere, False: never
 _failed: set = set()

@@ -45,7 +45,7 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 0-dim tensor on x's device; NaN if x holds a NaN; 0 for an empty x."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    # One reduction pass with no |x| temporary (vector_norm(inf) is ~100x slower on CPU);
+    # One reduction pass with no |x| temporary (vector_norm(inf) is far slower on CPU);
     # maximum() propagates NaN, and the max of bf16/fp16 values is exact in float32.
     lo, hi = torch.aminmax(x)
     return torch.maximum(hi.abs(), lo.abs()).to(torch.float32)
@@ -156,7 +156,7 @@ def nvfp4_block_scales(block_amax_: torch.Tensor, s_enc: torch.Tensor, e2m1_max:
     """
     # times the float32 reciprocal, not "/ e2m1_max": torch's CUDA division by a Python scalar is a
     # multiplication by its reciprocal while the CPU divides, so "/ 6" rounds differently per device
-    # (a few blocks in 3000 on H200); this product is the same everywhere, and the fused kernel matches it
+    # (a few blocks in thousands); this product is the same everywhere, and the fused kernel matches it
     decode = (block_amax_ * (1.0 / e2m1_max)) * s_enc
     decode = decode.clamp(max=448.0)  # clamp keeps NaN
     scale_e4m3 = decode.to(torch.float8_e4m3fn)

@@ -61,7 +61,7 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 
 # --------------------------------------------------------------------------- tiles (heuristics)
-# Picked with benchmarks/cast_tiles.py on H200 (docs/benchmarks.md). Bandwidth wants many bytes in flight per SM and few registers per thread: every kernel works on
+# Picked by a tile sweep (docs/quantization.md "Tiles"). Bandwidth wants many bytes in flight per SM and few registers per thread: every kernel works on
 # sub-tiles of ~16 elements per thread (no spills) and loops over several of them, so one program
 # still moves >= 8-16 KB of bf16 input and issues one amax atomic.
 _PT_BLOCK, _PT_ITERS, _PT_WARPS = 2048, 4, 4  # per-tensor: 8192 elements per program
@@ -227,11 +227,11 @@ def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.con
     """dst [B, C, R] = src [B, R, C], each matrix transposed (grid axis 2: B), for 1-byte elements (FP8
     data as uint8), R % 4 == 0.
 
-    Why: torch's transpose copy moves one byte per thread access (~1.5 ms for a 32768 x 7168 FP8
-    tensor on H200, ~0.18 ms here). A program reads TR rows as four row sets (rows 4a+j, [A, 1, TC]),
-    packs the four bytes of each column into one uint32 and transposes only these words, so every
-    store is a whole word. Integers only: no FP8 conversion is laid out by the compiler here (the
-    per-tensor cast writing both copies in one pass placed bytes wrongly on H200 with Triton 3.6)."""
+    Why: torch's transpose copy moves one byte per thread access (docs/quantization.md compares them).
+    A program reads TR rows as four row sets (rows 4a+j, [A, 1, TC]), packs the four bytes of each
+    column into one uint32 and transposes only these words, so every store is a whole word. Integers
+    only: no FP8 conversion is laid out by the compiler here (Triton 3.6 places the bytes of a
+    per-tensor cast writing both copies in one pass wrongly on the GPU)."""
     A: tl.constexpr = TR // 4
     pid_r = tl.program_id(0)
     r3 = (pid_r.to(tl.int64) * TR + 4 * tl.arange(0, A))[:, None, None]  # first row of each word
@@ -336,8 +336,8 @@ def _cast_tile_kernel(x_ptr, idx_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R,
     The columnwise copy [B, C, R] is cast in the load layout (as the rowwise copy), then the four FP8
     bytes of rows 4a..4a+3 of each column are packed into one uint32, and only these words are
     transposed ([NG, G, SUB/4]) and stored, rows contiguous. Why: transposing single bytes through
-    shared memory hit bank conflicts (a row+col cast ran at 0.22 of copy bandwidth on H200), and
-    converting a transposed float32 tile to FP8 mis-placed elements with Triton 3.6.
+    shared memory hits bank conflicts (docs/quantization.md), and converting a transposed float32 tile
+    to FP8 mis-places elements with Triton 3.6.
 
     COL_T (1xG blocks of one matrix): the columnwise scales go out M-major, [R/G + 1, C] with a zero
     last row (``_col_scale_offsets``), the layout the FP8 wgrad kernel reads, so no per-GEMM re-layout.
@@ -370,7 +370,7 @@ def _cast_tile_kernel(x_ptr, idx_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R,
         if SQUARE:
             sq_mult, sq_stored = _block_scale(tl.max(acc, axis=1), FMT_MAX, POWER_2, MX, EMAX, MARGIN)  # [NG]
             # the columnwise copy takes the [NG, G] scale path of 1xG blocks: with a [NG] scale
-            # broadcast into the packed-word cast, Triton 3.6 produced wrong bytes on H200
+            # broadcast into the packed-word cast, Triton 3.6 produces wrong bytes on the GPU
             col_mult = tl.zeros((NG, G), dtype=tl.float32) + sq_mult[:, None]
             if ROW:
                 tl.store(row_s_ptr + (row0 // G) * num_g + g, sq_stored, mask=g < num_g)
@@ -433,7 +433,7 @@ def _zero_bits(device) -> torch.Tensor:
 
 def _scalar_f32(t: torch.Tensor) -> torch.Tensor:
     """A float32 scalar as the kernels read it (one value at a pointer): no copy when it is one already
-    (each avoided ``to``/``reshape`` is ~1 µs of host time per cast)."""
+    (each avoided ``to``/``reshape`` is host time on every cast)."""
     return t if t.dtype == torch.float32 and t.numel() == 1 else t.to(torch.float32).reshape(1).contiguous()
 
 
@@ -593,10 +593,10 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None, til
     """_cast_tile_kernel over x [m, cols] (m = B*rows; with ``gather``, the rows ``gather`` of a 2-D x,
     m = rows = its length); a copy not asked for gets the other's tensors as placeholders (never written).
 
-    A float32 columnwise-only cast writes a rowwise copy to scratch anyway: with Triton 3.6 on H200
-    the kernel variant without the rowwise copy multiplied float32 data by wrong block scales (the
-    stored scales were right; 40 of 40 calls wrong in three runs on single-H200 machines, while an
-    earlier run on a 2xH200 machine passed), and the variant with it is exact (test_float8_blocks)."""
+    A float32 columnwise-only cast writes a rowwise copy to scratch anyway: with Triton 3.6 the kernel
+    variant without the rowwise copy multiplies float32 data by wrong block scales on the GPU (the
+    stored scales are right; docs/quantization.md has the runs), and the variant with it is exact
+    (test_float8_blocks)."""
     group = consts["G"]
     if x.dtype == torch.float32 and consts["COL"] and not consts["ROW"]:
         lead = x.shape[:-2]

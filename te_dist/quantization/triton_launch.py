@@ -4,7 +4,7 @@ key of a few Python operations and calls it directly.
 Why: ``kernel[grid](...)`` spends most of its host time on work a repeat launch does not need
 (Triton 3.6: the argument binder, a cache-key string, knob reads, launch metadata for hooks nobody
 set), and a quantized expert-MLP step makes 14 of them; issue 26 bounds that step's host time at
-1.5x bf16's (the A/B: ``benchmarks/mlp_host_time.py``'s ``:triton`` rows, docs/benchmarks.md).
+1.5x bf16's (docs/benchmarks.md, "FP8 expert MLP", has the same-run A/B).
 
 Exactness: the key is never coarser than Triton's own specialization. Per argument it records what
 Triton specializes on (a tensor's dtype and whether its address is 16-byte aligned; an int's
@@ -39,7 +39,7 @@ _knobs = None  # triton.knobs once a launch has needed it
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division for grids: ``triton.cdiv`` is a constexpr function, ~2 µs per host call."""
+    """Ceiling division for grids: ``triton.cdiv`` is a constexpr function, slow to call from the host."""
     return -(-a // b)
 
 

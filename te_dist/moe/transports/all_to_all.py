@@ -31,8 +31,8 @@ receives one expert's rows (El = 1, no sort) leaves the padding to the layer.
 
 The host read drains the stream, so the GPU idles until the host queues the next kernel: only the
 token all-to-all(s) and the row gathers come after it. Everything that needs the counts only on the
-device is queued before it and runs while the host waits (profiled on 2×H200, the ~20 small
-kernels of the sort index took ~0.3 ms of idle GPU time per step when queued after the read), and
+device is queued before it and runs while the host waits (the ~20 small kernels of the sort index
+would otherwise run on an idle GPU after the read: docs/moe.md "The host read"), and
 the host work after it is kept short (one all-to-all where the payload applies, no host→device
 copy of the split sizes: docs/moe.md "The host read").
 

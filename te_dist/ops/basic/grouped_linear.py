@@ -140,7 +140,8 @@ def host_split_alignment(group_sizes) -> Optional[int]:
     predicates' cache to a few entries whatever the sizes are.
 
     The MoE layer and both GEMMs of the fused MLP ask for the same sizes tuple in one step, so the
-    last tuple's answer is kept (by identity: a tuple cannot change): the gcd of 64 sizes costs ~1 µs."""
+    last tuple's answer is kept (by identity: a tuple cannot change): the gcd of many sizes is the
+    larger part of a routing decision (docs/benchmarks.md, "Support predicates")."""
     global _last_alignment
     if group_sizes is None:
         return None

@@ -158,8 +158,8 @@ def _triton_module():
 
 def _scaled_swiglu_backward_eager(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
     """The same fp32 math as the kernel in fewer eager ops (aten silu / silu_backward instead of the
-    sigmoid algebra Inductor fuses, casts only when needed): uncompiled (CPU) each op costs 1-2 µs
-    of dispatch; 12 ops instead of 17, ~29 -> ~17 µs at 32x64. Equal to the kernel within fp32 rounding."""
+    sigmoid algebra Inductor fuses, casts only when needed): uncompiled (CPU) every op pays its dispatch,
+    so 12 ops instead of 17 (docs/fusion.md). Equal to the kernel within fp32 rounding."""
     gate_in, up_in = _as(h, torch.float32).chunk(2, dim=-1)
     gate, up = gate_in, up_in
     if limit is not None:

@@ -2,10 +2,9 @@
 
 Why: compiled by Inductor, ``_scaled_swiglu_backward_kernel`` became two kernels, a pointwise
 pass for ``dh`` and ``swiglu(h) * probs`` and a reduction that reads ``h`` and ``da`` again for
-the probability gradient: 0.35 ms of a 9.3 ms Mixtral-like EP=2 step on H200
-(benchmarks/moe_profile.py). Here one program owns a row, streams ``[gate | up]`` and ``da`` once,
-writes both outputs and sums ``da * swiglu(h)`` on the way. Launching it also skips the compiled
-region's guards (~0.1 ms of host time per call on the H200 host).
+the probability gradient (docs/fusion.md has the figures). Here one program owns a row, streams
+``[gate | up]`` and ``da`` once, writes both outputs and sums ``da * swiglu(h)`` on the way. Launching
+it also skips the compiled region's guards, which cost host time on every call.
 
 Same fp32 math as :func:`te_dist.ops.basic.swiglu._scaled_swiglu_backward_kernel` (the sum's
 order differs). The library imports it only through :mod:`.swiglu`, on CUDA: CI has no Triton.
