@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="steps of the `train` case")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repo", type=Path, default=REPO, help="checkout whose te_dist runs (default: this one)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(parser)
     return parser
 
 

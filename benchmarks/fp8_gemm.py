@@ -437,18 +437,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-expert-max", type=int, default=64, help="time cuBLAS per expert up to this many experts")
     for p in sub.choices.values():
         p.add_argument("--dirs", default="fwd,dgrad,wgrad", help="the GEMM directions to time")
-        p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(*sub.choices.values())
     return parser
 
 
+def _checked(run):
+    def checked(args):
+        unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+        if unknown:
+            raise SystemExit(f"--shapes expects names of {sorted(SHAPES)}, received {unknown}")
+        return run(args)
+    return checked
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
-    if unknown:
-        raise SystemExit(f"--shapes expects names of {sorted(SHAPES)}, received {unknown}")
-    rows = {"grouped": grouped, "ceiling": ceiling}[args.what](args)
-    timing.write_json(args.json, rows, benchmark=f"fp8_gemm {args.what}")
-    return 0
+    return timing.run_subcommand(build_parser(), {"grouped": _checked(grouped), "ceiling": _checked(ceiling)},
+                                 "fp8_gemm", argv)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed", action="store_true", help="add the fixed-weight rows (weights never written)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(p)
     return p
 
 

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default="none", help="te_dist recipe name for our experts (default none)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(parser)
     return parser
 
 

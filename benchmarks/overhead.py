@@ -452,22 +452,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--recipe", default="current", help="a name for te_dist.recipe.recipe_from_name")
-    for p in sub.choices.values():
-        p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    if args.what == "consensus" and "LOCAL_RANK" not in os.environ:
+    if build_parser().parse_args(argv).what == "consensus" and "LOCAL_RANK" not in os.environ:
         return consensus_launch(argv)
-    run = {"recipe": recipe, "support": support, "fuser": fuser, "mlp-host": mlp_host,
-           "consensus": consensus_worker}[args.what]
-    rows = run(args)
-    if rows:
-        timing.write_json(args.json, rows, benchmark=f"overhead {args.what}")
-    return 0
+    return timing.run_subcommand(build_parser(), {"recipe": recipe, "support": support, "fuser": fuser,
+                                                  "mlp-host": mlp_host, "consensus": consensus_worker},
+                                 "overhead", argv)
 
 
 if __name__ == "__main__":

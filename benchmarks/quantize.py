@@ -238,16 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", default="current,delayed,block")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also the 128x128 block cast's candidate tiles")
-    for p in sub.choices.values():
-        p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    rows = {"casts": casts, "weights": weights}[args.what](args)
-    timing.write_json(args.json, rows, benchmark=f"quantize {args.what}")
-    return 0
+    return timing.run_subcommand(build_parser(), {"casts": casts, "weights": weights}, "quantize", argv)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ PRECONDITION_GEMMS = 6  # dense 8192^3 bf16 GEMMs before every GPU sample (queue
 
 __all__ = ["REPO", "median", "geomean", "timeit_us", "cpu_us", "host_us", "cuda_sync", "cuda_ms", "each_call_ms",
            "interleaved_ms", "queued_start", "busy_host_us", "graph_ms", "do_bench_ms", "hardware", "write_json",
-           "repo_env"]
+           "add_json_option", "run_subcommand", "repo_env"]
 
 
 def median(values) -> float:
@@ -256,6 +256,20 @@ def write_json(path, data, **meta) -> None:
     body = dict(data) if isinstance(data, dict) else {"rows": data}
     tmp.write_text(json.dumps({"meta": {**base, **meta}, **body}, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def add_json_option(*parsers) -> None:
+    for parser in parsers:
+        parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+
+
+def run_subcommand(parser, runs: dict, script: str, argv=None) -> int:
+    """The main() of a script with subcommands: parse, run ``runs[args.what](args)``, write its rows (--json)."""
+    args = parser.parse_args(argv)
+    rows = runs[args.what](args)
+    if rows:
+        write_json(args.json, rows, benchmark=f"{script} {args.what}")
+    return 0
 
 
 def repo_env(**extra) -> dict:

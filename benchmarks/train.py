@@ -107,16 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--at", type=int, default=30, help="checkpoint step the resumed jobs start from")
     p.add_argument("--recipe", default="none")
-    for p in sub.choices.values():
-        p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    rows = {"throughput": throughput, "resume-drift": resume_drift}[args.what](args)
-    timing.write_json(args.json, rows, benchmark=f"train {args.what}")
-    return 0
+    return timing.run_subcommand(build_parser(), {"throughput": throughput, "resume-drift": resume_drift}, "train",
+                                 argv)
 
 
 if __name__ == "__main__":
