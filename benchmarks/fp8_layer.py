@@ -31,11 +31,10 @@ import statistics
 
 import torch
 
+import timing  # noqa: I001 - first: this checkout's te_dist on the path
 import te_dist as td
 from te_dist.moe import MoELayer
 from te_dist.recipe import recipe_from_name
-
-import timing
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=4096),

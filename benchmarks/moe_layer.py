@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import timing  # noqa: I001 - first: this checkout's te_dist on the path
 import te_dist as td
 from te_dist import kernels
 from te_dist.backends import cutlass_backend
@@ -58,8 +59,6 @@ from te_dist.moe.transports import TRANSPORT_ENV
 from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
-
-import timing
 
 CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=[8192, 2048]),

@@ -9,7 +9,9 @@ them alike), ``graph_ms`` (calls replayed from one CUDA graph: kernels only), ``
 variant starts from the same power state and the host runs ahead of the GPU, as in training.
 
 Also the bookkeeping every script shares: ``write_json`` (rows plus the run's meta, atomically) and
-``repo_env`` (an environment whose subprocesses import this checkout).
+``repo_env`` (an environment whose subprocesses import this checkout). Importing this module puts the
+checkout first on the path, so a script of it times this checkout's te_dist, not an installed one:
+scripts import it before te_dist.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))
 PRECONDITION_GEMMS = 6  # dense 8192^3 bf16 GEMMs before every GPU sample (queued_start)
 
 __all__ = ["REPO", "median", "geomean", "timeit_us", "cpu_us", "host_us", "cuda_sync", "cuda_ms", "each_call_ms",
