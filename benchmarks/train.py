@@ -1,10 +1,12 @@
-"""`te-dist train` end to end: throughput per variant, and the drift of a run resumed on other rank counts.
+"""`te-dist train` end to end: throughput, resume drift, real text, memory on a large token file.
 
     python benchmarks/train.py throughput                          # 2 CPU ranks, the default tiny model
     python benchmarks/train.py throughput --nproc 2 --config launchers/configs/mixtral_like.yaml \
         --steps 12 --variants none:2 none:1                        # 2 GPUs
     python benchmarks/train.py throughput --nproc 1 --device cuda --steps 300 --seed 1 --variants none block
     python benchmarks/train.py resume-drift [--recipe none] [--reshard 1 4]
+    python benchmarks/train.py text [--work DIR] [--steps 300] [--recipes current none] [--plot-to DIR]
+    python benchmarks/train.py token-memory [--gib 1] [--steps 200] [--nproc 2]
 
 ``throughput``: each variant (``recipe:ep``; the first is the baseline) is one real `te-dist train` job,
 torchrun workers included; tokens/s is the mean over the steps after the first two, read from the job's
@@ -14,12 +16,26 @@ metrics.jsonl, with the first and last loss.
 and trains to ``--steps``; each resumed job reloads it on another rank count (the experts resharded)
 and trains to ``--steps``. Printed per resumed job: ``|resumed - reference| / reference`` of the loss
 at the first resumed step, the last step, and the largest over the resumed steps.
+
+``text``: trains on real English text found on this machine (the manual pages of common commands
+rendered with ``man`` and ``col``, or without them the licence texts of /usr/share/common-licenses;
+nothing is downloaded): ``te-dist train --nproc 2 --data.path corpus.txt`` per recipe into
+``DIR/runs/<recipe>``, the validation loss against the corpus' unigram entropy (the loss of a model
+that knows only byte frequencies); with several recipes ``te-dist plot`` draws them on one chart.
+
+``token-memory``: rank 0's peak RSS (``max_rss_gib`` of metrics.jsonl) after step 1 and after the last
+step of the same job on the synthetic data, on a 1 MiB token file and on a ``--gib`` GiB one (the 1 MiB
+of random tokens repeated: a file of one token would send every token to the same experts), and the
+peak RSS of the parent's one pass over the large file. The file is memory-mapped: a loaded one would
+add its size to rank 0's memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,10 +46,10 @@ from pathlib import Path
 import timing
 
 
-def te_dist_train(out: Path, nproc: int, *extra) -> list:
+def te_dist_train(out: Path, nproc: int, *extra, cwd=None, timeout=None) -> list:
     """Run ``te-dist train --nproc N --out OUT *extra`` from this checkout; the rows of its metrics.jsonl."""
     cmd = [sys.executable, "-m", "te_dist.cli", "train", "--nproc", str(nproc), "--out", str(out), *map(str, extra)]
-    proc = subprocess.run(cmd, env=timing.repo_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=timing.repo_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -90,6 +106,106 @@ def resume_drift(args) -> list:
     return rows
 
 
+MAN_PAGES = ("bash ls cp mv rm find grep sed tar gzip ssh git make gcc python3 man less cat sort uniq awk xargs "
+             "chmod chown ps top kill du df mount curl wget apt dpkg").split()
+
+
+def _build_corpus(path: Path) -> str:
+    """Write English text found on this machine (nothing is downloaded); returns what it is made of."""
+    if shutil.which("man") and shutil.which("col"):
+        env = dict(os.environ, MANWIDTH="80")
+        with open(path, "wb") as out:
+            for page in MAN_PAGES:
+                rendered = subprocess.run(["man", "-P", "cat", page], capture_output=True, env=env).stdout
+                out.write(subprocess.run(["col", "-b"], input=rendered, capture_output=True).stdout)
+        if path.stat().st_size > 100_000:
+            return f"man pages of {len(MAN_PAGES)} commands"
+    licences = sorted(p for p in Path("/usr/share/common-licenses").iterdir() if p.is_file() and not p.is_symlink())
+    path.write_bytes(b"".join(p.read_bytes() for p in licences))
+    return f"{len(licences)} licence texts of /usr/share/common-licenses"
+
+
+def _unigram_entropy(path: Path) -> float:
+    import numpy as np
+
+    counts = np.bincount(np.frombuffer(path.read_bytes(), dtype=np.uint8), minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def text(args) -> list:
+    work = args.work or Path(tempfile.mkdtemp(prefix="train_on_text_"))
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / "corpus.txt"
+    what = _build_corpus(corpus)
+    entropy = _unigram_entropy(corpus)
+    print(f"corpus: {what}, {corpus.stat().st_size:,} bytes; unigram entropy of its bytes {entropy:.4f} nats")
+    results = []
+    for recipe in args.recipes:
+        out = work / "runs" / recipe  # a path: as a flag, a bare "none" would be null
+        rows = te_dist_train(out, 2, "--data.path", "corpus.txt", "--steps", args.steps, "--recipe", recipe,
+                             "--overwrite", cwd=work)
+        vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        step, val = vals[-1]
+        results.append(dict(recipe=recipe, first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"], val_loss=val,
+                            val_step=step, unigram_entropy=entropy, corpus=what))
+        print(f"recipe {recipe}: train loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}; val loss "
+              + ", ".join(f"{v:.3f}@{s}" for s, v in vals)
+              + f"; final {val:.4f} {'<' if val < entropy else '>='} unigram entropy {entropy:.4f}; plots "
+                f"{out / 'plots'}")
+    if len(args.recipes) > 1 and args.plot_to:
+        subprocess.run([sys.executable, "-m", "te_dist.cli", "plot", *(f"runs/{r}" for r in args.recipes), "--to",
+                        str(args.plot_to.resolve())], cwd=work, env=timing.repo_env(), check=True)
+        print(f"chart of {', '.join(args.recipes)}: {args.plot_to}")
+    return results
+
+
+MiB = 1 << 20
+
+
+def _parent_scan_mib(work: Path, data: Path) -> float:
+    """Peak RSS growth (MiB) of this process's pass over ``data``: the check the parent runs before any rank."""
+    import resource
+
+    from te_dist.train.config import load_config
+    from te_dist.train.datasets import prepare_data
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cfg = load_config(overrides={"data.path": str(data), "model.vocab_size": 64, "train.out_dir": str(work / "scan"),
+                                 "data.seq_len": 256, "data.global_batch_size": 16})
+    prepare_data(cfg)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+
+
+def token_memory(args) -> list:
+    import numpy as np
+
+    common = ["--model.vocab_size", "64", "--steps", args.steps, "--no-checkpoint", "--train.plots", "false",
+              "--data.seq_len", "256", "--data.global_batch_size", "16", "--log-every", args.steps]
+    with tempfile.TemporaryDirectory(prefix="token_file_memory_") as tmp:
+        work = Path(tmp)
+        small, large = work / "small.bin", work / "large.bin"
+        block = np.random.default_rng(0).integers(0, 64, MiB // 2, dtype=np.uint16).tobytes()  # random: no hot expert
+        small.write_bytes(block)
+        with open(large, "wb") as f:
+            for _ in range(int(args.gib * 1024)):
+                f.write(block)
+        scan = _parent_scan_mib(work, large)
+        runs = {}
+        for name, data in (("synthetic", ""), ("1 MiB", small), (f"{args.gib:g} GiB", large)):
+            rows = te_dist_train(work / f"out_{len(runs)}", args.nproc, "--data.path", data, *common, cwd=work,
+                                 timeout=3600)
+            runs[name] = {"first": rows[0]["max_rss_gib"] * 1024, "last": rows[-1]["max_rss_gib"] * 1024}
+    print(f"{args.steps} steps, {args.nproc} ranks, 16 x 256 tokens per step; rank 0's peak RSS (MiB):")
+    print(f"{'token file':>12} {'after step 1':>14} {'after step ' + str(args.steps):>16} {'growth':>8}")
+    for name, r in runs.items():
+        print(f"{name:>12} {r['first']:>14.1f} {r['last']:>16.1f} {r['last'] - r['first']:>8.1f}")
+    small_r, large_r = runs["1 MiB"], runs[f"{args.gib:g} GiB"]
+    print(f"large file over small file, peak after the last step: {large_r['last'] - small_r['last']:+.1f} MiB")
+    print(f"the parent's pass over the {args.gib:g} GiB file: peak RSS +{scan:.1f} MiB")
+    return [dict(data=name, first_mib=r["first"], last_mib=r["last"], parent_scan_mib=scan) for name, r in runs.items()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -107,13 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--at", type=int, default=30, help="checkpoint step the resumed jobs start from")
     p.add_argument("--recipe", default="none")
+    p = sub.add_parser("text", help="train on man pages; the validation loss against the unigram entropy")
+    p.add_argument("--work", type=Path, help="where the corpus and the runs go (default: a temporary folder)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--recipes", nargs="+", default=["current"])
+    p.add_argument("--plot-to", type=Path, help="with several recipes: where `te-dist plot` writes their chart")
+    p = sub.add_parser("token-memory", help="rank 0's peak RSS on a large token file against a small one")
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nproc", type=int, default=2)
     timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
-    return timing.run_subcommand(build_parser(), {"throughput": throughput, "resume-drift": resume_drift}, "train",
-                                 argv)
+    runs = {"throughput": throughput, "resume-drift": resume_drift, "text": text, "token-memory": token_memory}
+    return timing.run_subcommand(build_parser(), runs, "train", argv)
 
 
 if __name__ == "__main__":

@@ -264,7 +264,7 @@ def _rss_bytes() -> int:
 
 
 def test_a_large_token_file_is_read_without_growing_resident_memory(tmp_path):
-    """A sparse 256 MiB token file (no disk used; benchmarks/token_file_memory.py trains on 1 GiB): its
+    """A sparse 256 MiB token file (no disk used; `benchmarks/train.py token-memory` trains on 1 GiB): its
     full pass and 400 batches of windows spread over all of it leave the process's resident memory
     within 100 MB of where it started (loading it would take 256 MB, as int64 tokens 1 GB)."""
     path = tmp_path / "big.bin"
