@@ -9,7 +9,7 @@ the timing, as the layer quantizes once per tensor):
   * block / tensor  ``te_dist.kernels.grouped_mm_quantized_*`` on Float8BlockScaling operands (1x128
                 activations and gradients, 128x128 weights) and on Float8CurrentScaling ones (HYBRID),
                 the group sizes given: our CUTLASS SM90 kernels, or cuBLAS per expert where the selector
-                picks it (te_dist/backends/fp8_selection.py); "other" = the backend not picked, forced.
+                picks it (te_dist/gemm/decide.py); "other" = the backend not picked, forced.
   * bf16        ``te_dist.kernels.grouped_mm_*`` on the bf16 operands.
   * torch fp8   ``torch._scaled_grouped_mm`` with row-wise e4m3 scales (fwd and dgrad), as a user calls it.
   * err         the native block result against the emulated one (dequantize, bf16 GEMM) and against a
@@ -147,7 +147,7 @@ def _torch_rowwise(x, w, dy, offs):
 
 def grouped_rows(name, split, args, gen) -> list:
     from te_dist import kernels as K
-    from te_dist.backends import fp8_selection
+    from te_dist.gemm import decide
 
     E, rows, Kin, N = SHAPES[name]
     sizes = splits_for(split, E, rows, gen)
@@ -176,7 +176,7 @@ def grouped_rows(name, split, args, gen) -> list:
                 del got, emulated, exact
             row[f"fp8_{label}"] = flops / timing.do_bench_ms(call) / 1e9
             # the size rule only (the selector's other conditions hold on these shapes)
-            row[f"{label}_pick"] = "loop" if fp8_selection.loop_wins(T, Kin, N, E, label == "block") else "grouped"
+            row[f"{label}_pick"] = "loop" if decide.fp8_loop_wins(T, Kin, N, E, label == "block") else "grouped"
             other = "cutlass" if row[f"{label}_pick"] == "loop" else "loop"
             try:
                 row[f"{label}_other"] = flops / timing.do_bench_ms(lambda: call(other)) / 1e9

@@ -4,9 +4,10 @@
     python benchmarks/grouped_gemm.py --only layer       # the MoE-layer shapes of benchmarks/moe_layer.py
     python benchmarks/grouped_gemm.py --ragged [--seed 300]   # those rows with router-like group sizes
     python benchmarks/grouped_gemm.py --only small_m_E64 --candidates 11,12   # candidate tiles too
-    python benchmarks/grouped_gemm.py --sweep [--only dsv3,mixtral_8x7b] [--json PATH]   # measured choices
+    python benchmarks/grouped_gemm.py --sweep [--seed 100] [--shapes 24] [--json PATH]   # drawn shapes: auto vs torch
+    python benchmarks/grouped_gemm.py --sweep --smoke | --dry-run    # 3 small shapes, checked | the shapes, no GPU
     python benchmarks/grouped_gemm.py --sweep --write-shapes FILE   # the sweep's shapes, for `te-dist tune`
-    python benchmarks/grouped_gemm.py --summary docs/data/autotune_sweep.json   # a saved sweep's summary
+    python benchmarks/grouped_gemm.py --summary PATH                 # a saved sweep's closing lines
 
 Tables (TFLOP/s): cN = CUTLASS tile config N, ``cut`` = the tile table's pick from the shape alone,
 ``auto`` = ``te_dist.kernels`` (validation + backend selection), ``loop`` = cuBLAS per expert, then
@@ -21,24 +22,29 @@ one shape run in interleaved rounds (timing.interleaved_ms), the median of --rou
 group to whole tiles, so equal splits flatter it), ``auto`` given the sizes on the host, and sums the
 six GEMMs of one layer step per column.
 
-``--sweep``: the expert GEMMs of public MoE models (fc1 [H -> 2F], fc2 [F -> H]) at their two largest
-experts-per-rank counts, ``--tokens`` per rank routed top-k, even and Zipf-skewed group sizes
-(te_dist.tune.zipf_splits), fwd/dgrad/wgrad. Columns, ms: ``auto`` (measured choices on: its first
-call measures the bucket in a fresh tuning file, then its calls until the bucket settles on live
-calls), ``static`` (measured choices off), ``best`` (the fastest of every tile, torch, the loop) and
-``torch``. A row under 0.97x the best or torch is timed again at once in --confirm-rounds rounds
-(auto, torch, auto's pick, the candidates within 5% of the best): the best of many noisy columns is
-biased fast. Closing lines: the first call's wall time per bucket, the rows meeting the goals, the
-geomean of auto/torch, and auto against the column of the kernel it picked (the sweep's resolution).
+``--sweep``: te_dist's grouped GEMM against torch._grouped_mm on shapes drawn from ``--seed``
+(``draw_shapes``): experts E log-uniform in 8..256, K and N multiples of 16 in 512..8192, mean tokens
+per expert log-uniform in 1..8192, group sizes Zipf-skewed with an exponent in 0..1.5 and 0-25% of the
+experts empty; fewer experts, then fewer tokens, where the operands would pass ``--max-weight-gib`` or
+``--max-tokens``; fwd, dgrad and wgrad of each. Columns, ms per call in one process on the same
+tensors: ``raw`` (torch._grouped_mm called directly), ``torch`` (te_dist.kernels with
+backend="torch": our wrapper around torch's kernel), ``auto`` (te_dist.kernels deciding, the group
+sizes on the host as the MoE layer passes them; its first call of a bucket, which measures where
+measuring is on, is made before the timing); the speed ratios raw/torch and raw/auto; the host µs to
+queue one call of each. Closing lines: the geomeans, the worst rows and the rows under the goals
+(torch path 0.99, auto 0.95 per row). The tuning file lives in ``--tune-dir`` (default: a new temp dir,
+a fresh process's table); a second run with the same ``--tune-dir`` gives the warm-table numbers.
+``--smoke`` runs three small shapes once and checks every column against torch; ``--dry-run`` prints
+the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
+import random
 import tempfile
-import time
 from typing import List, NamedTuple
 
 import torch
@@ -104,7 +110,7 @@ def operands(E, splits, K, N, dev="cuda"):
 
 def columns(direction, x, w, dy, off, splits, tiles) -> dict:
     """{column: fn}: every tile in ``tiles`` (cN), torch._grouped_mm and cuBLAS per expert (sizes on the host)."""
-    from te_dist.backends import cutlass_backend, loop_backend, torch_backend
+    from te_dist.gemm import cutlass_backend, loop_backend, torch_backend
 
     E = w.shape[0]
     if direction == "fwd":
@@ -135,7 +141,7 @@ def entry(direction, x, w, dy, off, sizes):
 
 def heuristic(direction, x, w, dy, off):
     """Our CUTLASS kernel on the tile table's pick."""
-    from te_dist.backends import cutlass_backend
+    from te_dist.gemm import cutlass_backend
 
     if direction == "fwd":
         return lambda: cutlass_backend.forward(x, w, off)
@@ -175,7 +181,7 @@ def shape_cases(args):
 
 def tables(args) -> dict:
     from te_dist import kernels
-    from te_dist.backends import cutlass_backend, epilogue, torch_backend
+    from te_dist.gemm import cutlass_backend, epilogue, torch_backend
 
     ck = cutlass_backend.kernels_module()
     tiles = sorted(ck.CONFIGS) + candidate_ids(ck, args.candidates)
@@ -273,235 +279,161 @@ def print_step_sums(results):
 
 
 # ------------------------------------------------------------------------------------------ --sweep
-class Model(NamedTuple):
+GOALS = {"torch": 0.99, "auto": 0.95}  # per-row speed ratio against raw torch._grouped_mm
+GEOMEAN_GOAL = 0.98  # auto, fresh process
+
+
+class Shape(NamedTuple):
     name: str
-    hidden: int  # H
-    ffn: int  # F, per expert (fc1 writes 2F: gate and up)
     num_experts: int
-    top_k: int
-
-
-MODELS = [  # public configs (model cards / config.json of each release)
-    Model("dsv3", 7168, 2048, 256, 8),  # DeepSeek-V3 / R1
-    Model("qwen3_30b", 2048, 768, 128, 8),  # Qwen3-30B-A3B
-    Model("qwen3_235b", 4096, 1536, 128, 8),  # Qwen3-235B-A22B
-    Model("mixtral_8x7b", 4096, 14336, 8, 2),
-    Model("mixtral_8x22b", 6144, 16384, 8, 2),
-    Model("gpt_oss_20b", 2880, 2880, 32, 4),
-    Model("gpt_oss_120b", 2880, 2880, 128, 4),
-    Model("dbrx", 6144, 10752, 16, 4),
-    Model("llama4_scout", 5120, 8192, 16, 1),
-    Model("llama4_maverick", 5120, 8192, 128, 1),
-    Model("granite_3b", 1536, 512, 40, 8),  # granite-3.0-3b-a800m
-    Model("granite_1b", 1024, 512, 32, 8),  # granite-3.0-1b-a400m
-]
-EXPERTS_PER_RANK = (4, 8, 16, 32, 64)
-MAX_LOCAL_COUNTS = 2  # per model: the two largest counts that divide its experts
-GOAL = 0.97  # auto's per-row goal against the best candidate and torch (speed ratio)
-CONFIRM_NEAR = 1.05  # re-timing takes every candidate the first pass put within this of the best
-CONFIRM_SAMPLE_MS = 20.0  # GEMM time per re-timed sample at most
-SETTLE_CALLS = 400  # at most, per bucket
-SETTLE_HEAT = 6  # preconditioning samples before a bucket's first live calls
-
-
-class Gemm(NamedTuple):
-    name: str  # model_fcX_eLOCAL
-    num_experts: int  # experts on this rank
     k: int
     n: int
-    rows_per_expert: int
+    sizes: tuple  # rows of each expert
 
 
-def sweep_gemms(tokens: int, only=None) -> List[Gemm]:
-    """fc1 and fc2 of every model at its experts-per-rank counts (at most MAX_LOCAL_COUNTS each)."""
+def skewed_sizes(rng: random.Random, num_experts: int, mean_rows: int, skew: float, empty_share: float) -> tuple:
+    """Rows per expert summing to about ``num_experts * mean_rows``: expert shares 1/rank^skew in a
+    random order, ``empty_share`` of the experts (rounded down) left empty."""
+    num_empty = int(empty_share * num_experts)
+    busy = num_experts - num_empty
+    weights = [1.0 / (r + 1) ** skew for r in range(busy)]
+    total = num_experts * mean_rows
+    sizes = [int(total * w / sum(weights)) for w in weights] + [0] * num_empty
+    sizes[0] += max(0, total - sum(sizes)) if busy else 0
+    rng.shuffle(sizes)
+    return tuple(sizes)
+
+
+def draw_shapes(seed: int, count: int, *, max_tokens: int = 65536, max_weight_gib: float = 2.0) -> List[Shape]:
+    """``count`` shapes from ``seed`` (module doc); the same seed gives the same shapes."""
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(count):
+        e = int(round(math.exp(rng.uniform(math.log(8), math.log(256)))))
+        k, n = 16 * rng.randint(32, 512), 16 * rng.randint(32, 512)
+        while e > 1 and e * k * n * 2 > max_weight_gib * 2 ** 30:
+            e //= 2
+        mean_rows = int(round(math.exp(rng.uniform(0.0, math.log(8192)))))
+        mean_rows = max(1, min(mean_rows, max_tokens // e))
+        skew, empty = rng.uniform(0.0, 1.5), rng.choice([0.0, 0.0, rng.uniform(0.0, 0.25)])
+        sizes = skewed_sizes(rng, e, mean_rows, skew, empty)
+        shapes.append(Shape(f"s{i}_E{e}_K{k}_N{n}_m{mean_rows}", e, k, n, sizes))
+    return shapes
+
+
+def smoke_shapes() -> List[Shape]:
+    rng = random.Random(0)
+    return [Shape("smoke_even", 8, 512, 1024, (64,) * 8), Shape("smoke_zipf", 16, 1024, 512, skewed_sizes(rng, 16, 96, 1.2, 0.125)),
+            Shape("smoke_decode", 32, 2048, 768, skewed_sizes(rng, 32, 2, 0.5, 0.25))]
+
+
+def table_line(row: dict) -> str:
+    ms, host = row["ms"], row.get("host_us", {})
+    return (f"{row['shape']:<30}{row['direction']:<6}{sum(row['sizes']):>8}{ms['raw']:10.4f}{ms['torch']:10.4f}"
+            f"{ms['auto']:10.4f}{ms['raw'] / ms['torch']:9.3f}{ms['raw'] / ms['auto']:9.3f}"
+            f"{host.get('raw', float('nan')):8.1f}{host.get('torch', float('nan')):8.1f}"
+            f"{host.get('auto', float('nan')):8.1f}  {row.get('pick', '')}")
+
+
+HEADER = (f"{'shape':<30}{'dir':<6}{'rows':>8}{'raw ms':>10}{'torch ms':>10}{'auto ms':>10}{'raw/tor':>9}"
+          f"{'raw/auto':>9}{'us raw':>8}{'us tor':>8}{'us auto':>8}  auto pick")
+
+
+def summary_lines(rows: List[dict], worst: int = 3) -> List[str]:
+    """Geo-means of the speed ratios against raw torch, the worst rows, and the rows under each goal."""
     out = []
-    for m in MODELS:
-        if only and m.name not in only:
-            continue
-        counts = [e for e in EXPERTS_PER_RANK if e <= m.num_experts and m.num_experts % e == 0]
-        if m.num_experts not in counts and m.num_experts <= max(EXPERTS_PER_RANK):
-            counts.append(m.num_experts)  # e.g. granite's 40 experts on one rank
-        for local in sorted(set(counts))[-MAX_LOCAL_COUNTS:]:
-            rows = max(1, tokens * m.top_k // local)
-            out += [Gemm(f"{m.name}_fc1_e{local}", local, m.hidden, 2 * m.ffn, rows),
-                    Gemm(f"{m.name}_fc2_e{local}", local, m.ffn, m.hidden, rows)]
+    for column in ("torch", "auto"):
+        ratios = sorted(((r["ms"]["raw"] / r["ms"][column], f"{r['shape']} {r['direction']}") for r in rows))
+        under = sum(v < GOALS[column] for v, _ in ratios)
+        out.append(f"{column}: geomean raw/{column} {timing.geomean([v for v, _ in ratios]):.3f} over {len(ratios)} rows; "
+                   f"{under} under {GOALS[column]}; worst " + ", ".join(f"{v:.3f} ({name})" for v, name in ratios[:worst]))
+    hosts = [r["host_us"]["torch"] - r["host_us"]["raw"] for r in rows if "host_us" in r]
+    if hosts:
+        out.append(f"host time over raw, torch path: median {sorted(hosts)[len(hosts) // 2]:.1f} us, max {max(hosts):.1f} us")
     return out
 
 
-def settle(auto, table, burst: int) -> int:
-    """Calls of ``auto`` until its bucket no longer settles on live calls; returns how many. They run in
-    bursts of ``burst`` behind the preconditioning GEMMs (the first burst behind SETTLE_HEAT of them), so
-    the live calls meet the power state the columns are timed in, as a training step's calls do."""
-    calls = 0
-    while table.settling and calls < SETTLE_CALLS:
-        if calls % burst == 0:
-            torch.cuda.synchronize()
-            for _ in range(SETTLE_HEAT if calls == 0 else 1):
-                timing.queued_start()
-        auto()
-        calls += 1
-    torch.cuda.synchronize()
-    return calls
+def _write_shapes(shapes, path) -> None:
+    rows = [{"direction": "all", "E": s.num_experts, "K": s.k, "N": s.n,
+             "rows_per_expert": max(1, sum(s.sizes) // s.num_experts), "ragged": len(set(s.sizes)) > 1, "name": s.name}
+            for s in shapes]
+    with open(path, "w") as f:
+        json.dump({"shapes": rows}, f, indent=1)
+    print(f"wrote {len(rows)} shapes ({len(rows) * 3} GEMMs) to {path}")
 
 
-def _static(fn):
-    """``fn`` with measured choices off (the static table), switched through the public configure()."""
-    from te_dist.backends import autotune
+def _calls(direction, x, w, dy, off, sizes) -> dict:
+    """{column: zero-argument call} of one GEMM; every column computes the same values."""
+    from te_dist import kernels
 
-    def call():
-        autotune.configure(enabled=False)
-        try:
-            return fn()
-        finally:
-            autotune.configure(enabled=True)
-    return call
-
-
-def _column(pick: str) -> str:
-    """The candidate column of a pick such as "cutlass:2 measured" (c2), "torch static" (torch)."""
-    name = pick.split()[0]
-    return "c" + name.split(":")[1] if name.startswith("cutlass:") else name
-
-
-def _flagged(row) -> bool:
-    return row["auto_over_best"] > 1 / GOAL or row["auto_over_torch"] > 1 / GOAL
-
-
-def confirm(fns, t, best, pick_column, args) -> dict:
-    """Auto, torch, auto's pick and the candidates near the first pass's best, timed again."""
-    names = {"auto", "torch", best} | {n for n in (pick_column,) if n in fns}
-    names |= {n for n, v in t.items() if n not in ("auto", "static") and v <= CONFIRM_NEAR * t[best]}
-    iters = max(2, min(args.iters, int(CONFIRM_SAMPLE_MS / max(t[best], 1e-3))))
-    ms = timing.interleaved_ms({n: fns[n] for n in sorted(names)}, iters=iters, warmup=args.warmup,
-                               rounds=args.confirm_rounds)
-    cands = {n: v for n, v in ms.items() if n != "auto"}
-    again = min(cands, key=cands.get)
-    return {"rounds": args.confirm_rounds, "iters": iters, "ms": ms, "best": again,
-            "auto_over_best": ms["auto"] / ms[again], "auto_over_torch": ms["auto"] / ms["torch"]}
+    E = w.shape[0]
+    if direction == "fwd":
+        return {"raw": lambda: torch._grouped_mm(x, w, offs=off),
+                "torch": lambda: kernels.grouped_mm_forward(x, w, off, backend="torch"),
+                "auto": lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes)}
+    if direction == "dgrad":
+        return {"raw": lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=off),
+                "torch": lambda: kernels.grouped_mm_dgrad(dy, w, off, backend="torch"),
+                "auto": lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes)}
+    return {"raw": lambda: torch._grouped_mm(dy.t(), x, offs=off).transpose(1, 2),
+            "torch": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, backend="torch"),
+            "auto": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, group_sizes=sizes)}
 
 
 def sweep(args) -> list:
-    from te_dist import kernels
-    from te_dist.backends import autotune, cutlass_backend
-    from te_dist.tune import zipf_splits
-
-    gemms = sweep_gemms(args.tokens, set(args.only.split(",")) if args.only else None)
+    shapes = smoke_shapes() if args.smoke else draw_shapes(args.seed, args.shapes, max_tokens=args.max_tokens,
+                                                            max_weight_gib=args.max_weight_gib)
     if args.write_shapes:
-        rows = [{"direction": "all", "E": g.num_experts, "K": g.k, "N": g.n, "rows_per_expert": g.rows_per_expert,
-                 "ragged": ragged, "name": g.name} for g in gemms for ragged in (False, True)]
-        with open(args.write_shapes, "w") as f:
-            json.dump({"shapes": rows}, f, indent=1)
-        print(f"wrote {len(rows)} shapes ({len(rows) * 3} GEMMs) to {args.write_shapes}")
+        _write_shapes(shapes, args.write_shapes)
         return []
-    args.confirm_rounds = 3 * args.rounds if args.confirm_rounds is None else args.confirm_rounds
+    if args.dry_run:
+        for s in shapes:
+            print(f"{s.name:<30} E={s.num_experts:<4} K={s.k:<5} N={s.n:<5} rows={sum(s.sizes):<7} "
+                  f"empty={s.sizes.count(0):<3} max/mean={max(s.sizes) * s.num_experts / max(1, sum(s.sizes)):.1f}")
+        return []
+    from te_dist import kernels
+    from te_dist.gemm import measure
+
+    dev = torch.device("cuda")
     tune_dir = args.tune_dir or tempfile.mkdtemp(prefix="te_dist_sweep_tune_")
-    autotune.reset()
-    settings = autotune.configure(enabled=True, directory=tune_dir, total_ms=float("inf"), bucket_ms=args.bucket_ms,
-                                  settle_live=not args.no_settle)
-    ck = cutlass_backend.kernels_module()
-    configs = sorted(ck.CONFIGS) if "cutlass" in kernels.available_backends(torch.device("cuda")) else []
-    for direction in DIRECTIONS:  # built and opened before any timing: a library's first load is no GEMM's cost
-        for c in configs:
-            ck.load(direction, c, False)
+    measure.configure(directory=tune_dir)
+    rounds, iters = (1, 3) if args.smoke else (args.rounds, args.iters)
     # cuBLAS's own start is paid by a training process's dense layers before its first expert GEMM
-    torch.mm(torch.ones(64, 64, device="cuda", dtype=torch.bfloat16), torch.ones(64, 64, device="cuda",
-                                                                                  dtype=torch.bfloat16))
-    directions = [d for d in args.directions.split(",") if d]
-    print(f"# sweep: {len(gemms)} expert GEMM shapes x (even, zipf) x {directions}, {args.tokens} tokens per rank; "
-          f"auto measured within {settings.bucket_ms:g} ms per bucket (tuning file in {tune_dir})")
-    print(f"{'shape':<28}{'dir':<6}{'routing':<7}{'auto':>9}{'static':>9}{'best':>9} {'best is':<8}{'torch':>9}"
-          f"{'auto/best':>10}{'auto/torch':>11}  auto pick")
+    torch.mm(torch.ones(64, 64, device=dev, dtype=torch.bfloat16), torch.ones(64, 64, device=dev, dtype=torch.bfloat16))
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; {len(shapes)} shapes x 3 directions, seed "
+          f"{args.seed}; measuring {'on' if measure.tuner().enabled else 'off'}, tuning file in {tune_dir}\n{HEADER}")
     rows = []
-    for g in gemms:
-        for routing in ("even", "zipf"):
-            even = [g.rows_per_expert] * g.num_experts
-            sizes = zipf_splits(g.num_experts, g.rows_per_expert) if routing == "zipf" else even
-            x, w, dy, off = operands(g.num_experts, sizes, g.k, g.n)
-            for direction in directions:
-                fns = columns(direction, x, w, dy, off, sizes, configs)
-                auto = entry(direction, x, w, dy, off, sizes)
-                torch.cuda.synchronize()
-                tuner = autotune.tuner()
-                table = tuner.table_for(torch.cuda.current_device())
-                keys_before = set(table.ranking)
-                charged, t0, tuner.last_miss_ms = tuner.budget.spent_ms, time.perf_counter(), None
-                auto()  # the first call measures the bucket (outside the timed rounds)
-                torch.cuda.synchronize()
-                first_ms = (time.perf_counter() - t0) * 1e3
-                charged_miss = tuner.budget.spent_ms - charged
-                settle_calls = settle(auto, table, args.settle_burst or args.iters)
-                fns["auto"], fns["static"] = auto, _static(auto)
-                t = timing.interleaved_ms(fns, iters=args.iters, warmup=args.warmup, rounds=args.rounds)
-                cands = {k: v for k, v in t.items() if k not in ("auto", "static")}
-                best = min(cands, key=cands.get)
-                pick = kernels.describe_choice(direction, dy if direction == "dgrad" else x, w, group_sizes=sizes)
-                row = {"shape": g.name, "direction": direction, "routing": routing, "E": g.num_experts, "K": g.k,
-                       "N": g.n, "rows_per_expert": g.rows_per_expert, "sizes": sizes, "ms": t, "best": best,
-                       "auto_pick": pick, "first_call_ms": first_ms, "tune_wall_ms": tuner.last_miss_ms or 0.0,
-                       "settle_calls": settle_calls, "settle_ms": tuner.budget.spent_ms - charged - charged_miss,
-                       "tuned_ms": {autotune.key_text(k): table.ms.get(k) for k in set(table.ranking) - keys_before},
-                       "auto_over_best": t["auto"] / t[best], "auto_over_torch": t["auto"] / t["torch"],
-                       "static_over_torch": t["static"] / t["torch"]}
-                if args.confirm_rounds and _flagged(row):
-                    row["confirm"] = confirm(fns, t, best, _column(pick), args)
-                rows.append(row)
-                c = row.get("confirm")
-                print(f"{g.name:<28}{direction:<6}{routing:<7}{t['auto']:9.4f}{t['static']:9.4f}{t[best]:9.4f} "
-                      f"{best:<8}{t['torch']:9.4f}{row['auto_over_best']:10.3f}{row['auto_over_torch']:11.3f}  {pick}"
-                      + (f"  | again: auto/best {c['auto_over_best']:.3f} ({c['best']}), auto/torch "
-                         f"{c['auto_over_torch']:.3f}" if c else ""), flush=True)
-                _write_sweep(args, settings, rows, complete=False)  # a sweep cut short keeps what it measured
-            del x, w, dy
-            torch.cuda.empty_cache()
-    _write_sweep(args, settings, rows, complete=True)
+    for s in shapes:
+        T, E = sum(s.sizes), s.num_experts
+        x = torch.randn(T, s.k, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(E, s.n, s.k, device=dev, dtype=torch.bfloat16) / s.k ** 0.5).transpose(1, 2)
+        dy = torch.randn(T, s.n, device=dev, dtype=torch.bfloat16)
+        off = torch.tensor(s.sizes, device=dev).cumsum(0).to(torch.int32)
+        for direction in ("fwd", "dgrad", "wgrad"):
+            fns = _calls(direction, x, w, dy, off, s.sizes)
+            first = fns["auto"]()  # the bucket's first call: it measures where measuring is on
+            if args.smoke:
+                ref = fns["raw"]().float()
+                for name in ("torch", "auto"):
+                    got = fns[name]().float()
+                    err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                    assert err < 2e-2, f"{s.name} {direction} {name}: relative error {err:.2e} against torch"
+            del first
+            row = {"shape": s.name, "direction": direction, "E": E, "K": s.k, "N": s.n, "sizes": list(s.sizes),
+                   "ms": timing.interleaved_ms(fns, iters=iters, warmup=args.warmup, rounds=rounds),
+                   "host_us": {name: timing.busy_host_us(fn) for name, fn in fns.items()},
+                   "pick": kernels.describe_choice(direction, dy if direction == "dgrad" else x, w, group_sizes=s.sizes)}
+            rows.append(row)
+            print(table_line(row), flush=True)
+        del x, w, dy
+        torch.cuda.empty_cache()
     print("\n" + "\n".join(summary_lines(rows)))
+    timing.write_json(args.json, {"sweep": rows}, dtype="bfloat16", benchmark="grouped_gemm --sweep", seed=args.seed,
+                      shapes=len(shapes), smoke=args.smoke, iters=iters, rounds=rounds,
+                      measuring=measure.tuner().enabled, tune_dir=tune_dir)
     return rows
 
 
-def _write_sweep(args, settings, rows, *, complete: bool) -> None:
-    timing.write_json(args.json, {"sweep": rows,
-                                  "geomean_auto_over_torch": timing.geomean(r["auto_over_torch"] for r in rows),
-                                  "geomean_static_over_torch": timing.geomean(r["static_over_torch"] for r in rows)},
-                      dtype="bfloat16", tokens_per_rank=args.tokens, bucket_ms=settings.bucket_ms, iters=args.iters,
-                      rounds=args.rounds, warmup=args.warmup, complete=complete, confirm_rounds=args.confirm_rounds,
-                      benchmark="grouped_gemm --sweep")
-
-
-def _quantile(values, q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def summary_lines(rows) -> List[str]:
-    """The sweep's closing lines: first-call wall time, the per-row goals before and after re-timing, the
-    geomean, and auto against its own kernel's column (what one row's ratio can tell)."""
-    firsts = [r["first_call_ms"] for r in rows]
-    walls = [r["tune_wall_ms"] + r.get("settle_ms", 0.0) for r in rows]
-    final = [r.get("confirm", r) for r in rows]
-    to_torch = [r["auto_over_torch"] for r in rows]
-    same = [r["ms"]["auto"] / r["ms"][_column(r["auto_pick"])] for r in rows if _column(r["auto_pick"]) in r["ms"]]
-    settled = [r for r in rows if r.get("settle_calls")]
-    lines = [f"first call of a bucket (wall ms): median {_quantile(firsts, 0.5):.1f}, p90 "
-             f"{_quantile(firsts, 0.9):.1f}, max {max(firsts):.1f}",
-             f"measuring a bucket (miss to choice, file write included, + live settling's charge), ms: median "
-             f"{_quantile(walls, 0.5):.1f}, p90 {_quantile(walls, 0.9):.1f}, max {max(walls):.1f}; "
-             f"{sum(w > 50 for w in walls)} of {len(walls)} rows past 50 ms"]
-    if settled:
-        calls = [r["settle_calls"] for r in settled]
-        lines.append(f"settled on live calls: {len(settled)} rows, calls median {_quantile(calls, 0.5)}, max {max(calls)}")
-    for label, rs in (("first pass", rows), ("after re-timing", final)):
-        lines.append(f"{label}: auto >= {GOAL}x the best in {sum(r['auto_over_best'] <= 1 / GOAL for r in rs)} of "
-                     f"{len(rs)} rows (worst {1 / max(r['auto_over_best'] for r in rs):.2f}x), >= {GOAL}x torch in "
-                     f"{sum(r['auto_over_torch'] <= 1 / GOAL for r in rs)} (worst "
-                     f"{1 / max(r['auto_over_torch'] for r in rs):.2f}x)")
-    lines += [f"geomean speed of auto over torch: {1 / timing.geomean(to_torch):.3f}x (static: "
-              f"{1 / timing.geomean([r['static_over_torch'] for r in rows]):.3f}x) over {len(rows)} GEMMs",
-              f"resolution: auto's ms over its own kernel's column, p5 / median / p95 {_quantile(same, 0.05):.3f} / "
-              f"{_quantile(same, 0.5):.3f} / {_quantile(same, 0.95):.3f} over {len(same)} rows"]
-    return lines
-
-
-# ------------------------------------------------------------------------------------------ entry
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=10)
@@ -510,23 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--skip-backward", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated shape names, 'layer' for the MoE-layer shapes; "
-                                                 "with --ragged LAYER_ROWS names; with --sweep model names")
+                                                 "with --ragged LAYER_ROWS names")
     ap.add_argument("--candidates", nargs="?", const="all", default=None,
                     help="also time cutlass_kernels.CANDIDATES tiles: all, or comma-separated ids (e.g. 11,12)")
     ap.add_argument("--ragged", action="store_true", help="the MoE-layer rows with router-like group sizes")
-    ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i)")
-    ap.add_argument("--sweep", action="store_true", help="public MoE shapes: the measured choice vs every candidate")
-    ap.add_argument("--tokens", type=int, default=4096, help="--sweep: tokens per rank")
-    ap.add_argument("--bucket-ms", type=float, default=None, help="--sweep: timed ms per bucket for auto's measurement")
+    ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i); "
+                                                          "--sweep: seed of the shapes")
+    ap.add_argument("--sweep", action="store_true", help="shapes drawn from --seed: raw torch vs our torch path vs auto")
+    ap.add_argument("--shapes", type=int, default=24, help="--sweep: how many shapes (x 3 directions)")
+    ap.add_argument("--max-tokens", type=int, default=65536, help="--sweep: rows of one GEMM at most")
+    ap.add_argument("--max-weight-gib", type=float, default=2.0, help="--sweep: one weight's GiB at most")
+    ap.add_argument("--smoke", action="store_true", help="--sweep: 3 small shapes, 1 round, results checked")
+    ap.add_argument("--dry-run", action="store_true", help="--sweep: print the drawn shapes and exit (no GPU)")
     ap.add_argument("--tune-dir", default=None, help="--sweep: tuning-file directory (default: a fresh temp dir)")
     ap.add_argument("--write-shapes", default=None,
                     help="--sweep: write the shapes as JSON for `te-dist tune` and exit")
-    ap.add_argument("--directions", default="fwd,dgrad,wgrad", help="--sweep: comma-separated directions")
-    ap.add_argument("--settle-burst", type=int, default=None, help="--sweep: live calls per preconditioning "
-                                                                  "while a bucket settles (default: --iters)")
-    ap.add_argument("--no-settle", action="store_true", help="--sweep: the first call's ranking stands")
-    ap.add_argument("--confirm-rounds", type=int, default=None, help="--sweep: rounds re-timing a row under 0.97x "
-                                                                    "best or torch (default 3x --rounds; 0: off)")
     ap.add_argument("--summary", default=None, metavar="FILE", help="print a saved --sweep --json FILE's summary")
     return ap
 

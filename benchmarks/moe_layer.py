@@ -51,7 +51,7 @@ from torch import nn
 import timing  # noqa: I001 - first: this checkout's te_dist on the path
 import te_dist as td
 from te_dist import kernels
-from te_dist.backends import cutlass_backend
+from te_dist.gemm import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
 from te_dist.moe import TopKRouter, TransportSelector

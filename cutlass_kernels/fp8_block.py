@@ -6,18 +6,7 @@ operand (``tensor_scales``: DelayedScaling, Float8CurrentScaling), which the epi
 per-tensor operands need no scale tables and the mainloop no per-block multiply. The build and disk
 cache are the bf16 kernels' (``build.py``).
 
-Tile configs (``FP8_CONFIGS``; TILE_K is the scale block, 128):
-
-| id | schedule    | tile M x N | cluster | meant for |
-|----|-------------|------------|---------|-----------|
-| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: two consumer warpgroups on one tile, A multicast along N |
-| 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= 192 on average): 64-row padding, epilogue overlapped |
-| 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
-| 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only: a wider tile (B's scales are per column there, not 128-blocks) |
-| 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: epilogue overlapped, registers left for the promotion (measured slower than 0) |
-
-A tile's N must be a multiple of B's scale block along N: 128 for the weights of fwd and dgrad, 1 for
-wgrad and for tensor scales (``config_fits``).
+Tiles and their rule: ``heuristics.py`` (``FP8_CONFIGS``, ``fp8_config``).
 
 ``CONFIG_OVERRIDE`` (None in use) forces one config for every call: benchmarks/fp8_grouped_gemm.py
 ``--sweep`` times each config this way, and a config that wins moves into ``choose_fp8_config``.
@@ -32,6 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .build import BuildError, GemmLibrary, build_cutlass_source, open_cutlass_source
+from .heuristics import FP8_CONFIGS, config_fits, fp8_config
 
 __all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config_fits", "load_fp8",
            "build_fp8_instance"]
@@ -40,33 +30,12 @@ SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
 SCHEDULES = {"cooperative": 0, "pingpong": 1}
 FORMATS = ("e4m3", "e5m2")
-# id: (schedule, tile M, tile N, (cluster M, cluster N))
-FP8_CONFIGS = {
-    0: ("cooperative", 128, 128, (1, 2)),
-    1: ("pingpong", 64, 128, (1, 1)),
-    2: ("cooperative", 128, 128, (2, 1)),
-    3: ("cooperative", 128, 192, (1, 1)),
-    4: ("pingpong", 128, 96, (1, 1)),
-}
 CONFIG_OVERRIDE = None
-WGRAD_CONFIG = 0  # every wgrad's tile (its M is the out-features, always large)
-SMALL_M_ROWS = 192  # average rows per expert at or below which the 64-row ping-pong tile runs
-
-
-def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:
-    """The tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad."""
-    tile_n = FP8_CONFIGS[config][2]
-    return direction == "wgrad" or tensor_scales or tile_n % 128 == 0
 
 
 def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None) -> int:
-    """Tile config for one call: the GEMM's M is the rows per expert for fwd/dgrad; wgrad's M is
-    the out-features (always large), so it always takes the cooperative tile."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
-    if direction == "wgrad":
-        return WGRAD_CONFIG
-    return 1 if num_rows <= SMALL_M_ROWS * max(num_groups, 1) else 0
+    """The tile of one call: ``CONFIG_OVERRIDE`` where set, else the rule (heuristics.fp8_config)."""
+    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else fp8_config(direction, num_rows, num_groups)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,30 +1,42 @@
-"""Tile-configuration choice per problem shape (kept apart from launch code; read it as a table).
+"""Tile choice per problem shape, bf16 and FP8 (apart from launch code; read it as two tables).
 
-Configs compiled from grouped_gemm.cu (TE_GG_CONFIG):
+bf16 tiles compiled from grouped_gemm.cu (``CONFIGS``; id: schedule, tile M x N x K, cluster):
 
-| id | schedule    | tile (M x N x K) | cluster | meant for |
-|----|-------------|------------------|---------|-----------|
-| 0  | cooperative | 128 x 256 x 64   | 2x1x1   | large M per expert: 2 consumer warpgroups share one big tile, B multicast along M |
-| 1  | ping-pong   | 64 x 128 x 64    | 1x1x1   | decode (a few rows per expert): smallest wgmma M, least padding |
-| 2  | ping-pong   | 128 x 128 x 64   | 1x2x1   | small M (64..256 rows per expert): one M tile per expert, so no idle cluster half; A multicast along N |
-| 3  | cooperative | 256 x 128 x 64   | 1x2x1   | large M, wide N-multicast alternative to 0 |
-| 10 | ping-pong   | 64 x 256 x 64    | 1x1x1   | ragged groups: 64-row padding, no cluster rounding, the widest wgmma (m64n256) per warpgroup |
+| id | schedule    | tile          | cluster | meant for |
+|----|-------------|---------------|---------|-----------|
+| 0  | cooperative | 128 x 256 x 64 | 2x1x1  | large M per expert: 2 consumer warpgroups share one big tile, B multicast along M |
+| 1  | ping-pong   | 64 x 128 x 64  | 1x1x1  | decode (a few rows per expert): smallest wgmma M, least padding |
+| 2  | ping-pong   | 128 x 128 x 64 | 1x2x1  | small M (64..256 rows per expert): one M tile per expert; A multicast along N |
+| 3  | cooperative | 256 x 128 x 64 | 1x2x1  | large M, wide N-multicast alternative to 0 |
+| 10 | ping-pong   | 64 x 256 x 64  | 1x1x1  | ragged groups: 64-row padding, no cluster rounding, the widest wgmma per warpgroup |
 
-``CANDIDATES`` (ids 4-9, 11-15) are further tiles for sweeps; they are not built by default. Ids
-never change meaning (a candidate that wins moves into CONFIGS under its id), so sweep tables stay
-comparable.
+``CANDIDATES`` (4-9, 11-15) are further tiles for sweeps, not built by default; ids never change
+meaning (a candidate that wins moves into CONFIGS under its id). ``RULES`` picks one per call (first
+match wins) from the average rows per expert (the GEMM's M for fwd/dgrad, its K for wgrad), the
+contraction, each group's output size and whether the host sizes are unequal. These rules were
+fitted on one GPU's sweeps (docs/kernels.md "Tiles"): te_dist runs them by default only for calls
+whose fused epilogue torch lacks, and otherwise where a measurement on the device says so.
 
-Rule: see ``RULES`` (first match wins; keyed on the average rows per expert, which is the
-GEMM's M for fwd/dgrad and its K for wgrad, on the contraction length, and on whether the caller's
-host group sizes are unequal). Thresholds come from the H200 sweeps in docs/kernels.md
-(benchmarks/grouped_gemm.py times every config per shape and prints the winner).
+FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale block, 128):
+
+| id | schedule    | tile M x N | cluster | meant for |
+|----|-------------|------------|---------|-----------|
+| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert, and every wgrad (its M is the out-features) |
+| 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= ``FP8_SMALL_M_ROWS`` on average): 64-row padding |
+| 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
+| 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only (B's scales are per column there, not 128-blocks) |
+| 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: epilogue overlapped |
+
+An FP8 tile's N must be a multiple of B's scale block along N: 128 for the weights of block-scaled
+fwd and dgrad, 1 for wgrad and for tensor scales (``config_fits``).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-__all__ = ["CONFIGS", "CANDIDATES", "TILES", "Rule", "RULES", "choose_config"]
+__all__ = ["CONFIGS", "CANDIDATES", "TILES", "Rule", "RULES", "choose_config", "FP8_CONFIGS", "FP8_WGRAD_CONFIG",
+           "FP8_SMALL_M_ROWS", "config_fits", "fp8_config"]
 
 # id: (schedule, tile M, tile N, tile K, (cluster M, cluster N)); build.py turns these into macros.
 CONFIGS = {
@@ -34,18 +46,13 @@ CONFIGS = {
     3: ("cooperative", 256, 128, 64, (1, 2)),
     10: ("pingpong", 64, 256, 64, (1, 1)),
 }
-# Candidates for sweeps (the small-M weight-streaming shape, ragged groups, short-K wgrad), built
-# only when a sweep asks for them (``benchmarks/grouped_gemm.py --candidates``); a candidate that
-# wins moves into CONFIGS and RULES.
-CANDIDATES = {
+CANDIDATES = {  # built only when a sweep asks (``benchmarks/grouped_gemm.py --candidates``)
     4: ("pingpong", 128, 128, 64, (1, 1)),
     5: ("cooperative", 128, 128, 128, (1, 1)),
     6: ("pingpong", 128, 128, 128, (1, 1)),
     7: ("cooperative", 128, 128, 64, (1, 2)),
-    8: ("cooperative", 128, 256, 64, (1, 1)),  # config 0 without its cluster; ragged groups' second best
+    8: ("cooperative", 128, 256, 64, (1, 1)),  # config 0 without its cluster
     9: ("cooperative", 128, 256, 64, (1, 2)),
-    # Multicast variants: each was slower than the table's pick for the shape it targets (the sweep's
-    # figures are in docs/kernels.md); kept so that the sweep can be rerun on other GPUs.
     11: ("pingpong", 128, 128, 64, (1, 4)),    # small-M: A multicast to 4 N tiles
     12: ("pingpong", 128, 128, 64, (2, 2)),    # short-K wgrad, both operands multicast
     13: ("cooperative", 256, 128, 64, (2, 2)),  # short-K wgrad, bigger tile
@@ -56,11 +63,10 @@ TILES = {**CONFIGS, **CANDIDATES}
 
 
 class Rule(NamedTuple):
-    """One row of the table: it holds when the direction matches and the call's average rows per
-    expert lie in (min_rows, max_rows], its contraction length (fwd: K, dgrad: N, wgrad: the
-    rows) is at most max_k, each group's output has at least min_out elements (fwd: rows x N,
-    dgrad: rows x K, wgrad: K x N) and, for a ``ragged`` row, the caller gave the group sizes on
-    the host and they are not all equal. None = no bound."""
+    """One row: it holds when the direction matches and the call's average rows per expert lie in
+    (min_rows, max_rows], its contraction (fwd: K, dgrad: N, wgrad: the rows) is at most max_k,
+    each group's output has at least min_out elements (fwd: rows x N, dgrad: rows x K, wgrad:
+    K x N) and, for a ``ragged`` row, the host sizes are given and unequal. None = no bound."""
 
     direction: str  # "fwd", "dgrad", "wgrad" or "*"
     max_rows: Optional[int]
@@ -71,30 +77,15 @@ class Rule(NamedTuple):
     ragged: bool = False
 
 
-# Fitted to H200 sweeps of benchmarks/grouped_gemm.py (docs/kernels.md; run-to-run spread ~3%):
 RULES = (
-    # Short-K wgrad with large per-expert outputs (DeepSeek-like layer, 256 rows, 7168x4096 and
-    # 2048x7168 per expert): ping-pong overlaps each tile's big epilogue with the other warpgroup's
-    # 4-step K loop, +4-10% over coop 256x128.
-    Rule("wgrad", 512, 2, min_rows=128, min_out=1 << 23),
-    Rule("wgrad", 512, 3),    # wgrad's GEMM-K is the rows per expert: short K loops favour coop 256x128 (qwen3, small-M, decode)
-    Rule("wgrad", 2048, 2),   # DeepSeek-V3 EP8 (1024 rows per expert): ping-pong 128x128 was best
-    Rule("wgrad", None, 3),   # Mixtral (4096 rows per expert)
-    # Forward and dgrad from here on. Ragged groups (unequal host sizes, as a router gives them) of
-    # 65-768 rows on average: a grouped kernel pads every group to whole M tiles, 128 rows for the
-    # tiles below and, with config 0's 2x1 cluster, an even count of them. Config 10 pads to 64 rows.
-    # It beats the equal-split pick in 26 of 28 such GEMMs (+5% to +40%; 1% slower twice) and the
-    # cluster-free 128x256 tile (candidate 8) in 27 of 28; at 1024 rows per expert it loses
-    # (docs/kernels.md "Ragged group sizes").
-    Rule("*", 768, 10, min_rows=64, ragged=True),
+    Rule("wgrad", 512, 2, min_rows=128, min_out=1 << 23),  # short-K wgrad, large outputs: ping-pong hides the epilogue
+    Rule("wgrad", 512, 3),    # short K loops: cooperative 256x128
+    Rule("wgrad", 2048, 2),
+    Rule("wgrad", None, 3),
+    Rule("*", 768, 10, min_rows=64, ragged=True),  # ragged groups pad each group to whole M tiles: 64 rows
     Rule("*", 32, 1),         # decode: 64-row tiles waste least
-    Rule("*", 128, 2),        # fine-grained small-M: one 128-row tile per expert, no idle cluster half
-    # Contraction up to 4096 with up to 2048 rows: ping-pong 128x128 overlaps each tile's epilogue
-    # with the other warpgroup's math. Forward: DeepSeek-V3 fc2 EP8 (1024 rows, K 2048) +1% to +11%,
-    # the Mixtral-like layer's fc1 at EP=2 (1024 rows, K 4096) +5-7%; not at 256 rows or fewer
-    # (Qwen3 fc1: 2-7% slower) nor for K 7168 (DSv3 fc1 EP8: c0 ahead by 0.4-4%). Dgrad (contraction = N): DSv3 fc1 EP8 (N 4096) +5%,
-    # the Mixtral-like fc2 at EP=2 (N 4096) +4-5%, Qwen3 (N 1536) +2%; c0 stays ahead for N 7168+.
-    Rule("fwd", 2048, 2, min_rows=256, max_k=4096),
+    Rule("*", 128, 2),        # small M: one 128-row tile per expert, no idle cluster half
+    Rule("fwd", 2048, 2, min_rows=256, max_k=4096),  # contraction <= 4096: ping-pong overlaps the epilogue
     Rule("dgrad", 2048, 2, max_k=4096),
     Rule("*", None, 0),       # large M: cooperative 128x256, cluster 2x1
 )
@@ -102,9 +93,9 @@ RULES = (
 
 def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132,
                   group_sizes: Optional[Sequence[int]] = None) -> int:
-    """Config id for one call. ``n``/``k`` are the user-level out/in features; ``group_sizes`` the
-    rows of each group when the caller has them on the host (the MoE layer does), else None.
-    No rows at all (every expert empty): nothing runs, and the answer is the catch-all row's tile."""
+    """bf16 tile for one call. ``n``/``k``: the user-level out/in features; ``group_sizes``: the rows
+    of each group when the caller has them on the host, else None. No rows at all: nothing runs, and
+    the answer is the catch-all row's tile."""
     if num_rows <= 0:
         return RULES[-1].config
     m_avg = num_rows / max(num_groups, 1)
@@ -119,3 +110,27 @@ def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int
         if (rule.max_k is None or contraction <= rule.max_k) and out_per_group >= rule.min_out:
             return rule.config
     raise AssertionError("RULES must end with a catch-all row")
+
+
+# id: (schedule, tile M, tile N, (cluster M, cluster N))
+FP8_CONFIGS = {
+    0: ("cooperative", 128, 128, (1, 2)),
+    1: ("pingpong", 64, 128, (1, 1)),
+    2: ("cooperative", 128, 128, (2, 1)),
+    3: ("cooperative", 128, 192, (1, 1)),
+    4: ("pingpong", 128, 96, (1, 1)),
+}
+FP8_WGRAD_CONFIG = 0
+FP8_SMALL_M_ROWS = 192
+
+
+def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:
+    """The FP8 tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad."""
+    return direction == "wgrad" or tensor_scales or FP8_CONFIGS[config][2] % 128 == 0
+
+
+def fp8_config(direction: str, num_rows: int, num_groups: int) -> int:
+    """FP8 tile for one call: by the rows per expert for fwd/dgrad; wgrad's M is the out-features."""
+    if direction == "wgrad":
+        return FP8_WGRAD_CONFIG
+    return 1 if num_rows <= FP8_SMALL_M_ROWS * max(num_groups, 1) else 0

@@ -62,6 +62,7 @@ __all__ = [
     "fp8_kernels_available",
     "cutlass_tools_present",
     "fp8_kernels_unavailable_reason",
+    "fp8_kernels_why_not",
     "mark_fp8_kernels_unavailable",
     "clear_caches",
     "resolve_device",
@@ -235,6 +236,23 @@ def fp8_kernels_available() -> bool:
     return bool(_fp8_kernels_lookup())
 
 
+def _fp8_why_not_at(cap) -> Optional[str]:
+    if cap is None:
+        return "the FP8 grouped kernels need CUDA tensors"
+    if cap != (9, 0):
+        return f"the FP8 grouped kernels are built for sm_90a; this is sm_{cap[0]}{cap[1]}"
+    if not fp8_kernels_available():
+        return f"FP8 grouped kernels unavailable: {fp8_kernels_unavailable_reason() or 'lookup says no'}"
+    return None
+
+
+def fp8_kernels_why_not(device) -> Optional[str]:
+    """None where cutlass_kernels' FP8 grouped GEMMs can run on ``device``, else why not: the one
+    answer the FP8 rules, ``explain_path`` and the quantized entry points' decision all read."""
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    return _fp8_why_not_at(device_capability(device) if device.type == "cuda" else None)
+
+
 @contextlib.contextmanager
 def set_fp8_kernels_lookup(fn: Callable):
     """Install ``fn() -> bool`` for "FP8 grouped kernels available" (tests); clears the caches."""
@@ -305,12 +323,12 @@ def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> bool:
     if dtype not in _LOW_PRECISION_ACT:
         return False
     if tag == "fp8_tensor":
-        return (cap == (9, 0) and settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 16)
-                and fp8_kernels_available())
+        return (settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 16)
+                and _fp8_why_not_at(cap) is None)
     if tag == "fp8_block":
         fmt, x_dim, w_dim, grad_dim = settings
-        return (cap == (9, 0) and fmt != _recipe.Format.E5M2.value and (x_dim, w_dim, grad_dim) == (1, 2, 1)
-                and _aligned(split_alignment, 128) and fp8_kernels_available())
+        return (fmt != _recipe.Format.E5M2.value and (x_dim, w_dim, grad_dim) == (1, 2, 1)
+                and _aligned(split_alignment, 128) and _fp8_why_not_at(cap) is None)
     if tag == "mxfp8":
         return cap >= (10, 0) and settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 32)
     if tag == "nvfp4":
@@ -457,7 +475,7 @@ def explain_path(recipe, dtype, *, device=None) -> Tuple[str, str]:
     alignment = native_split_alignment(recipe)
     if is_op_fuser_grouped_tensor_supported(recipe, dtype, split_alignment=alignment, device=dev) and cap is not None:
         if spec.tag == "none":
-            return "native", "bf16 grouped kernels (CUTLASS SM90, else torch._grouped_mm)"
+            return "native", "torch._grouped_mm (CUTLASS SM90 where an epilogue is fused or measured faster)"
         return "native", (f"CUTLASS SM90 FP8 grouped GEMMs ({'block' if spec.tag == 'fp8_block' else 'per-tensor'} "
                           f"scales; cuBLAS per expert where each expert's GEMM is large), expert rows padded to "
                           f"{alignment}")
@@ -469,10 +487,9 @@ def explain_path(recipe, dtype, *, device=None) -> Tuple[str, str]:
         return "emulated", f"{type(recipe).__name__} has no tensor-core path before SM 10.0 (this is sm_{cap[0]}{cap[1]})"
     if spec.tag in ("mxfp8", "nvfp4"):
         return "emulated", f"te_dist has no native {type(recipe).__name__} grouped kernel yet"
-    if cap != (9, 0):
-        return "emulated", f"the FP8 grouped kernels are built for sm_90a; this is sm_{cap[0]}{cap[1]}"
-    if not fp8_kernels_available():
-        return "emulated", f"FP8 grouped kernels unavailable: {fp8_kernels_unavailable_reason() or 'lookup says no'}"
+    reason = _fp8_why_not_at(cap)
+    if reason is not None:
+        return "emulated", reason
     if dtype != torch.bfloat16:
         return "emulated", f"the fused grouped MLP takes bf16 activations natively, received {dtype}"
     if spec.tag == "fp8_block":

@@ -1,7 +1,7 @@
 """``te-dist tune --shapes FILE`` (also ``python -m cutlass_kernels tune``): measure the grouped-GEMM
 choices ahead of time.
 
-Why: a run's first call of a shape bucket measures its candidates (te_dist.backends.autotune)
+Why: a run's first call of a shape bucket measures its candidates (te_dist.gemm.measure)
 within a budget; tuning the run's shapes before it starts moves that cost out of the job and
 lifts the budget (each bucket gets ``--bucket-ms``). The choices land in the same file the run
 reads (``<kernel cache>/autotune/``), so build the tiles first (``python -m cutlass_kernels``):
@@ -164,14 +164,13 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .backends import autotune
+    from .gemm import measure
 
     if not torch.cuda.is_available():
         print("tune: no CUDA device; measured choices are per GPU model, run this on the training GPU", file=sys.stderr)
         return 2
     # one call per shape, no run's calls after it: its whole bucket goes to the first call
-    autotune.configure(enabled=True, deterministic=False, bucket_ms=args.bucket_ms, total_ms=float("inf"),
-                       settle_live=False)
+    measure.configure(enabled=True, deterministic=False, bucket_ms=args.bucket_ms, total_ms=float("inf"))
     device = torch.device(args.device)
     torch.cuda.set_device(device)
     print(f"tuning {len(shapes)} GEMMs on {torch.cuda.get_device_name(device)}", flush=True)
@@ -179,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{shape.direction:<6} E={shape.num_experts:<4} K={shape.k:<6} N={shape.n:<6} "
               f"rows/expert={shape.rows_per_expert:<6} {'ragged' if shape.ragged else 'even':<7} "
               f"{_tune_one(shape, device)}", flush=True)
-    path = autotune.tuner().save(device.index if device.index is not None else torch.cuda.current_device())
+    path = measure.tuner().save(device.index if device.index is not None else torch.cuda.current_device())
     print(f"choices written to {path}" if path else "choices kept in memory only (persisting is off)")
     return 0
 

@@ -1,4 +1,4 @@
-"""Agreement of a group on the measured grouped-GEMM choices (te_dist.backends.autotune).
+"""Agreement of a group on the measured grouped-GEMM choices (te_dist.gemm.measure).
 
 Why: each rank measures on its own GPU, and two ranks can time the same bucket within noise of each
 other and keep different kernels. Where a run must be deterministic across ranks, ranks computing
@@ -37,14 +37,14 @@ def _mismatch(payloads: list, global_ranks) -> MismatchError:  # unreachable unl
 def agree_tuned_choices(group=None, *, freeze: bool = True, timeout=None) -> int:
     """Give every rank of ``group`` (default: the world) rank 0's measured choices; returns their count.
 
-    ``freeze`` (default): no rank measures afterwards (``autotune.configure(deterministic=True)``),
+    ``freeze`` (default): no rank measures afterwards (``measure.configure(deterministic=True)``),
     so the ranks keep agreeing; a bucket none of rank 0's entries covers takes the static table
     on every rank. Without an initialised process group this only marks the local table agreed.
     Every rank of the group must call it at the same point (it runs collectives).
     """
-    from ..backends import autotune  # the kernels stack stays importable without torch.distributed
+    from ..gemm import measure  # the kernels stack stays importable without torch.distributed
 
-    tuner = autotune.tuner()
+    tuner = measure.tuner()
     timeout_s = DEFAULT_TIMEOUT_S if timeout is None else _check_timeout(timeout)
     group = _resolve_group(group, "agree_tuned_choices")
     text = json.dumps(tuner.export(), sort_keys=True)
@@ -57,5 +57,5 @@ def agree_tuned_choices(group=None, *, freeze: bool = True, timeout=None) -> int
     else:
         tuner.adopt(json.loads(text))
     if freeze:
-        autotune.configure(deterministic=True)
+        measure.configure(deterministic=True)
     return sum(len(entries) for entries in json.loads(text).values())

@@ -146,7 +146,7 @@ class TrainConfig:
                                    "killed (exit code 3: the run is complete)")
     stop_grace_s: float = _f(8.0, "after SIGINT/SIGTERM, time the ranks get to finish the step (and save) before a kill")
     autotune: bool = _f(True, "measure grouped-GEMM choices per shape bucket on first use (CUDA; docs/kernels.md "
-                              "\"Measured choices\"); TE_DIST_TUNE=0 also turns it off")
+                              "\"Measured entries\"); TE_DIST_TUNE=0 also turns it off")
     eval_every: int = _f(0, "validation loss every N steps and at the last step; 0: ten times a run with a "
                             "data.path (val_fraction > 0), never on the synthetic data (its batches are all new)")
     eval_batches: int = _f(8, "global batches of held-out data one validation reads (the same ones each time)")

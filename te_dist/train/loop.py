@@ -135,9 +135,9 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
     t, m = cfg.train, cfg.model
     if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
-    from ..backends import autotune  # measured grouped-GEMM choices: the config's switch (CUDA calls only)
+    from ..gemm import measure  # measured grouped-GEMM choices: the config's switch (CUDA calls only)
 
-    autotune.configure(enabled=t.autotune)
+    measure.configure(enabled=t.autotune)
     ep_size, _ = cfg.layout(int(os.environ.get("WORLD_SIZE", "1")))
     recipe = resolve_recipe(cfg.recipe)
     if fault is not None:

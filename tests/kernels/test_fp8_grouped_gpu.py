@@ -14,7 +14,7 @@ import torch
 import te_dist as td
 from te_dist import kernels as K
 from te_dist import recipe as R
-from te_dist.backends import fp8_cutlass_backend
+from te_dist import support as S
 from te_dist.quantization import make_quantizer
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ def _sm90():
     if torch.cuda.is_available():
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the FP8 grouped kernels are sm_90a only")
-        assert fp8_cutlass_backend.available(), fp8_cutlass_backend.unavailable_reason()
+        assert S.fp8_kernels_why_not(torch.device("cuda")) is None, S.fp8_kernels_unavailable_reason()
 
 
 def _rel(a, b):

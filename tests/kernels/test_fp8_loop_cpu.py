@@ -1,5 +1,5 @@
-"""cuBLAS per expert for FP8 grouped GEMMs (te_dist/backends/fp8_loop_backend.py) on CPU: the rule
-that picks it (fp8_selection), the selection through te_dist.kernels with a CUDA device faked, and
+"""cuBLAS per expert for FP8 grouped GEMMs (te_dist/gemm/fp8_loop_backend.py) on CPU: the rule
+that picks it (te_dist.gemm.decide), the selection through te_dist.kernels with a CUDA device faked, and
 the per-tensor path's numerics (torch._scaled_mm runs tensor-scaled FP8 on CPU; the block-scaled
 path is cuBLAS-only and is tested on the H200 in test_fp8_grouped_gpu.py)."""
 
@@ -11,7 +11,7 @@ import torch
 from te_dist import kernels as K
 from te_dist import recipe as R
 from te_dist import support as S
-from te_dist.backends import fp8_loop_backend, fp8_selection
+from te_dist.gemm import decide, fp8_loop_backend
 from te_dist.quantization import make_quantizer
 
 CUDA = torch.device("cuda", 0)
@@ -21,7 +21,7 @@ def _why(**overrides):
     facts = dict(device=torch.device("cpu"), group_sizes=(128, 0, 256), out_dtype=torch.bfloat16, block_scales=True,
                  formats=("e4m3", "e4m3"), epilogue=False, wgrad=False, contraction=4096)
     facts.update(overrides)
-    return fp8_selection.loop_why_not(**facts)
+    return decide.fp8_loop_why_not(**facts)
 
 
 def test_the_rule_names_what_it_cannot_run():
@@ -41,7 +41,7 @@ def test_the_rule_names_what_it_cannot_run():
 
 @pytest.mark.parametrize("block", [False, True])
 def test_large_experts_win_small_ones_do_not(block):
-    wins = fp8_selection.loop_wins
+    wins = decide.fp8_loop_wins
     # Mixtral-like fc1: 8 experts x 1024 rows, 4096 -> 28672 (240 GFLOP each)
     assert wins(8 * 1024, 4096, 28672, 8, block)
     # DeepSeek-like fc2 at EP=1: 64 x 512 rows, 2048 -> 7168 (15 GFLOP each): the grouped kernels
@@ -49,7 +49,7 @@ def test_large_experts_win_small_ones_do_not(block):
     # DeepSeek-V3 fc1 at EP8: 32 x 1024 rows, 7168 -> 4096 (60 GFLOP): per-tensor only
     assert wins(32 * 1024, 7168, 4096, 32, block) is not block
     # the threshold itself, on the mean over experts (ragged splits)
-    per_expert = fp8_selection.LOOP_MIN_FLOP_PER_EXPERT_BLOCK if block else fp8_selection.LOOP_MIN_FLOP_PER_EXPERT
+    per_expert = decide.LOOP_MIN_FLOP_PER_EXPERT_BLOCK if block else decide.LOOP_MIN_FLOP_PER_EXPERT
     rows = math.ceil(per_expert * 4 / (2 * 1024 * 1024))
     assert wins(rows, 1024, 1024, 4, block)
     assert not wins(rows - 1, 1024, 1024, 4, block)
@@ -59,9 +59,9 @@ def test_large_experts_win_small_ones_do_not(block):
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """A CUDA device of compute capability 9.0 with the FP8 kernels 'available' (no GPU needed)."""
-    monkeypatch.setattr(K._fp8_backend(), "available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    with S.set_capability_lookup(lambda device: (9, 0) if device.type == "cuda" else None):
+    with S.set_capability_lookup(lambda device: (9, 0) if device.type == "cuda" else None), \
+            S.set_fp8_kernels_lookup(lambda: True):
         yield
 
 
@@ -87,11 +87,17 @@ def test_selection_through_the_kernels_entry(fake_sm90, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert pick(CUDA, 4096, 28672, **big) == "cutlass"
     # kernels disabled (TE_DIST_DISABLE_CUTLASS, a failed build): the layer runs emulated, so does the call
-    monkeypatch.setattr(K._fp8_backend(), "available", lambda: False)
-    monkeypatch.setattr(K._fp8_backend(), "unavailable_reason", lambda: "disabled for the test")
-    assert pick(CUDA, 4096, 28672, **big) == "emulated"
-    with pytest.raises(ValueError, match="backend='loop' cannot run.*disabled for the test"):
-        pick(CUDA, 4096, 28672, backend="loop", **big)
+    with S.set_fp8_kernels_lookup(lambda: False):
+        assert pick(CUDA, 4096, 28672, **big) == "emulated"
+        with pytest.raises(ValueError, match="backend='loop' cannot run.*FP8 grouped kernels unavailable"):
+            pick(CUDA, 4096, 28672, backend="loop", **big)
+    # another GPU generation: the kernels are built for sm_90a, so the same call runs emulated
+    with S.set_capability_lookup(lambda device: (10, 0) if device.type == "cuda" else None), \
+            S.set_fp8_kernels_lookup(lambda: True):
+        assert pick(CUDA, 4096, 28672, **big) == "emulated"
+        with pytest.raises(ValueError, match="sm_90a; this is sm_100"):
+            pick(CUDA, 4096, 28672, backend="cutlass", **big)
+    assert pick("cpu", 4096, 28672, **big) == "emulated"
 
 
 def _per_tensor_operands(E, Kin, N, sizes):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from te_dist import kernels
-from te_dist.backends import torch_backend
+from te_dist.gemm import entry as gm
+from te_dist.gemm import loop_backend, torch_backend
 from te_dist.kernels import grouped_mm, grouped_mm_dgrad, grouped_mm_forward, grouped_mm_wgrad
 
 
@@ -160,8 +161,6 @@ def test_validation_errors_name_expected_and_received():
 
 def test_validation_happens_before_any_work(monkeypatch):
     calls = []
-    from te_dist.backends import loop_backend
-
     monkeypatch.setattr(loop_backend, "forward", lambda *a, **k: calls.append(a))
     with pytest.raises(ValueError):
         grouped_mm(torch.randn(5, 8), _weight(2, 8, 4), _offsets([2, 2]))
@@ -175,16 +174,51 @@ def test_available_backends_cpu():
     assert kernels.select_backend("fwd", x, w, backend="torch") == "torch"
 
 
-def test_torch_backend_loads_its_kernels_with_one_tiny_call_per_device(monkeypatch):
-    """The tuner's misses call ``load`` before timing: the first torch._grouped_mm of a process (which
-    loads torch's kernels) is a 32-row one, once per device, not a timed sample."""
-    calls = []
-    monkeypatch.setattr(torch, "_grouped_mm", lambda x, w, offs: calls.append((tuple(x.shape), offs.tolist())),
-                        raising=False)
-    monkeypatch.setattr(torch_backend, "_LOADED", set())
-    for _ in range(3):
-        torch_backend.load(torch.device("cpu"))
-    assert calls == [((32, 64), [16, 32])]
+@pytest.mark.parametrize("direction", ["fwd", "dgrad", "wgrad"])
+def test_torch_path_hands_a_transposed_weight_view_to_torch_as_given(monkeypatch, direction):
+    """The layer passes ``w.transpose(1, 2)`` of its contiguous [E, N, K] weight: torch._grouped_mm must
+    receive that storage as is (same data pointer, no contiguous copy), and the activations as given."""
+    seen = []
+    real = torch._grouped_mm
+
+    def spy(a, b, offs=None, **kw):
+        seen.append((a, b))
+        return real(a, b, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    torch.manual_seed(0)
+    E, K, N, splits = 3, 16, 8, [4, 0, 4]
+    w_ENK = torch.randn(E, N, K)
+    x, dy = torch.randn(8, K), torch.randn(8, N)
+    off = _offsets(splits)
+    if direction == "fwd":
+        grouped_mm_forward(x, w_ENK.transpose(1, 2), off, backend="torch")
+        a, b = seen[-1]
+        assert a is x and b.data_ptr() == w_ENK.data_ptr() and b.stride() == w_ENK.transpose(1, 2).stride()
+    elif direction == "dgrad":
+        grouped_mm_dgrad(dy, w_ENK.transpose(1, 2), off, backend="torch")
+        a, b = seen[-1]
+        assert a is dy and b.data_ptr() == w_ENK.data_ptr() and b.is_contiguous()
+    else:
+        grouped_mm_wgrad(x, dy, off, backend="torch")
+        a, b = seen[-1]
+        assert a.data_ptr() == dy.data_ptr() and b is x
+    assert len(seen) == 1
+
+
+def test_autograd_through_the_torch_path_copies_no_weight(monkeypatch):
+    """Forward and backward of grouped_mm with a transposed-view weight: every torch._grouped_mm call
+    reads the parameter's own storage, and no [E, N, K]-sized tensor is allocated besides the gradient."""
+    ptrs = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs=None: ptrs.append((a.data_ptr(), b.data_ptr()))
+                        or real(a, b, offs=offs))
+    w_ENK = torch.randn(3, 8, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    y = grouped_mm(x, w_ENK.transpose(1, 2), _offsets([4, 0, 4]), backend="torch")
+    y.backward(torch.randn_like(y))
+    assert ptrs[0][1] == w_ENK.data_ptr() and ptrs[1][1] == w_ENK.data_ptr()  # forward and dgrad
+    assert len(ptrs) == 3 and w_ENK.grad.shape == w_ENK.shape
 
 
 def test_torch_backend_accepts_expanded_gradients():
@@ -209,8 +243,6 @@ def test_torch_backend_accepts_expanded_gradients():
 
 
 def test_group_sizes_give_the_same_results_forward_and_backward(monkeypatch):
-    from te_dist.backends import loop_backend
-
     monkeypatch.setattr(loop_backend, "_use_native", lambda *a: False)  # the per-expert Python loop
     torch.manual_seed(7)
     splits = [3, 0, 2, 4]
@@ -230,15 +262,13 @@ def test_group_sizes_give_the_same_results_forward_and_backward(monkeypatch):
 
 
 def test_loop_bounds_come_from_group_sizes_without_reading_offsets():
-    from te_dist.backends.loop_backend import _bounds
+    from te_dist.gemm.loop_backend import _bounds
 
     assert _bounds(None, (2, 0, 3)) == [(0, 2), (2, 2), (2, 5)]
     assert _bounds(_offsets([2, 0, 3])) == [(0, 2), (2, 2), (2, 5)]
 
 
 def test_loop_wgrad_zeroes_experts_without_rows(monkeypatch):
-    from te_dist.backends import loop_backend
-
     monkeypatch.setattr(loop_backend, "_use_native", lambda *a: False)
     x, dy = torch.randn(4, 8), torch.randn(4, 6)
     dw = grouped_mm_wgrad(x, dy, _offsets([0, 4, 0]), group_sizes=[0, 4, 0], backend="loop")
@@ -264,8 +294,6 @@ def test_group_sizes_validation_names_expected_and_received():
 def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch):
     """The CUTLASS tile table reads the host sizes (its ragged row), so forward and dgrad, also the
     dgrad of the autograd backward, hand them on; wgrad has no size-dependent tile."""
-    from te_dist.backends import loop_backend
-
     seen = []
 
     class RecordingCutlass:  # stands in for cutlass_backend; the math runs on the loop backend
@@ -280,12 +308,12 @@ def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch):
             return loop_backend.dgrad(dy, w, off, scale, out_dtype)
 
         @staticmethod
-        def wgrad(x, dy, off, num_groups, out_dtype, *, config=None):
+        def wgrad(x, dy, off, num_groups, out_dtype, *, config=None, group_sizes=None):
             seen.append(("wgrad", None))
             return loop_backend.wgrad(x, dy, off, num_groups, out_dtype)
 
-    monkeypatch.setattr(kernels, "_select", lambda p, device, forced: "cutlass")
-    monkeypatch.setattr(kernels, "_cutlass_module", lambda: RecordingCutlass)
+    monkeypatch.setattr(gm, "cutlass_backend", RecordingCutlass)
+    monkeypatch.setattr(gm.decide, "why_not", lambda *a, **k: None)  # "cutlass can run this call"
     splits = [3, 0, 5]
     x = torch.randn(8, 4, requires_grad=True)
     w = _weight(3, 4, 6).detach().clone().requires_grad_(True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from te_dist import kernels
-from te_dist.backends import cutlass_backend, torch_backend
+from te_dist.gemm import cutlass_backend, measure, torch_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -35,6 +35,15 @@ def _sm90():
     if torch.cuda.is_available():
         _needs_sm90()
         assert cutlass_backend.is_available(torch.device("cuda")), "nvcc / CUTLASS headers missing on the GPU host"
+
+
+@pytest.fixture(autouse=True)
+def _static_rule():
+    """These tests check the static rule's picks: no measured entry may override them."""
+    measure.reset()
+    measure.configure(enabled=False)
+    yield
+    measure.reset()
 
 
 def _offsets(splits, device):
@@ -142,36 +151,40 @@ def test_all_experts_empty_and_no_rows():
     assert torch.count_nonzero(dw) == 0
 
 
-def test_selection_on_h200_picks_cutlass():
+def test_static_rule_on_sm90_picks_torch_plain_and_cutlass_for_a_fused_epilogue():
     dev = torch.device("cuda")
     _, x, w = _inputs(8, 512, 1024, 2048, dev)
-    assert kernels.select_backend("fwd", x, w) == "cutlass"
+    assert kernels.select_backend("fwd", x, w) == "torch"
+    assert kernels.select_backend("fwd", x, w, epilogue=True) == "cutlass"
+    assert kernels.select_backend("fwd", x, w, out_dtype=torch.float32) == "cutlass"
     assert "cutlass" in kernels.available_backends(dev)
 
 
 def test_host_group_sizes_pick_cublas_per_expert_for_few_large_groups_and_match_reference():
-    """Mixtral-like ragged groups with a long contraction and the sizes on the host: the selector
-    runs cuBLAS per expert (forward with the row-scale epilogue, and dgrad); wgrad stays ours."""
+    """Mixtral-like ragged groups with a long contraction and the sizes on the host: a call with a
+    row-scale epilogue runs cuBLAS per expert then the epilogue (forward and dgrad); a plain call runs
+    torch's kernel (the default); all match the float32 reference."""
     dev = torch.device("cuda")
     splits = [700, 512, 0, 900]
     _, x, w = _inputs(4, 0, 8192, 256, dev, splits=splits, seed=4)
     off = _offsets(splits, dev)
     scale = torch.rand(x.shape[0], device=dev)
-    assert kernels.select_backend("fwd", x, w, group_sizes=splits) == "loop"
-    assert kernels.select_backend("fwd", x, w) == "cutlass"
+    assert kernels.select_backend("fwd", x, w, group_sizes=splits, epilogue=True) == "loop"
+    assert kernels.select_backend("fwd", x, w, epilogue=True) == "cutlass"
+    assert kernels.select_backend("fwd", x, w, group_sizes=splits) == "torch"
     y = kernels.grouped_mm_forward(x, w, off, row_scale_T=scale, group_sizes=splits)
     _close(y, _ref_fwd(x, w, splits, None, scale), torch.bfloat16)
     dy_long = torch.randn(x.shape[0], 8192, device=dev).bfloat16()
     w_dgrad = (torch.randn(4, 8192, 256, device=dev) / 90).bfloat16().transpose(1, 2)  # [E, K=256, N=8192]
-    assert kernels.select_backend("dgrad", dy_long, w_dgrad, group_sizes=splits) == "loop"
-    dx = kernels.grouped_mm_dgrad(dy_long, w_dgrad, off, group_sizes=splits)
-    _close(dx, _ref_fwd(dy_long, w_dgrad.transpose(1, 2), splits), torch.bfloat16)
-    assert kernels.select_backend("wgrad", x, w, group_sizes=splits) == "cutlass"
+    assert kernels.select_backend("dgrad", dy_long, w_dgrad, group_sizes=splits, epilogue=True) == "loop"
+    dx = kernels.grouped_mm_dgrad(dy_long, w_dgrad, off, row_scale_T=scale, group_sizes=splits)
+    _close(dx, _ref_fwd(dy_long, w_dgrad.transpose(1, 2), splits, None, scale), torch.bfloat16)
+    assert kernels.select_backend("wgrad", x, w, group_sizes=splits) == "torch"
 
 
 def test_ragged_host_group_sizes_pick_tile_config_10_and_match_reference(monkeypatch):
     """DeepSeek-like ragged groups (~225 rows, 32 experts) with the sizes on the host: forward (with
-    bias and row scale) and dgrad run on our kernels with config 10, which the tile table picks only
+    bias and row scale) and dgrad (row scale) run on our kernels with config 10, which the tile table picks only
     because the sizes are given and unequal; the results match the float32 reference."""
     dev = torch.device("cuda")
     ck = cutlass_backend.kernels_module()
@@ -186,8 +199,8 @@ def test_ragged_host_group_sizes_pick_tile_config_10_and_match_reference(monkeyp
     y = kernels.grouped_mm_forward(x, w, off, bias_EN=bias, row_scale_T=scale, group_sizes=splits)
     _close(y, _ref_fwd(x, w, splits, bias, scale), torch.bfloat16)
     dy = torch.randn(x.shape[0], 512, device=dev).bfloat16()
-    dx = kernels.grouped_mm_dgrad(dy, w, off, group_sizes=splits)
-    _close(dx, _ref_fwd(dy, w.transpose(1, 2), splits), torch.bfloat16)
+    dx = kernels.grouped_mm_dgrad(dy, w, off, row_scale_T=scale, group_sizes=splits)
+    _close(dx, _ref_fwd(dy, w.transpose(1, 2), splits, None, scale), torch.bfloat16)
     kernels.grouped_mm_forward(x, w, off, bias_EN=bias, row_scale_T=scale)  # no sizes: the equal-split table
     assert picked == [10, 10, real("fwd", x.shape[0], 512, 1024, 32)] and picked[-1] != 10
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from te_dist import kernels
-from te_dist.backends import epilogue, loop_backend, validation
+from te_dist.gemm import epilogue, loop_backend, validation
 
 NATIVE = loop_backend._cpu_grouped_mm_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason="this torch has no CPU torch._grouped_mm")

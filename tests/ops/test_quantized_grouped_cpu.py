@@ -227,7 +227,7 @@ def test_per_tensor_transposed_copy_serves_wgrad_alone():
     """A per-tensor FP8 tensor whose cast wrote the transposed data: the wgrad copy keeps only that
     (the rowwise data served fprop and is freed), with x's shape, the same values, and the wgrad
     operand is that data as it is (no transpose)."""
-    from te_dist.backends.fp8_operands import columnwise_operand, copy_format, rowwise_operand
+    from te_dist.gemm.fp8_operands import columnwise_operand, copy_format, rowwise_operand
     from te_dist.quantization.tensors import Float8Tensor
 
     x = torch.randn(64, 256)
@@ -267,7 +267,7 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
     """What reaches the kernel library per GEMM (a fake library records it): per-tensor recipes
     launch the tensor-scaled instances with each operand's one scale (no scale tables, no scratch);
     block scaling launches the block-scaled ones with its [T, K/128] / weight-block tables."""
-    from te_dist.backends import fp8_cutlass_backend as fb
+    from te_dist.gemm import cutlass_backend as cb
 
     calls = []
 
@@ -279,7 +279,7 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
             calls[-1].update(sfa=sfa, sfb=sfb, scratch=scratch, n=n, k=k, rows=rows)
             return 0
 
-    class FakeModule:
+    class FakeFp8Block:
         @staticmethod
         def choose_fp8_config(direction, rows, groups, sizes=None):
             return 0
@@ -289,9 +289,12 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
             calls.append(dict(direction=direction, formats=(a_format, b_format), tensor_scales=tensor_scales))
             return FakeLib()
 
-    monkeypatch.setattr(fb, "_module", lambda: FakeModule)
-    monkeypatch.setattr(fb, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(fb, "_raw_stream", lambda index: 0)
+    class FakeKernels:
+        fp8_block = FakeFp8Block
+
+    monkeypatch.setattr(cb, "kernels_module", lambda: FakeKernels)
+    monkeypatch.setattr(cb, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(cb, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     E, Kin, N, sizes = 2, 256, 384, (128, 256)
     qi, qw, qg = (make_quantizer(recipe, role) for role in ("input", "weight", "grad_output"))
@@ -299,9 +302,9 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
     wq = K.prepare_quantized_weight(qw(torch.randn(E, N, Kin), rowwise=True, columnwise=True))
     dyq = qg(torch.randn(sum(sizes), N), rowwise=True, columnwise=True)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    fb.forward(xq, wq, offs)
-    fb.dgrad(dyq, wq, offs)
-    fb.wgrad(xq, dyq, offs, num_groups=E)
+    cb.fp8_forward(xq, wq, offs)
+    cb.fp8_dgrad(dyq, wq, offs)
+    cb.fp8_wgrad(xq, dyq, offs, num_groups=E)
     per_tensor = not isinstance(recipe, R.Float8BlockScaling)
     assert [c["direction"] for c in calls] == ["fwd", "dgrad", "wgrad"]
     assert all(c["tensor_scales"] == per_tensor for c in calls)
@@ -315,13 +318,13 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
         # one row of K 128: a block-scale table of one element is still a block-scaled call
         one = qi(torch.randn(1, 128), rowwise=True, columnwise=False)
         w1 = K.prepare_quantized_weight(qw(torch.randn(1, 128, 128), rowwise=True, columnwise=True))
-        fb.forward(one, w1, torch.tensor([1], dtype=torch.int32))
+        cb.fp8_forward(one, w1, torch.tensor([1], dtype=torch.int32))
         assert calls[-1]["direction"] == "fwd" and calls[-1]["tensor_scales"] is False
 
 
 def test_mixed_scalings_broadcast_the_per_tensor_scale():
     """A per-tensor operand beside a block-scaled one: only then its scale becomes a table."""
-    from te_dist.backends.fp8_operands import rowwise_operand, tensor_scales
+    from te_dist.gemm.fp8_operands import rowwise_operand, tensor_scales
 
     xq = make_quantizer(R.Float8CurrentScaling(), "input")(torch.randn(256, 256), rowwise=True, columnwise=True)
     wblock = K.prepare_quantized_weight(make_quantizer(R.Float8BlockScaling(), "weight")(
@@ -339,7 +342,7 @@ def test_block_wgrad_operand_takes_the_scales_the_cast_laid_out():
     """A 1x128 columnwise copy that carries its scales M-major (``scale_inv_t``, written by the fused
     cast) is the wgrad operand as it is; without it the same layout is built: [R/128 + 1, C], the
     scales transposed, a zero last row."""
-    from te_dist.backends.fp8_operands import columnwise_operand
+    from te_dist.gemm.fp8_operands import columnwise_operand
     from te_dist.quantization.tensors import BlockScaledData
 
     x = torch.randn(384, 256)

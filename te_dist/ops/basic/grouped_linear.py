@@ -7,7 +7,7 @@ zeros allowed) becomes int32 cumulative END offsets on the data's device — com
 when the split sizes already live there, so no host sync. CPU split sizes are validated (non-negative,
 summing to T) before any kernel runs, and are also handed to the GEMMs as host ints
 (``group_sizes``): the backend then sees the actual group sizes, and cuBLAS per expert may run
-where it beats the grouped kernels (te_dist.backends.selection), without reading the offsets.
+where it beats the grouped kernels (te_dist.gemm.decide), without reading the offsets.
 A caller that holds both forms passes a :class:`GroupSplits` (the MoE dispatcher, see there); it may
 name the GEMM's rows as a :class:`~te_dist.ops.basic.row_gather.RowGather` of another tensor's rows:
 ``rows_in`` (the op's input is the gather's source) or ``rows_out`` (the op's output is the GEMM's rows
@@ -477,7 +477,7 @@ class GroupedLinear(BasicOperation):
 
 
 def bias_grad(dy, offsets, num_groups, dtype):
-    from ...backends.epilogue import bias_grad as _bias_grad
+    from ...gemm.epilogue import bias_grad as _bias_grad
 
     return _bias_grad(dy, offsets, num_groups, dtype)
 

@@ -12,10 +12,10 @@ import json
 import torch
 import torch.distributed as dist
 
-from te_dist.backends import autotune
-from te_dist.backends.autotune import Autotuner, MissContext, Settings
-from te_dist.backends.selection import Problem
 from te_dist.distributed import agree_tuned_choices
+from te_dist.gemm import decide, measure
+from te_dist.gemm.decide import Problem
+from te_dist.gemm.measure import Settings, Tuner
 
 CHOICES = [("cutlass", 0), ("torch", None), ("cutlass", 2), ("cutlass", 10)]
 
@@ -34,17 +34,19 @@ def main():
     winner = CHOICES[1 + rank % 3]  # rank 0: torch, rank 1: cutlass:2, ...
     ms = {c: (0.5 if c == winner else 1.0 + i) for i, c in enumerate(CHOICES)}
     timer = lambda fn, calls: ms[fn()]  # noqa: E731
-    tuner = autotune.reset(Autotuner(Settings(persist=False), timer=timer, identity=lambda i: ("Fake GPU", 132)))
-    context = lambda: MissContext(CHOICES[0], lambda c: (lambda: c), True, True, (0, 2, 10), lambda c: True)  # noqa: E731
+    tuner = measure.reset(Tuner(Settings(persist=False), timer=timer, identity=lambda i: ("Fake GPU", 132)))
+    runs = lambda: [(c, lambda c=c: c) for c in CHOICES]  # noqa: E731
     sizes = (256,) * 8
-    name = lambda c: None if c is None else autotune.choice_name(c)  # noqa: E731
+
+    def choose(p):
+        got = tuner.entry(p, 0, sizes, runs)
+        return None if got is None else measure.choice_name(decide.pick_measured(got, p))
+
     shared, own = problem(4096), problem(4096 + 8 * (rank + 1))  # every rank's bucket, and one per rank
-    emit("before", shared=name(tuner.choose(shared, 0, sizes, context)), own=name(tuner.choose(own, 0, sizes, context)))
+    emit("before", shared=choose(shared), own=choose(own))
     count = agree_tuned_choices(timeout=60)
-    emit("after", count=count, shared=name(tuner.choose(shared, 0, sizes, context)),
-         own=name(tuner.choose(own, 0, sizes, context)),
-         rank0_own=name(tuner.choose(problem(4096 + 8), 0, sizes, context)),
-         new=name(tuner.choose(problem(8192), 0, sizes, context)), frozen=tuner.settings.deterministic)
+    emit("after", count=count, shared=choose(shared), own=choose(own), rank0_own=choose(problem(4096 + 8)),
+         new=choose(problem(8192)), frozen=tuner.settings.deterministic)
     dist.barrier()
     dist.destroy_process_group()
 

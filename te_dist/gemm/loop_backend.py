@@ -1,18 +1,14 @@
 """Per-expert loop backend, and the float32 reference for every other backend.
 
-Why keep it: it runs everywhere (CPU, old torch, fp16/fp32, any strides) and, on tiny decode
-shapes, a few plain GEMMs can beat one grouped launch. It reads offsets on the host, so on CUDA
-it syncs and cannot be captured in a CUDA graph (the selector never picks it while capturing).
+It runs everywhere (CPU, old torch, fp16/fp32, any strides), and cuBLAS per expert can beat one
+grouped launch for a few large experts. Without host group sizes it reads the offsets on the host,
+so on CUDA it syncs and is never picked while capturing a CUDA graph. On CPU it computes in float32;
+on CUDA it runs ``torch.mm`` in the input dtype and the epilogue in float32.
 
-On CPU it computes in float32 (exact reference semantics); on CUDA it runs ``torch.mm`` in the
-input dtype (fp32 accumulate inside cuBLAS) and applies the epilogue in float32.
-
-On CPU the per-expert loop runs in C++ when it can: ``torch._grouped_mm``'s CPU kernel is the same
-loop (``at::mm_out`` per expert into a slice of one output, zeros for experts without rows), so the
-results are the same, without a Python round trip and three view constructions per expert (a tiny
-4-expert call through te_dist.kernels: ~25 -> ~16 µs). It needs 16-byte row strides (feature dims a
-multiple of 4 in float32); other layouts, and torches without a CPU ``_grouped_mm``, take the Python
-loop. (That torch kernel logs "fallback path" at INFO level, silent unless TORCH_CPP_LOG_LEVEL=INFO.)
+On CPU the loop runs in C++ where the layout allows: ``torch._grouped_mm``'s CPU kernel is the same
+loop (``at::mm_out`` per expert into one output, zeros for experts without rows), without a Python
+round trip per expert. It needs 16-byte row strides; other layouts, and torches without a CPU
+``_grouped_mm``, take the Python loop.
 """
 
 from __future__ import annotations

@@ -10,19 +10,18 @@ import pytest
 import torch
 
 from te_dist import kernels
-from te_dist.backends import autotune, loop_backend
-from te_dist.backends.bucket_timing import estimate
+from te_dist.gemm import entry, loop_backend, measure
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
 def fresh_tuner(tmp_path, monkeypatch):
-    monkeypatch.delenv(autotune.ENV, raising=False)
-    tuner = autotune.reset()
-    autotune.configure(directory=tmp_path, bucket_ms=200, total_ms=float("inf"))
+    monkeypatch.delenv(measure.ENV, raising=False)
+    tuner = measure.reset()
+    measure.configure(directory=tmp_path, bucket_ms=200, total_ms=float("inf"))
     yield tuner
-    autotune.reset()
+    measure.reset()
 
 
 def _operands(direction, ragged, device):
@@ -64,15 +63,10 @@ def test_tuned_call_matches_untuned(cuda_device, fresh_tuner, monkeypatch, direc
     ref = _reference(direction, x, w, dy, off, sizes)
     fresh_tuner.settings.enabled = False
     untuned = _call(direction, x, w, dy, off, sizes).float().cpu()
-    assert not fresh_tuner.table_for(cuda_device.index).ranking  # off: nothing measured
+    assert not fresh_tuner.table_for(cuda_device.index).ms  # off: nothing measured
     fresh_tuner.settings.enabled = True
-    first = _call(direction, x, w, dy, off, sizes).float().cpu()  # measures, then runs the winner
-    table = fresh_tuner.table_for(cuda_device.index)
-    for _ in range(200):  # a bucket the first call left undecided settles on the next calls
-        if not table.settling:
-            break
-        _call(direction, x, w, dy, off, sizes).float().cpu()
-    again = _call(direction, x, w, dy, off, sizes).float().cpu()  # the table's answer
+    first = _call(direction, x, w, dy, off, sizes).float().cpu()  # measures, then runs the choice
+    again = _call(direction, x, w, dy, off, sizes).float().cpu()  # the entry's answer
     again2 = _call(direction, x, w, dy, off, sizes).float().cpu()
     row = x if direction != "dgrad" else dy
     assert kernels.describe_choice(direction, row, w, group_sizes=sizes).endswith(" measured")
@@ -85,47 +79,18 @@ def test_tuned_call_matches_untuned(cuda_device, fresh_tuner, monkeypatch, direc
 
 @pytest.mark.parametrize("direction", ["fwd", "dgrad", "wgrad"])
 def test_every_ranked_candidate_computes_the_same_values(cuda_device, fresh_tuner, direction):
-    """A fast wrong kernel must never win: every choice the tuner timed gives the reference values."""
+    """A fast wrong kernel must never win: every choice the measurement timed gives the reference values."""
     x, w, dy, off, sizes = _operands(direction, True, cuda_device)
     ref = _reference(direction, x, w, dy, off, sizes)
     _call(direction, x, w, dy, off, sizes)
-    table = fresh_tuner.table_for(cuda_device.index)
-    (ranking,) = table.ranking.values()
-    assert len(ranking) >= 2 and any(c[0] == "torch" for c in ranking)  # torch is always timed
+    (ms,) = fresh_tuner.table_for(cuda_device.index).ms.values()
+    assert len(ms) >= 2 and ("torch", None) in ms  # torch is always timed
     tol = dict(rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    for choice in ranking:
+    for choice in ms:
         if direction == "fwd":
-            got = kernels._forward_with(choice, x, w, off, None, None, torch.bfloat16, tuple(sizes))
+            got = entry._run_forward(choice, (x, w, off, None, None, torch.bfloat16), tuple(sizes))
         elif direction == "dgrad":
-            got = kernels._dgrad_with(choice, dy, w, off, None, torch.bfloat16, tuple(sizes))
+            got = entry._run_dgrad(choice, (dy, w, off, None, torch.bfloat16), tuple(sizes))
         else:
-            got = kernels._wgrad_with(choice, x, dy, off, w.shape[0], torch.bfloat16, tuple(sizes))
+            got = entry._run_wgrad(choice, (x, dy, off, w.shape[0], torch.bfloat16), tuple(sizes))
         torch.testing.assert_close(got.float().cpu(), ref, **tol, msg=f"{choice} disagrees")
-
-
-@pytest.mark.parametrize("direction", ["fwd", "dgrad", "wgrad"])
-def test_live_settling_calls_compute_the_reference_and_settle(cuda_device, fresh_tuner, monkeypatch, direction):
-    """A bucket its first call left undecided (forced here: every candidate) is timed on its next
-    calls between CUDA events read without waiting; every one of those calls returns the reference
-    values, and the bucket settles on a ranking of what it timed."""
-    monkeypatch.setattr(autotune, "undecided", lambda timings, cands: [min(timings, key=timings.get)]
-                        + [c for c in cands if c != min(timings, key=timings.get)])
-    x, w, dy, off, sizes = _operands(direction, True, cuda_device)
-    ref = _reference(direction, x, w, dy, off, sizes)
-    tol = dict(rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    row = x if direction != "dgrad" else dy
-    _call(direction, x, w, dy, off, sizes)
-    table = fresh_tuner.table_for(cuda_device.index)
-    (settling,) = table.settling.values()
-    assert kernels.describe_choice(direction, row, w, group_sizes=sizes).endswith(" settling")
-    for _ in range(200):
-        if not table.settling:
-            break
-        torch.testing.assert_close(_call(direction, x, w, dy, off, sizes).float().cpu(), ref, **tol)
-    assert not table.settling and settling.finished
-    live = {c: estimate(s) for c, s in settling.samples.items() if s}
-    assert len(live) >= 2
-    (ranking,) = table.ranking.values()
-    assert ranking[0] == min(live, key=live.get)
-    assert kernels.describe_choice(direction, row, w, group_sizes=sizes).endswith(" measured")
-    torch.testing.assert_close(_call(direction, x, w, dy, off, sizes).float().cpu(), ref, **tol)

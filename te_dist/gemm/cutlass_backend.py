@@ -1,0 +1,253 @@
+"""Our CUTLASS SM90 grouped GEMMs (cutlass_kernels/) behind the backend interface, bf16 and FP8.
+
+What they add over torch's kernels: the fused epilogue (row scale + per-expert bias in the GEMM's
+output pass), float32 outputs, block-scaled and tensor-scaled FP8 (torch has no block-scaled
+grouped FP8 GEMM), and a tile per shape (cutlass_kernels/heuristics.py). Kernels are built on first
+use, launched through a C ABI on the current stream with a caller-allocated workspace: no host sync,
+CUDA-graph capturable. A bf16 build that fails warns once, disables the bf16 kernels and the call
+runs on torch._grouped_mm; an FP8 instance that fails to build warns once and its calls run
+emulated; an FP8 library that fails to load marks the FP8 kernels unavailable (the support
+predicates then answer False) and ``te-dist env`` shows why.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from .. import support
+from . import torch_backend
+from .fp8_operands import columnwise_operand, fp8_format, one_scale, rowwise_operand, tensor_scales
+
+__all__ = ["kernels_module", "is_available", "disable", "forward", "dgrad", "wgrad", "fp8_forward", "fp8_dgrad",
+           "fp8_wgrad", "fp8_guarded"]
+
+_state = {"disabled": False}
+
+
+def kernels_module():
+    """The top-level ``cutlass_kernels`` package (beside te_dist in a source checkout)."""
+    ck = _state.get("module")
+    if ck is None:
+        try:
+            ck = importlib.import_module("cutlass_kernels")
+        except ImportError:
+            root = str(Path(__file__).resolve().parents[2])
+            if root not in sys.path:
+                sys.path.append(root)
+            ck = importlib.import_module("cutlass_kernels")
+        _state["module"] = ck
+    return ck
+
+
+def is_available(device: torch.device) -> bool:
+    """The bf16 kernels can run here: not disabled (``TE_DIST_DISABLE_CUTLASS``, a failed build), tools found."""
+    if _state["disabled"] or os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0"):
+        return False
+    return support.cutlass_tools_present()
+
+
+def disable(reason: str) -> None:
+    if not _state["disabled"]:
+        warnings.warn(f"te_dist cutlass_kernels disabled, falling back to torch._grouped_mm: {reason}", stacklevel=3)
+    _state["disabled"] = True
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# torch's C getter of the current stream's cudaStream_t (a Stream object per call costs far more);
+# the public form stays as the fallback for a torch without it.
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(index: int) -> int:
+    if _CURRENT_RAW_STREAM is None:
+        return torch.cuda.current_stream(index).cuda_stream
+    return _CURRENT_RAW_STREAM(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _f32(t):
+    return None if t is None else t.float().contiguous()
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def _launch(direction: str, a, b, d, offsets_E, num_groups, n, k, scale, bias, num_rows, config=None, group_sizes=None):
+    ck = kernels_module()
+    index = _index(a.device)
+    sms = _sm_count(index)
+    if config is None:
+        config = ck.choose_config(direction, num_rows, n, k, num_groups, sms, group_sizes)
+    lib = ck.load(direction, config, d.dtype == torch.float32)
+    ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=a.device)
+    rc = lib.run(a.data_ptr(), b.data_ptr(), d.data_ptr(), offsets_E.data_ptr(), num_groups, n, k, _ptr(scale),
+                 _ptr(bias), ws.data_ptr(), ws.numel(), sms, index, _raw_stream(index))
+    if rc != 0:
+        raise RuntimeError(f"cutlass_kernels {direction} (config {config}) failed: {lib.last_error()}")
+
+
+def _guard(fallback):
+    """Run the CUTLASS path; on a build failure disable it and run ``fallback`` (the torch backend)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, config=None, group_sizes=None, **kwargs):
+            if not _state["disabled"]:
+                try:
+                    return fn(*args, config=config, group_sizes=group_sizes, **kwargs)
+                except kernels_module().BuildError as exc:
+                    disable(str(exc))
+            return fallback(*args, **kwargs)  # a tile config or host sizes mean nothing to it
+
+        return inner
+
+    return wrap
+
+
+def _k_major(w_EKN):
+    w_ENK = w_EKN.transpose(1, 2)
+    assert w_ENK.is_contiguous(), "the decision routes only K-major weights here"
+    return _aligned(w_ENK)
+
+
+@_guard(torch_backend.forward)
+def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
+    E, K, N = w_EKN.shape
+    T = x_TK.shape[0]
+    y_TN = torch.empty(T, N, device=x_TK.device, dtype=out_dtype or x_TK.dtype)
+    if T and E:
+        _launch("fwd", _aligned(x_TK), _k_major(w_EKN), y_TN, offsets_E, E, N, K, _f32(row_scale_T), _f32(bias_EN),
+                T, config, group_sizes)
+    return y_TN
+
+
+@_guard(torch_backend.dgrad)
+def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
+    E, K, N = w_EKN.shape
+    T = dy_TN.shape[0]
+    dx_TK = torch.empty(T, K, device=dy_TN.device, dtype=out_dtype or dy_TN.dtype)
+    if T and E:
+        _launch("dgrad", _aligned(dy_TN), _k_major(w_EKN), dx_TK, offsets_E, E, N, K, _f32(row_scale_T), None, T,
+                config, group_sizes)
+    return dx_TK
+
+
+@_guard(torch_backend.wgrad)
+def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, *, config=None, group_sizes=None):
+    K, N = x_TK.shape[1], dy_TN.shape[1]
+    T = x_TK.shape[0]
+    out_dtype = out_dtype or x_TK.dtype
+    if T == 0 or num_groups == 0:
+        return torch.zeros(num_groups, N, K, device=x_TK.device, dtype=out_dtype).transpose(1, 2)
+    dw_ENK = torch.empty(num_groups, N, K, device=x_TK.device, dtype=out_dtype)
+    _launch("wgrad", _aligned(dy_TN), _aligned(x_TK), dw_ENK, offsets_E, num_groups, N, K, None, None, T, config)
+    return dw_ENK.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------- FP8
+
+
+def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, k, num_rows, bias, row_scale,
+                group_sizes, per_tensor: bool):
+    """One FP8 kernel call; ``per_tensor``: a_scale and b_scale are one float each (the
+    tensor-scaled instances), else block-scale tables."""
+    index = _index(a.device)
+    sms = _sm_count(index)
+    fb = kernels_module().fp8_block
+    config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes)
+    lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
+    ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=a.device)
+    scratch = None
+    if direction != "wgrad" and not per_tensor:
+        scratch = torch.empty(a_scale.numel(), dtype=torch.float32, device=a.device)
+    rc = lib.run(a.data_ptr(), b.data_ptr(), d.data_ptr(), a_scale.data_ptr(), b_scale.data_ptr(), _ptr(scratch),
+                 offsets_E.data_ptr(), num_groups, n, k, num_rows, _ptr(row_scale), _ptr(bias), ws.data_ptr(),
+                 ws.numel(), sms, index, _raw_stream(index))
+    if rc != 0:
+        raise RuntimeError(f"cutlass_kernels FP8 {direction} (config {config}) failed: {lib.last_error()}")
+
+
+def fp8_forward(xq, wq, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=torch.bfloat16, group_sizes=None):
+    """y[T, N] = row_scale * (x @ w[e]^T) + bias[e] from a quantized x [T, K] and a QuantizedWeight."""
+    E, N, K = wq.shape
+    per_tensor = tensor_scales(xq, wq)
+    x, x_scale = rowwise_operand(xq, scale_tables=not per_tensor)
+    y = torch.empty(x.shape[0], N, device=x.device, dtype=out_dtype)
+    if x.shape[0] and E:
+        _launch_fp8("fwd", x, x_scale, wq.fwd_data, one_scale(wq) if per_tensor else wq.fwd_scale, y, offsets_E, E,
+                    N, K, x.shape[0], _f32(bias_EN), _f32(row_scale_T), group_sizes, per_tensor)
+    return y
+
+
+def fp8_dgrad(dyq, wq, offsets_E, out_dtype=torch.bfloat16, group_sizes=None):
+    """dx[T, K] = dy @ w[e] from a quantized dy [T, N] and a QuantizedWeight."""
+    E, N, K = wq.shape
+    per_tensor = tensor_scales(dyq, wq)
+    dy, dy_scale = rowwise_operand(dyq, scale_tables=not per_tensor)
+    dx = torch.empty(dy.shape[0], K, device=dy.device, dtype=out_dtype)
+    if dy.shape[0] and E:
+        _launch_fp8("dgrad", dy, dy_scale, wq.dgrad_data, one_scale(wq) if per_tensor else wq.dgrad_scale, dx,
+                    offsets_E, E, N, K, dy.shape[0], None, None, group_sizes, per_tensor)
+    return dx
+
+
+def fp8_wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_sizes=None):
+    """dw[e] = dy_e^T @ x_e as [E, N, K] from columnwise copies (every group's first row aligned;
+    no size-dependent tile: wgrad pads no rows)."""
+    T, K = xq.shape
+    N = dyq.shape[1]
+    per_tensor = tensor_scales(xq, dyq)
+    dyT, dyT_scale = columnwise_operand(dyq, scale_tables=not per_tensor)
+    xT, xT_scale = columnwise_operand(xq, scale_tables=not per_tensor)
+    dw = torch.empty(num_groups, N, K, device=dyT.device, dtype=out_dtype)
+    if num_groups and T == 0:
+        dw.zero_()
+    elif num_groups:
+        _launch_fp8("wgrad", dyT, dyT_scale, xT, xT_scale, dw, offsets_E, num_groups, N, K, T, None, None, None,
+                    per_tensor)
+    return dw
+
+
+_warned: set = set()
+
+
+def fp8_guarded(fn, fallback):
+    """Run ``fn``; an instance that fails to build runs ``fallback`` (warned once per instance); a
+    library that fails to load marks the FP8 kernels unavailable."""
+
+    def inner(*args, **kwargs):
+        if support.fp8_kernels_available():
+            try:
+                return fn(*args, **kwargs)
+            except kernels_module().BuildError as exc:
+                message = str(exc).splitlines()[0][:300]
+                if message not in _warned:
+                    _warned.add(message)
+                    warnings.warn(f"te_dist FP8 grouped-GEMM kernel failed to build, running emulated: {message}",
+                                  stacklevel=3)
+            except OSError as exc:
+                warnings.warn(f"te_dist FP8 grouped-GEMM kernels disabled, FP8 GEMMs run emulated: {exc}", stacklevel=3)
+                support.mark_fp8_kernels_unavailable(f"{type(exc).__name__}: {exc}")
+        return fallback(*args, **kwargs)
+
+    return inner

@@ -1,0 +1,246 @@
+"""The bf16 (and fp16/fp32) grouped-GEMM entry points: validate, decide, run.
+
+``grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None)`` computes,
+for the rows of expert e (rows ``offsets[e-1]:offsets[e]``, offsets = int32 cumulative END rows on
+x's device, as ``torch._grouped_mm`` takes them)::
+
+    y[rows] = row_scale[rows, None] * (x[rows] @ w[e]) + bias[e]
+
+differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a
+contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Per call: the inputs are checked
+(:mod:`.validation`), the backend is chosen (:mod:`.decide`, with the bucket's measured entry from
+:mod:`.measure` on CUDA) and run. Legend: T rows (tokens), K in-features, N out-features, E experts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..support import device_capability
+from . import cutlass_backend, decide, loop_backend, measure, torch_backend, validation
+from .autograd import GroupedMM
+
+__all__ = ["grouped_mm", "grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_wgrad", "select_backend",
+           "describe_choice", "available_backends"]
+
+_TORCH_GROUPED = torch_backend.is_available()
+def _problem(direction, a, k, n, num_groups, out_dtype, k_major, group_sizes, epilogue) -> decide.Problem:
+    device = a.device
+    cuda = device.type == "cuda"
+    return decide.Problem(direction, device.type, device_capability(device) if cuda else None, a.dtype, out_dtype,
+                          a.shape[0], k, n, num_groups, k_major, cuda and torch.cuda.is_current_stream_capturing(),
+                          group_sizes is not None, epilogue)
+
+
+def _weight_k_major(w_EKN: torch.Tensor, E: int, K: int, N: int) -> bool:
+    """``w_EKN`` is the transposed view of a contiguous [E, N, K] weight (what our kernels read)."""
+    s = w_EKN.stride()
+    return s[1] == 1 and s[2] == K and (E <= 1 or s[0] == N * K)
+
+
+def _choose(p: decide.Problem, device, forced, group_sizes, call) -> decide.Choice:
+    """The decision, with the bucket's measured entry on CUDA (``call(choice)`` makes the call)."""
+    cutlass_ok = lambda: p.capability == (9, 0) and cutlass_backend.is_available(device)  # noqa: E731
+    measured = None
+    if forced is None and p.device_type == "cuda":
+        t = measure.tuner()
+        if t.enabled:
+            measured = t.entry(p, device.index, group_sizes, lambda: [(c, lambda c=c: call(c)) for c in decide.candidates(
+                p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, configs=_built_tiles(p), group_sizes=group_sizes)])
+    return decide.choose(p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, forced=forced, measured=measured)
+
+
+def _built_tiles(p: decide.Problem) -> tuple:
+    """The bf16 tiles a measurement may time: built, and their library opened now (not on the clock)."""
+    if p.capability != (9, 0) or not cutlass_backend.is_available(None):
+        return ()
+    ck = cutlass_backend.kernels_module()
+    out = []
+    for config in sorted(ck.CONFIGS):
+        try:
+            if ck.build.is_built(p.direction, config, p.out_dtype == torch.float32):
+                ck.load(p.direction, config, p.out_dtype == torch.float32)
+                out.append(config)
+        except Exception:  # noqa: BLE001 - a library that does not open cannot be a candidate
+            pass
+    return tuple(out)
+
+
+def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
+    out_dtype = out_dtype or x_TK.dtype
+    if backend is None and x_TK.is_cpu:  # the rule's CPU row, without building a Problem
+        return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
+    E, K, N = w_EKN.shape
+    p = _problem("fwd", x_TK, K, N, E, out_dtype, _weight_k_major(w_EKN, E, K, N), group_sizes,
+                 bias_EN is not None or row_scale_T is not None)
+    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+    return _run_forward(_choose(p, x_TK.device, backend, group_sizes, lambda c: _run_forward(c, args, group_sizes)),
+                        args, group_sizes)
+
+
+def _run_forward(choice, args, group_sizes):
+    name, config = choice
+    if name == "torch":
+        return torch_backend.forward(*args)
+    if name == "loop":
+        return loop_backend.forward(*args, group_sizes)
+    return cutlass_backend.forward(*args, config=config, group_sizes=group_sizes)
+
+
+def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
+    out_dtype = out_dtype or dy_TN.dtype
+    if backend is None and dy_TN.is_cpu:
+        return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
+    E, K, N = w_EKN.shape
+    p = _problem("dgrad", dy_TN, N, K, E, out_dtype, _weight_k_major(w_EKN, E, K, N), group_sizes,
+                 row_scale_T is not None)
+    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+    return _run_dgrad(_choose(p, dy_TN.device, backend, group_sizes, lambda c: _run_dgrad(c, args, group_sizes)),
+                      args, group_sizes)
+
+
+def _run_dgrad(choice, args, group_sizes):
+    name, config = choice
+    if name == "torch":
+        return torch_backend.dgrad(*args)
+    if name == "loop":
+        return loop_backend.dgrad(*args, group_sizes)
+    return cutlass_backend.dgrad(*args, config=config, group_sizes=group_sizes)
+
+
+def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
+    out_dtype = out_dtype or x_TK.dtype
+    if backend is None and x_TK.is_cpu:
+        return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
+    p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, out_dtype, True, group_sizes, False)
+    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+    return _run_wgrad(_choose(p, x_TK.device, backend, group_sizes, lambda c: _run_wgrad(c, args, group_sizes)),
+                      args, group_sizes)
+
+
+def _run_wgrad(choice, args, group_sizes):
+    name, config = choice
+    if name == "loop":
+        return loop_backend.wgrad(*args, group_sizes)
+    if name == "torch":
+        return torch_backend.wgrad(*args)
+    return cutlass_backend.wgrad(*args, config=config)  # no size-dependent tile: wgrad pads no rows
+
+
+class _Dispatch:
+    """The validated-input directions, handed to the autograd function."""
+
+    forward, dgrad, wgrad = staticmethod(_forward), staticmethod(_dgrad), staticmethod(_wgrad)
+
+
+def _check_backend_arg(backend) -> None:
+    if backend is not None and backend not in decide.BACKENDS:
+        raise ValueError(f"backend must be None or one of {decide.BACKENDS}, received {backend!r}")
+
+
+def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
+               check_offsets: Optional[bool] = None, group_sizes=None) -> torch.Tensor:
+    """Differentiable grouped GEMM with a fused per-row scale and per-expert bias (see module doc).
+
+    ``backend``: None (decided per call) or one of ``BACKENDS`` (forced; ValueError saying why where it
+    cannot run). ``check_offsets``: read offsets' values on the host to validate them (default: only
+    for CPU offsets; on CUDA this would sync and break graph capture). ``group_sizes``: the rows of
+    each expert as host ints (list, tuple or CPU tensor), when the caller has them anyway (an MoE
+    layer does): the decision sees them and the per-expert loop reads no offsets; they must agree
+    with the offsets (checked against the row count, never read from the device)."""
+    _check_backend_arg(backend)
+    validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
+    if group_sizes is not None:
+        group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], x_TK.shape[0])
+    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch, group_sizes)
+
+
+def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
+                       check_offsets=None, group_sizes=None) -> torch.Tensor:
+    """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
+    _check_backend_arg(backend)
+    validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
+    if group_sizes is not None:
+        group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], x_TK.shape[0])
+    return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes)
+
+
+def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,
+                     check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
+    """dx = row_scale * (dy @ w[e]^T) for the rows of each expert; arguments as grouped_mm.
+    ``validate=False`` skips the checks: only for a backward whose forward validated its operands."""
+    _check_backend_arg(backend)
+    if validate:
+        validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets)
+        if group_sizes is not None:
+            group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], dy_TN.shape[0])
+    return _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes)
+
+
+def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None, out_dtype=None, backend=None,
+                     check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
+    """dw[e] = x_e^T @ dy_e as [E, K, N], a transposed view of a contiguous [E, N, K] buffer (the
+    weight's layout); experts without rows get zeros. Arguments as grouped_mm_dgrad."""
+    _check_backend_arg(backend)
+    if num_groups is None:
+        num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
+    if validate:
+        validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets)
+        if group_sizes is not None:
+            group_sizes = validation.check_group_sizes(group_sizes, num_groups, x_TK.shape[0])
+    return _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes)
+
+
+def _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue) -> decide.Problem:
+    E, K, N = w_EKN.shape
+    k_major = direction == "wgrad" or _weight_k_major(w_EKN, E, K, N)
+    if direction == "dgrad":
+        K, N = N, K  # dgrad contracts over N and writes K columns
+    return _problem(direction, x_TK, K, N, E, out_dtype or x_TK.dtype, k_major, group_sizes, epilogue)
+
+
+def select_backend(direction: str, x_TK, w_EKN, *, out_dtype=None, backend=None, group_sizes=None,
+                   epilogue: bool = False) -> str:
+    """The backend the rule picks for a call with these operands without a measurement (benchmarks,
+    logs). ``x_TK``: the call's row operand (dgrad: dy); ``epilogue``: a bias or row scale is given."""
+    p = _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue)
+    cutlass_ok = lambda: p.capability == (9, 0) and cutlass_backend.is_available(x_TK.device)  # noqa: E731
+    return decide.choose(p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, forced=backend)[0]
+
+
+def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=None, epilogue: bool = False) -> str:
+    """What such a call runs and why: ``"cutlass:2 measured"``, ``"torch static"``. Measures nothing."""
+    if group_sizes is not None:
+        group_sizes = tuple(group_sizes)
+    p = _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue)
+    if p.device_type == "cuda" and measure.tuner().enabled:
+        t = measure.tuner()
+        ms = t.table_for(x_TK.device.index).ms.get(measure.bucket_key(p, group_sizes))
+        if ms and (t.agreed or not t.deterministic()):
+            choice = decide.pick_measured(ms, p)
+            if choice is not None:
+                return f"{measure.choice_name(choice)} measured"
+    name = select_backend(direction, x_TK, w_EKN, out_dtype=out_dtype, group_sizes=group_sizes, epilogue=epilogue)
+    if name == "cutlass":
+        ck = cutlass_backend.kernels_module()
+        config = ck.choose_config(direction, p.num_rows, p.n if direction != "dgrad" else p.k,
+                                  p.k if direction != "dgrad" else p.n, p.num_groups,
+                                  cutlass_backend._sm_count(x_TK.device.index), None if direction == "wgrad" else group_sizes)
+        return f"cutlass:{config} static"
+    return f"{name} static"
+
+
+def available_backends(device) -> list:
+    """Backends that can run a bf16 call on ``device`` (ignoring shape constraints)."""
+    device = torch.device(device)
+    out = []
+    if device.type == "cuda":
+        cap = device_capability(device)
+        if cap == (9, 0) and cutlass_backend.is_available(device):
+            out.append("cutlass")
+        if cap >= (9, 0) and _TORCH_GROUPED:
+            out.append("torch")
+    out.append("loop")
+    return out

@@ -1,0 +1,104 @@
+"""The quantized (FP8) grouped-GEMM entry points: the same validate, decide, run stack.
+
+They take the operands as the recipe's quantizers made them (``Float8Tensor`` or
+``Float8BlockTensor`` activations, a weight prepared once per version by ``prepare_quantized_weight``)
+and run on our block-scaled CUTLASS kernels, on cuBLAS per expert, or on the emulated reference
+(dequantize the same operands, then the bf16 grouped GEMM) wherever the kernels cannot run
+(``decide.choose_quantized``). All multiply the same quantized values; only the accumulation differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cutlass_backend, decide, fp8_loop_backend
+from .fp8_operands import QuantizedWeight, copy_format, dequantized, fp8_format, tensor_scales
+from .entry import grouped_mm_dgrad, grouped_mm_forward, grouped_mm_wgrad
+from .validation import check_quantized, check_quantized_offsets
+
+__all__ = ["grouped_mm_quantized_forward", "grouped_mm_quantized_dgrad", "grouped_mm_quantized_wgrad"]
+
+
+def _device(q) -> torch.device:
+    return q.fwd_data.device if isinstance(q, QuantizedWeight) else q.device
+
+
+def _emulated_forward(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes):
+    w = dequantized(wq, "rowwise", out_dtype)
+    return grouped_mm_forward(dequantized(xq, "rowwise", out_dtype), w.transpose(1, 2), offsets_E, bias_EN=bias_EN,
+                              row_scale_T=row_scale_T, out_dtype=out_dtype, check_offsets=False, group_sizes=group_sizes)
+
+
+def _emulated_dgrad(dyq, wq, offsets_E, out_dtype, group_sizes):
+    w = dequantized(wq, "columnwise", out_dtype)
+    return grouped_mm_dgrad(dequantized(dyq, "rowwise", out_dtype), w.transpose(1, 2), offsets_E, out_dtype=out_dtype,
+                            group_sizes=group_sizes, validate=False)
+
+
+def _emulated_wgrad(xq, dyq, offsets_E, num_groups, out_dtype, group_sizes=None):
+    x, dy = dequantized(xq, "columnwise", out_dtype), dequantized(dyq, "columnwise", out_dtype)
+    return grouped_mm_wgrad(x, dy, offsets_E, num_groups=num_groups, out_dtype=out_dtype, validate=False).transpose(1, 2)
+
+
+_RUN = {  # direction -> {backend: function}, every one taking the direction's arguments
+    "fwd": {"cutlass": cutlass_backend.fp8_guarded(cutlass_backend.fp8_forward, _emulated_forward),
+            "loop": fp8_loop_backend.forward, "emulated": _emulated_forward},
+    "dgrad": {"cutlass": cutlass_backend.fp8_guarded(cutlass_backend.fp8_dgrad, _emulated_dgrad),
+              "loop": fp8_loop_backend.dgrad, "emulated": _emulated_dgrad},
+    "wgrad": {"cutlass": cutlass_backend.fp8_guarded(cutlass_backend.fp8_wgrad, _emulated_wgrad),
+              "loop": fp8_loop_backend.wgrad, "emulated": _emulated_wgrad},
+}
+
+
+def grouped_mm_quantized_forward(xq, wq: QuantizedWeight, offsets_E, *, bias_EN=None, row_scale_T=None,
+                                 out_dtype=torch.bfloat16, backend=None, group_sizes=None) -> torch.Tensor:
+    """y[T, N] = row_scale * (x @ w[e]^T) + bias[e] from quantized x [T, K] and a prepared weight [E, N, K]."""
+    check_quantized("xq", xq, 2)
+    check_quantized("wq", wq, 3)
+    E, N, K = wq.shape
+    if xq.shape[1] != K:
+        raise ValueError(f"xq has {xq.shape[1]} features but the weight [E={E}, N={N}, K={K}] takes K={K}")
+    device = _device(xq)
+    check_quantized_offsets(offsets_E, E, device)
+    name = decide.choose_quantized(
+        device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
+        num_rows=xq.shape[0], num_groups=E, block_scales=not tensor_scales(xq, wq), a_format=copy_format(xq, "rowwise"),
+        epilogue=bias_EN is not None or row_scale_T is not None, contraction=K)
+    return _RUN["fwd"][name](xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
+
+
+def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype=torch.bfloat16, backend=None,
+                               group_sizes=None) -> torch.Tensor:
+    """dx[T, K] = dy @ w[e] from quantized dy [T, N] and a prepared weight [E, N, K]."""
+    check_quantized("dyq", dyq, 2)
+    check_quantized("wq", wq, 3)
+    E, N, K = wq.shape
+    if dyq.shape[1] != N:
+        raise ValueError(f"dyq has {dyq.shape[1]} features but the weight [E={E}, N={N}, K={K}] gives N={N}")
+    device = _device(dyq)
+    check_quantized_offsets(offsets_E, E, device)
+    name = decide.choose_quantized(
+        device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
+        num_rows=dyq.shape[0], num_groups=E, block_scales=not tensor_scales(dyq, wq),
+        a_format=copy_format(dyq, "rowwise"), contraction=N)
+    return _RUN["dgrad"][name](dyq, wq, offsets_E, out_dtype, group_sizes)
+
+
+def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype=torch.bfloat16, backend=None,
+                               group_sizes=None) -> torch.Tensor:
+    """dw[e] = dy_e^T @ x_e as [E, N, K] from the columnwise copies of quantized x [T, K] and dy [T, N].
+    Every group's first row must be a multiple of the recipe's split alignment (128 for block
+    scales, 16 for per-tensor): the caller guarantees it (the support predicates ask)."""
+    check_quantized("xq", xq, 2)
+    check_quantized("dyq", dyq, 2)
+    if xq.shape[0] != dyq.shape[0]:
+        raise ValueError(f"xq has {xq.shape[0]} rows but dyq has {dyq.shape[0]}")
+    T, K = xq.shape
+    N = dyq.shape[1]
+    device = _device(xq)
+    check_quantized_offsets(offsets_E, num_groups, device)
+    name = decide.choose_quantized(
+        device, K, N, out_dtype=out_dtype, b_format=copy_format(xq, "columnwise"), backend=backend,
+        group_sizes=group_sizes, num_rows=T, num_groups=num_groups, block_scales=not tensor_scales(xq, dyq),
+        a_format=copy_format(dyq, "columnwise"), wgrad=True, contraction=T)
+    return _RUN["wgrad"][name](xq, dyq, offsets_E, num_groups, out_dtype, group_sizes)

@@ -1,0 +1,79 @@
+"""The randomized grouped-GEMM sweep (``benchmarks/grouped_gemm.py --sweep``) on CPU: its shape drawing,
+its table and summary, and the ``--dry-run`` of the script (the timing itself needs a GPU)."""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    """benchmarks/grouped_gemm.py under a name of its own, its folder on the path only while it loads."""
+    bench = str(ROOT / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_grouped_gemm_under_test", Path(bench) / "grouped_gemm.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench)
+        sys.modules.pop("timing", None)  # benchmarks/timing.py: not a name for the rest of the session
+    return module
+
+
+def test_shapes_come_from_the_seed_within_the_ranges(sweep):
+    shapes = sweep.draw_shapes(7, 200)
+    assert shapes == sweep.draw_shapes(7, 200) and shapes != sweep.draw_shapes(8, 200)
+    for s in shapes:
+        assert 1 <= s.num_experts <= 256 and len(s.sizes) == s.num_experts
+        assert 512 <= s.k <= 8192 and 512 <= s.n <= 8192 and s.k % 16 == 0 and s.n % 16 == 0
+        assert min(s.sizes) >= 0 and 0 < sum(s.sizes) <= 65536
+        assert s.num_experts * s.k * s.n * 2 <= 2 * 2 ** 30
+    experts = [s.num_experts for s in shapes]
+    assert min(experts) < 16 and max(experts) > 128  # the whole range is drawn
+    assert any(0 in s.sizes for s in shapes)  # empty experts
+    assert any(max(s.sizes) > 4 * sum(s.sizes) / s.num_experts for s in shapes)  # skew
+    assert any(sum(s.sizes) < s.num_experts * 4 for s in shapes)  # decode-like
+    assert any(sum(s.sizes) > 16384 for s in shapes)
+
+
+def test_skewed_sizes_sum_and_empty_experts(sweep):
+    import random
+
+    sizes = sweep.skewed_sizes(random.Random(0), 32, 100, 1.2, 0.25)
+    assert len(sizes) == 32 and sum(sizes) == 3200 and sizes.count(0) >= 8
+    even = sweep.skewed_sizes(random.Random(0), 8, 64, 0.0, 0.0)
+    assert even == (64,) * 8
+
+
+def _row(name, raw, torch_ms, auto):
+    return {"shape": name, "direction": "fwd", "sizes": [4, 4], "ms": {"raw": raw, "torch": torch_ms, "auto": auto},
+            "host_us": {"raw": 10.0, "torch": 12.0, "auto": 13.0}, "pick": "torch static"}
+
+
+def test_summary_gives_geomeans_worst_rows_and_goal_counts(sweep):
+    rows = [_row("a", 1.0, 1.0, 0.5), _row("b", 1.0, 1.25, 2.0), _row("c", 2.0, 2.0, 2.0)]
+    lines = sweep.summary_lines(rows, worst=1)
+    torch_line, auto_line, host_line = lines
+    assert f"geomean raw/torch {(1 * 0.8 * 1) ** (1 / 3):.3f}" in torch_line and "1 under 0.99" in torch_line
+    assert "worst 0.800 (b fwd)" in torch_line
+    assert f"geomean raw/auto {math.exp((math.log(2) + math.log(0.5)) / 3):.3f}" in auto_line
+    assert "1 under 0.95" in auto_line and "worst 0.500 (b fwd)" in auto_line
+    assert "median 2.0 us" in host_line
+    assert "torch static" in sweep.table_line(rows[0]) and "0.500" in sweep.table_line(rows[1])
+
+
+def test_the_script_dry_run_prints_the_drawn_shapes_without_a_gpu():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), "--sweep", "--dry-run",
+                          "--shapes", "5", "--seed", "3"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith(f"s{i}_") for i, line in enumerate(lines))
