@@ -301,8 +301,8 @@ _loaded: dict = {}  # (direction, config, out_f32) -> _Library
 
 
 def load(direction: str, config: int, out_f32: bool = False) -> _Library:
-    """The library of one instance, built on first use. Keyed by a plain tuple because launches
-    look it up on every call (building the frozen ``Instance`` first cost ~0.5 us per call)."""
+    """The library of one instance, built on first use. Keyed by a plain tuple: launches look it
+    up on every call, and building the frozen ``Instance`` first costs more than the lookup."""
     key = (direction, config, out_f32)
     lib = _loaded.get(key)
     if lib is None:

@@ -18,23 +18,17 @@ path keeps grouped semantics there):
 | MXFP8BlockScaling | fp8_format | cap >= 10.0, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 32 == 0 |
 | NVFP4BlockScaling | disable_2d_quantization | cap >= 10.0, dtype bf16, split_alignment % 16 == 0 (2D blocks) or % 32 == 0 (1D, ``disable_2d_quantization=True``) |
 
-"FP8 grouped kernels available" is a real answer: cutlass_kernels' block-scaled FP8 kernels can be
-built here (nvcc and the CUTLASS headers found) and none has failed to build or load; a failure
-clears these caches (``clear_caches``). Both FP8 rules run on that kernel source (block scales, or
-per-tensor scales applied in the epilogue), built for sm_90a: other GPUs take the emulated path
-until a kernel for them exists.
+"FP8 grouped kernels available" (``fp8_kernels_why_not``, the one answer the rules, ``explain_path``
+and the quantized entry points read): cutlass_kernels' FP8 kernels can be built here (nvcc and the
+CUTLASS headers found), are not disabled (``TE_DIST_DISABLE_CUTLASS``), none failed to load (a
+failure clears these caches), and the device is SM 9.0 (they are built for sm_90a).
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
-``split_alignment=None`` means "unknown" and fails every rule that reads it. Every recipe rule
-reads it; the None rule does not (one entry per dtype and device).
-
-Why a hit is fast (about 0.1 us, see docs/benchmarks.md): the recipe memoises the settings the
-checks read as one interned key object (``recipe._support_key``, reset by the recipe on every
-public attribute write, see te_dist/recipe.py), so a hit is one Python call plus one C
-``functools.lru_cache`` lookup keyed by (settings key, dtype, split_alignment, device as passed).
-The device is hashed by torch in C; it is never normalised on a hit. Forms that name the *current*
-device (None, "cuda", ``torch.device("cuda")``, an int) are never stored: they are resolved on
-every call and answered from the entry of the resolved indexed device.
+``split_alignment=None`` means "unknown" and fails every rule that reads it (the None rule reads
+none). A hit is one Python call and one C ``functools.lru_cache`` lookup: the recipe memoises the
+settings the checks read as one interned key (``recipe._support_key``, reset on every public
+attribute write); devices are keyed as passed, and forms naming the *current* device (None, "cuda",
+an int) are resolved on every call, never stored (docs/kernels.md "Support predicates").
 """
 
 from __future__ import annotations
@@ -61,6 +55,7 @@ __all__ = [
     "device_capability",
     "fp8_kernels_available",
     "cutlass_tools_present",
+    "cutlass_disabled",
     "fp8_kernels_unavailable_reason",
     "fp8_kernels_why_not",
     "mark_fp8_kernels_unavailable",
@@ -206,17 +201,20 @@ def cutlass_tools_present() -> bool:
     return cutlass_kernels.find_nvcc() is not None and cutlass_kernels.find_cutlass() is not None
 
 
+def cutlass_disabled() -> bool:
+    """``TE_DIST_DISABLE_CUTLASS`` is set: our bf16 and FP8 kernels are off (read when asked)."""
+    return os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0")
+
+
 def _default_fp8_kernels() -> bool:
-    # TE_DIST_DISABLE_CUTLASS turns our FP8 kernels off too; read when a cached answer is computed.
-    disabled = os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0")
-    return not disabled and not _fp8_unavailable and cutlass_tools_present()
+    return not cutlass_disabled() and not _fp8_unavailable and cutlass_tools_present()
 
 
 def fp8_kernels_unavailable_reason() -> str:
     """Why the FP8 grouped kernels cannot run here ("" when they can)."""
     if _fp8_unavailable:
         return _fp8_unavailable[0]
-    if os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0"):
+    if cutlass_disabled():
         return "TE_DIST_DISABLE_CUTLASS is set"
     return "" if cutlass_tools_present() else "nvcc or the CUTLASS headers are not found"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -48,9 +47,7 @@ def kernels_module():
 
 def is_available(device: torch.device) -> bool:
     """The bf16 kernels can run here: not disabled (``TE_DIST_DISABLE_CUTLASS``, a failed build), tools found."""
-    if _state["disabled"] or os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0"):
-        return False
-    return support.cutlass_tools_present()
+    return not _state["disabled"] and not support.cutlass_disabled() and support.cutlass_tools_present()
 
 
 def disable(reason: str) -> None:

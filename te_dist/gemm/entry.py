@@ -68,65 +68,50 @@ def _built_tiles(p: decide.Problem) -> tuple:
     return tuple(out)
 
 
-def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
-    out_dtype = out_dtype or x_TK.dtype
-    if backend is None and x_TK.is_cpu:  # the rule's CPU row, without building a Problem
-        return loop_backend.forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
-    E, K, N = w_EKN.shape
-    p = _problem("fwd", x_TK, K, N, E, out_dtype, _weight_k_major(w_EKN, E, K, N), group_sizes,
-                 bias_EN is not None or row_scale_T is not None)
-    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
-    return _run_forward(_choose(p, x_TK.device, backend, group_sizes, lambda c: _run_forward(c, args, group_sizes)),
-                        args, group_sizes)
+_FUNCTION = {"fwd": "forward", "dgrad": "dgrad", "wgrad": "wgrad"}  # each backend's function per direction
 
 
-def _run_forward(choice, args, group_sizes):
+def _run(direction: str, choice, args: tuple, group_sizes):
+    """One call on ``choice``; ``args``: the direction's arguments up to the output dtype."""
     name, config = choice
     if name == "torch":
-        return torch_backend.forward(*args)
+        return getattr(torch_backend, _FUNCTION[direction])(*args)
     if name == "loop":
+        return getattr(loop_backend, _FUNCTION[direction])(*args, group_sizes)
+    return getattr(cutlass_backend, _FUNCTION[direction])(*args, config=config, group_sizes=group_sizes)
+
+
+def _decide_and_run(direction: str, p: decide.Problem, device, backend, args: tuple, group_sizes):
+    choice = _choose(p, device, backend, group_sizes, lambda c: _run(direction, c, args, group_sizes))
+    return _run(direction, choice, args, group_sizes)
+
+
+def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
+    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype)
+    if backend is None and x_TK.is_cpu:  # the rule's CPU row, without building a Problem
         return loop_backend.forward(*args, group_sizes)
-    return cutlass_backend.forward(*args, config=config, group_sizes=group_sizes)
+    E, K, N = w_EKN.shape
+    p = _problem("fwd", x_TK, K, N, E, args[-1], _weight_k_major(w_EKN, E, K, N), group_sizes,
+                 bias_EN is not None or row_scale_T is not None)
+    return _decide_and_run("fwd", p, x_TK.device, backend, args, group_sizes)
 
 
 def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
-    out_dtype = out_dtype or dy_TN.dtype
+    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dy_TN.dtype)
     if backend is None and dy_TN.is_cpu:
-        return loop_backend.dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
-    E, K, N = w_EKN.shape
-    p = _problem("dgrad", dy_TN, N, K, E, out_dtype, _weight_k_major(w_EKN, E, K, N), group_sizes,
-                 row_scale_T is not None)
-    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
-    return _run_dgrad(_choose(p, dy_TN.device, backend, group_sizes, lambda c: _run_dgrad(c, args, group_sizes)),
-                      args, group_sizes)
-
-
-def _run_dgrad(choice, args, group_sizes):
-    name, config = choice
-    if name == "torch":
-        return torch_backend.dgrad(*args)
-    if name == "loop":
         return loop_backend.dgrad(*args, group_sizes)
-    return cutlass_backend.dgrad(*args, config=config, group_sizes=group_sizes)
+    E, K, N = w_EKN.shape  # dgrad contracts over N and writes K columns
+    p = _problem("dgrad", dy_TN, N, K, E, args[-1], _weight_k_major(w_EKN, E, K, N), group_sizes,
+                 row_scale_T is not None)
+    return _decide_and_run("dgrad", p, dy_TN.device, backend, args, group_sizes)
 
 
 def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
-    out_dtype = out_dtype or x_TK.dtype
+    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype or x_TK.dtype)
     if backend is None and x_TK.is_cpu:
-        return loop_backend.wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
-    p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, out_dtype, True, group_sizes, False)
-    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype)
-    return _run_wgrad(_choose(p, x_TK.device, backend, group_sizes, lambda c: _run_wgrad(c, args, group_sizes)),
-                      args, group_sizes)
-
-
-def _run_wgrad(choice, args, group_sizes):
-    name, config = choice
-    if name == "loop":
         return loop_backend.wgrad(*args, group_sizes)
-    if name == "torch":
-        return torch_backend.wgrad(*args)
-    return cutlass_backend.wgrad(*args, config=config)  # no size-dependent tile: wgrad pads no rows
+    p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, args[-1], True, group_sizes, False)
+    return _decide_and_run("wgrad", p, x_TK.device, backend, args, group_sizes)
 
 
 class _Dispatch:

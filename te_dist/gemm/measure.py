@@ -1,28 +1,15 @@
 """Measured grouped-GEMM choices: per device, the ms of each candidate per shape bucket.
 
-The decision rule (``decide.pick_measured``) reads a bucket's entry; this module owns the entries:
-the first CUDA call of a bucket times its candidates (``decide.candidates``) within a budget, and
-``te-dist tune`` does the same ahead of a run. An entry persists in a file per device, so a later
-process starts warm. The one hook the call path uses is ``tuner().entry(...)``.
-
-Bucket: direction, dtype, out dtype, E, K, N exactly, rows per expert rounded up to a power of
-two, ragged or even host sizes, whether host sizes were given (the loop needs them), whether a
-bias or row scale is applied; per device (name and SM count) through the table it is looked up in.
-
-Timing (``time_runs``): one untimed call of every candidate (a library's first load, cuBLAS's
-plans), a probe sizing the calls per sample, then up to ``ROUNDS`` interleaved rounds in a rotated
-order, each queued whole on the caller's stream and read after; estimate: the median. A round
-starts only while the bucket's wall budget (``bucket_ms``) affords it; the process stops measuring
-after ``total_ms``; misses then take the static rule. Never while capturing a CUDA graph.
-
-File: ``<kernel cache>/autotune/<device>-sm<count>-<digest>.json`` (digest: device, torch version,
-kernel sources and tiles), written whole or not at all under the kernel cache's per-key lock; a
-torn or foreign file is ignored with a warning. Off: ``TE_DIST_TUNE=0`` (read when the process's
-tuner is made) or ``configure(enabled=False)``.
+The decision rule (``decide.pick_measured``) reads a bucket's entry through the one hook of the call
+path, ``tuner().entry(...)``, which on a CUDA call's miss times the candidates (``decide.candidates``)
+within the bucket's budget; ``te-dist tune`` does the same ahead of a run. Entries persist in a file
+per device, so a later process starts warm. docs/kernels.md "Measured entries" has the bucket key,
+the timing, the file and the switches (``TE_DIST_TUNE=0``, ``configure(enabled=False)``).
 
 Ranks: where a run must be deterministic across ranks (``configure(deterministic=True)`` or
 ``torch.use_deterministic_algorithms``) no rank measures and the entries are used only once
-``te_dist.distributed.agree_tuned_choices(group)`` gave every rank rank 0's (``adopt``).
+``te_dist.distributed.agree_tuned_choices(group)`` gave every rank rank 0's (``adopt``): a collective
+inside a miss could hang, since ranks of an EP group miss different buckets.
 """
 
 from __future__ import annotations
@@ -171,11 +158,11 @@ class _Table:
     def entries(self) -> dict:
         return {key_text(k): {choice_name(c): round(v, 6) for c, v in ms.items()} for k, ms in self.ms.items() if ms}
 
-    def merge(self, entries: dict, *, replace: bool = False) -> None:
+    def merge(self, entries: dict) -> None:
+        """Add a file's entries (all parsed before any is taken: a bad entry takes nothing)."""
         parsed = {parse_key(t): {parse_choice(n): float(v) for n, v in e.items()} for t, e in entries.items()}
-        for key, ms in parsed.items():  # all parsed before any is adopted: a bad entry adopts nothing
-            if replace or key not in self.ms:
-                self.ms[key] = ms
+        for key, ms in parsed.items():
+            self.ms.setdefault(key, ms)
 
 
 class Tuner:

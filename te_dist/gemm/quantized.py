@@ -50,16 +50,24 @@ _RUN = {  # direction -> {backend: function}, every one taking the direction's a
 }
 
 
+def _checked_with_weight(name: str, aq, wq, offsets_E, dim: int, which: str):
+    """The row operand ``aq`` against the prepared weight [E, N, K] (``dim``: the weight dim its
+    features meet); returns (device, E, N, K)."""
+    check_quantized(name, aq, 2)
+    check_quantized("wq", wq, 3)
+    E, N, K = wq.shape
+    features = wq.shape[dim]
+    if aq.shape[1] != features:
+        raise ValueError(f"{name} has {aq.shape[1]} features but the weight [E={E}, N={N}, K={K}] {which}={features}")
+    device = _device(aq)
+    check_quantized_offsets(offsets_E, E, device)
+    return device, E, N, K
+
+
 def grouped_mm_quantized_forward(xq, wq: QuantizedWeight, offsets_E, *, bias_EN=None, row_scale_T=None,
                                  out_dtype=torch.bfloat16, backend=None, group_sizes=None) -> torch.Tensor:
     """y[T, N] = row_scale * (x @ w[e]^T) + bias[e] from quantized x [T, K] and a prepared weight [E, N, K]."""
-    check_quantized("xq", xq, 2)
-    check_quantized("wq", wq, 3)
-    E, N, K = wq.shape
-    if xq.shape[1] != K:
-        raise ValueError(f"xq has {xq.shape[1]} features but the weight [E={E}, N={N}, K={K}] takes K={K}")
-    device = _device(xq)
-    check_quantized_offsets(offsets_E, E, device)
+    device, E, N, K = _checked_with_weight("xq", xq, wq, offsets_E, 2, "takes K")
     name = decide.choose_quantized(
         device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
         num_rows=xq.shape[0], num_groups=E, block_scales=not tensor_scales(xq, wq), a_format=copy_format(xq, "rowwise"),
@@ -70,13 +78,7 @@ def grouped_mm_quantized_forward(xq, wq: QuantizedWeight, offsets_E, *, bias_EN=
 def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype=torch.bfloat16, backend=None,
                                group_sizes=None) -> torch.Tensor:
     """dx[T, K] = dy @ w[e] from quantized dy [T, N] and a prepared weight [E, N, K]."""
-    check_quantized("dyq", dyq, 2)
-    check_quantized("wq", wq, 3)
-    E, N, K = wq.shape
-    if dyq.shape[1] != N:
-        raise ValueError(f"dyq has {dyq.shape[1]} features but the weight [E={E}, N={N}, K={K}] gives N={N}")
-    device = _device(dyq)
-    check_quantized_offsets(offsets_E, E, device)
+    device, E, N, K = _checked_with_weight("dyq", dyq, wq, offsets_E, 1, "gives N")
     name = decide.choose_quantized(
         device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
         num_rows=dyq.shape[0], num_groups=E, block_scales=not tensor_scales(dyq, wq),

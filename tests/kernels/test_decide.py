@@ -227,3 +227,60 @@ def test_ragged_host_sizes_pick_config_10_for_forward_and_dgrad_of_64_to_768_row
         small = [r // 8 for r in ragged]
         assert choose_config(d, sum(small), 4096, 7168, 32, group_sizes=small) == 1
     assert choose_config("wgrad", T, 4096, 7168, 32, group_sizes=ragged) == choose_config("wgrad", T, 4096, 7168, 32)
+
+
+# ---------------------------------------------------------------------- the call path's wiring (GPU faked)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """cuda:0 an SM 9.0 GPU with our kernels built (tiles 0 and 2), cuda:1 an SM 10.0 one; a fresh
+    process tuner timing with fake_timing's table (no GPU touched)."""
+    from fake_timing import MS, FakeTimer
+    from te_dist import support as S
+    from te_dist.gemm import cutlass_backend, entry, measure
+
+    monkeypatch.setattr(cutlass_backend, "is_available", lambda device: True)
+    monkeypatch.setattr(entry, "_built_tiles", lambda p: (0, 2) if p.capability == HOPPER else ())
+    timer = FakeTimer(MS)
+    measure.reset(measure.Tuner(measure.Settings(persist=False), timer=timer, identity=lambda i: (f"GPU{i}", 132)))
+    with S.set_capability_lookup(lambda d: {0: HOPPER, 1: BLACKWELL}[d.index] if d.type == "cuda" else None):
+        yield entry, timer
+    measure.reset()
+
+
+def _device_problem(index, **kw):
+    from te_dist import support as S
+
+    return _p("few_large_long_k", capability=S.device_capability(torch.device("cuda", index)), **kw)
+
+
+def test_the_call_path_measures_once_per_bucket_and_reads_the_entry(fake_gpus):
+    entry, timer = fake_gpus
+    sizes = REGIONS["few_large_long_k"][4]
+    run = lambda c: c  # noqa: E731 - a "call" returns its choice, which the fake timer looks up
+    p = _device_problem(0)
+    assert entry._choose(p, torch.device("cuda", 0), None, sizes, run) == ("cutlass", 2)  # 0.6 ms vs torch's 0.8
+    timed = {c for c, _ in timer.calls}
+    assert timed == {("torch", None), ("cutlass", 0), ("cutlass", 2), ("loop", None)}  # tile 10 is not built
+    n = len(timer.calls)
+    assert entry._choose(p, torch.device("cuda", 0), None, sizes, run) == ("cutlass", 2) and len(timer.calls) == n
+    # the other GPU class has its own table: torch and the loop only; torch (0.8) beats the loop (2.0)
+    assert entry._choose(_device_problem(1), torch.device("cuda", 1), None, sizes, run) == TORCH
+    assert {c for c, _ in timer.calls[n:]} == {("torch", None), ("loop", None)}
+    # a forced backend never measures
+    assert entry._choose(_device_problem(0, k=1024), torch.device("cuda", 0), "torch", sizes, run) == TORCH
+
+
+def test_the_call_path_without_measuring_is_the_static_rule(fake_gpus):
+    from te_dist.gemm import measure
+
+    entry, timer = fake_gpus
+    measure.configure(enabled=False)
+    run = lambda c: c  # noqa: E731
+    for index, want_fused in ((0, ("cutlass", None)), (1, TORCH)):
+        dev = torch.device("cuda", index)
+        assert entry._choose(_device_problem(index, sizes_on_host=False), dev, None, None, run) == TORCH
+        assert entry._choose(_device_problem(index, sizes_on_host=False, epilogue=True), dev, None, None,
+                             run) == want_fused
+    assert timer.calls == []
