@@ -157,6 +157,8 @@ def choose(p: Problem, *, cutlass_built: Callable[[], bool], torch_grouped: bool
         return forced, None
     if measured:
         got = pick_measured(measured, p)
+        if got is not None and got[0] == "cutlass" and not cutlass_built():  # disabled since it was measured
+            got = pick_measured({c: t for c, t in measured.items() if c[0] != "cutlass"}, p)
         if got is not None:
             return got
     return static_choice(p, cutlass_built=cutlass_built, torch_grouped=torch_grouped), None

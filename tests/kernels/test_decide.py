@@ -125,6 +125,10 @@ def test_choose_reads_the_measurement_before_the_static_rule():
     assert choose(_p(epilogue=True), measured={}, **kw) == ("cutlass", None)  # nothing measured: static
     assert choose(_p(), measured={LOOP: 0.1}, **kw) == TORCH  # nothing allowed: static
     assert choose(_p(), measured={TORCH: 1.0, ("cutlass", 2): 0.1}, forced="torch", **kw) == TORCH
+    # our kernels turned off since the entry was measured (TE_DIST_DISABLE_CUTLASS, a failed build)
+    off = dict(cutlass_built=NO, torch_grouped=True)
+    assert choose(_p(), measured={TORCH: 1.0, ("cutlass", 2): 0.5}, **off) == TORCH
+    assert choose(_p("few_large_long_k"), measured={TORCH: 1.0, ("cutlass", 2): 0.5, LOOP: 0.8}, **off) == LOOP
 
 
 def test_random_problems_never_default_away_from_torch_and_measurements_only_by_the_margin():
