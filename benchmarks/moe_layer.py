@@ -20,7 +20,7 @@ of ``--iters`` steps after ``--warmup``):
                  exchange, row map, host read of the counts, pull of the received rows from the
                  senders' regions; with the all-to-all transport: count exchange + host read + variable-split
                  token all-to-all (column "a2a dispatch/raw", measured in both cases).
-  * layer a2a    the layer step again with TE_DIST_EP_TRANSPORT=all_to_all (the NCCL all-to-all transport),
+  * layer a2a    the layer step again with te_dist.settings.ep_transport="all_to_all" (the NCCL all-to-all transport),
                  in the same process right after the default one; EP>1 only.
   * in step      the whole ``dispatcher.dispatch`` (permutation, count exchange, host read, token
                  (and probability) all-to-alls, sort by local expert; with peer rows: permutation,
@@ -55,7 +55,6 @@ from te_dist.gemm import cutlass_backend
 from te_dist.distributed import exchange_counts
 from te_dist.distributed.all_to_all import all_to_all_tokens
 from te_dist.moe import TopKRouter, TransportSelector
-from te_dist.moe.transports import TRANSPORT_ENV
 from te_dist.moe.transports.peer.rows import begin_exchange, finish_exchange, peer_workspace, pull
 from te_dist.moe.payload import pack_expand, payload_columns, unpack_rows
 from te_dist.moe.permutation import chunk_sort_index, permute_probs, permute_tokens, sort_by_expert
@@ -200,17 +199,10 @@ def batch(T, H, dtype, device):
 
 
 def with_transport(name, fn):
-    """``fn`` run with TE_DIST_EP_TRANSPORT=name (read on every dispatch; the same on every rank)."""
+    """``fn`` run with ``te_dist.settings.ep_transport`` = name (read at every dispatch; the same on every rank)."""
     def run():
-        old = os.environ.get(TRANSPORT_ENV)
-        os.environ[TRANSPORT_ENV] = name
-        try:
+        with td.settings.override(ep_transport=name):
             return fn()
-        finally:
-            if old is None:
-                del os.environ[TRANSPORT_ENV]
-            else:
-                os.environ[TRANSPORT_ENV] = old
     return run
 
 

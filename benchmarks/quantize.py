@@ -96,8 +96,8 @@ def _queued(fn, device, warmup: int, iters: int) -> tuple:
 
 def casts(args) -> list:
     from te_dist import recipe as R
-    from te_dist.quantization import fused_casts_available, make_quantizer, set_compile_enabled
-    from te_dist.quantization import set_fused_casts_enabled
+    from te_dist import settings
+    from te_dist.quantization import fused_casts_available, make_quantizer
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -108,7 +108,7 @@ def casts(args) -> list:
         raise SystemExit("--eager and --compile exclude each other")
     if args.fused and args.no_fused:
         raise SystemExit("--fused and --no-fused exclude each other")
-    set_compile_enabled(False if args.eager else (True if args.compile else None))
+    compiled = False if args.eager else (True if args.compile else None)
     torch.manual_seed(0)
     x = torch.randn(rows_n, cols_n, device=device, dtype=getattr(torch, args.dtype))
     in_bytes = x.numel() * x.element_size()
@@ -129,31 +129,28 @@ def casts(args) -> list:
     graph_cell = f"{copy_graph * 1e3:.1f} | 1.00" if copy_graph else " | "
     print(f"| device-to-device copy | | {copy_s * 1e6:.1f} | | {copy_gbs:.3g} | 1.00 | | {graph_cell} |")
     out = [dict(case="copy", path="", us=copy_s * 1e6, gbs=copy_gbs, gpu_us=copy_graph and copy_graph * 1e3)]
-    try:
-        for label, name, role, both in CASES:
-            rec = _recipe(name)
-            paths = [("triton", fused_setting)] if with_fused and isinstance(rec, fused_recipes) else []
-            paths.append((reference, False))
-            measured = []
-            for path, setting in paths:
-                set_fused_casts_enabled(setting)
+    for label, name, role, both in CASES:
+        rec = _recipe(name)
+        paths = [("triton", fused_setting)] if with_fused and isinstance(rec, fused_recipes) else []
+        paths.append((reference, False))
+        measured = []
+        for path, setting in paths:
+            with settings.override(torch_compile=compiled, fused_casts=setting):
                 quantizer = make_quantizer(rec, role)
                 quantizer.set_usage(rowwise=True, columnwise=both)
                 moved = in_bytes + _output_bytes(quantizer(x))
                 seconds, host = _queued(lambda: quantizer(x), device, warmup, iters)
                 graph = timing.graph_ms(lambda: quantizer(x), iters) if cuda else None
-                measured.append((path, seconds, host, moved, graph))
-            ref_seconds = measured[-1][1]
-            for path, seconds, host, moved, graph in measured:
-                gbs = moved / seconds / 1e9
-                gpu_vs_copy = copy_graph / graph * moved / (2 * in_bytes) if graph and copy_graph else None
-                out.append(dict(case=label, path=path, us=seconds * 1e6, host_us=host * 1e6, gbs=gbs,
-                                vs_copy=gbs / copy_gbs, gpu_us=graph and graph * 1e3, gpu_vs_copy=gpu_vs_copy))
-                cell = f"{graph * 1e3:.1f} | {gpu_vs_copy:.2f}" if gpu_vs_copy else " | "
-                print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | "
-                      f"{gbs / copy_gbs:.2f} | {ref_seconds / seconds:.2f} | {cell} |", flush=True)
-    finally:
-        set_fused_casts_enabled(None)
+            measured.append((path, seconds, host, moved, graph))
+        ref_seconds = measured[-1][1]
+        for path, seconds, host, moved, graph in measured:
+            gbs = moved / seconds / 1e9
+            gpu_vs_copy = copy_graph / graph * moved / (2 * in_bytes) if graph and copy_graph else None
+            out.append(dict(case=label, path=path, us=seconds * 1e6, host_us=host * 1e6, gbs=gbs,
+                            vs_copy=gbs / copy_gbs, gpu_us=graph and graph * 1e3, gpu_vs_copy=gpu_vs_copy))
+            cell = f"{graph * 1e3:.1f} | {gpu_vs_copy:.2f}" if gpu_vs_copy else " | "
+            print(f"| {label} | {path} | {seconds * 1e6:.1f} | {host * 1e6:.1f} | {gbs:.3g} | "
+                  f"{gbs / copy_gbs:.2f} | {ref_seconds / seconds:.2f} | {cell} |", flush=True)
     return out
 
 

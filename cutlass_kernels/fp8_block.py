@@ -8,8 +8,8 @@ cache are the bf16 kernels' (``build.py``).
 
 Tiles and their rule: ``heuristics.py`` (``FP8_CONFIGS``, ``fp8_config``).
 
-``CONFIG_OVERRIDE`` (None in use) forces one config for every call: benchmarks/fp8_grouped_gemm.py
-``--sweep`` times each config this way, and a config that wins moves into ``choose_fp8_config``.
+A caller may force one config for every call (``choose_fp8_config(..., forced=id)``: te_dist passes
+its ``te_dist.settings.fp8_tile`` for tile sweeps); a config that wins moves into the rule.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
 SCHEDULES = {"cooperative": 0, "pingpong": 1}
 FORMATS = ("e4m3", "e5m2")
-CONFIG_OVERRIDE = None
 
 
-def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None) -> int:
-    """The tile of one call: ``CONFIG_OVERRIDE`` where set, else the rule (heuristics.fp8_config)."""
-    return CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else fp8_config(direction, num_rows, num_groups)
+def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None,
+                      *, forced: Optional[int] = None) -> int:
+    """The tile of one call: ``forced`` where given, else the rule (heuristics.fp8_config)."""
+    return forced if forced is not None else fp8_config(direction, num_rows, num_groups)
 
 
 @dataclasses.dataclass(frozen=True)

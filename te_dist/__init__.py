@@ -3,7 +3,7 @@
 Recipes (``te_dist.recipe``) describe quantization settings through a cached string; fusible
 ops (``te_dist.ops``) turn op sequences into fusion plans keyed by that string; expert MLPs
 (``te_dist.moe``) run on grouped GEMMs (``te_dist.kernels``) with tokens moved by all-to-all
-(``te_dist.distributed``).
+(``te_dist.distributed``). Every fast-path switch is a field of ``te_dist.settings``.
 
 Importing this package never touches CUDA: subpackages load on first attribute access.
 """
@@ -15,6 +15,7 @@ from .lazy_import import lazy_getattr
 __version__ = "0.1.0"
 
 _LAZY_SUBMODULES = (
+    "settings",
     "quantization",
     "ops",
     "support",

@@ -301,9 +301,19 @@ def _paths(devices) -> dict:
     return out
 
 
+def _settings_report() -> dict:
+    """{field: {value, source, env, default}} of te_dist.settings, or {"error": why} for a bad variable."""
+    from . import settings
+
+    try:
+        return settings.describe()
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
 def _transport(devices) -> dict:
-    """The token transport an MoELayer would use: the request (TE_DIST_EP_TRANSPORT overrides the
-    layer's ``transport="auto"``) and what "auto" picks per device (docs/moe.md "Transports")."""
+    """The token transport an MoELayer would use: the request (``te_dist.settings.ep_transport``
+    overrides the layer's ``transport="auto"``) and what "auto" picks per device (docs/moe.md "Transports")."""
     from .moe.transports.selector import requested_transport
 
     try:
@@ -350,6 +360,7 @@ def env_report() -> dict:
         "support": _support_matrix(devices),
         "paths": _paths(devices),
         "transport": _transport(devices),
+        "settings": _settings_report(),
     }
 
 
@@ -379,6 +390,12 @@ def format_env_report(report: dict) -> str:
         for name, cells in rows.items():
             text = "".join(f"{_mark(c['module']) + ' / ' + _mark(c['op_fuser']):>22}" for c in cells.values())
             lines.append(f"    {name:<10}{text}")
+    lines += ["", "switches (te_dist.settings, docs/settings.md):"]
+    switches = report.get("settings", {})
+    if "error" in switches:
+        lines.append(f"  invalid: {switches['error']}")
+    else:
+        lines += [f"  {name:<18} {row['value']!r:<8} {row['source']}" for name, row in switches.items()]
     transport = report.get("transport", {})
     lines += ["", f"token transport (EP > 1): {transport.get('requested')}"]
     lines += [f"  {device:<10} {pick}" for device, pick in transport.get("auto picks", {}).items()]

@@ -20,8 +20,10 @@ path keeps grouped semantics there):
 
 "FP8 grouped kernels available" (``fp8_kernels_why_not``, the one answer the rules, ``explain_path``
 and the quantized entry points read): cutlass_kernels' FP8 kernels can be built here (nvcc and the
-CUTLASS headers found), are not disabled (``TE_DIST_DISABLE_CUTLASS``), none failed to load (a
-failure clears these caches), and the device is SM 9.0 (they are built for sm_90a).
+CUTLASS headers found), are not turned off (``te_dist.settings.cutlass``, ``TE_DIST_DISABLE_CUTLASS``),
+none failed to load (a failure clears these caches), and the device is SM 9.0 (they are built for
+sm_90a). The cached answers follow the settings: a predicate drops them when the settings in force
+changed since they were filled (``te_dist.settings.generation``).
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
 ``split_alignment=None`` means "unknown" and fails every rule that reads it (the None rule reads
@@ -37,13 +39,13 @@ import collections
 import contextlib
 import functools
 import operator
-import os
 import threading
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import recipe as _recipe
+from . import settings as _settings
 
 __all__ = [
     "is_module_grouped_tensor_supported",
@@ -202,8 +204,8 @@ def cutlass_tools_present() -> bool:
 
 
 def cutlass_disabled() -> bool:
-    """``TE_DIST_DISABLE_CUTLASS`` is set: our bf16 and FP8 kernels are off (read when asked)."""
-    return os.environ.get("TE_DIST_DISABLE_CUTLASS", "0") not in ("", "0")
+    """Our bf16 and FP8 kernels are turned off (``te_dist.settings.cutlass`` False)."""
+    return not _settings.current().cutlass
 
 
 def _default_fp8_kernels() -> bool:
@@ -215,7 +217,7 @@ def fp8_kernels_unavailable_reason() -> str:
     if _fp8_unavailable:
         return _fp8_unavailable[0]
     if cutlass_disabled():
-        return "TE_DIST_DISABLE_CUTLASS is set"
+        return f"our kernels are turned off ({_settings.source('cutlass')})"
     return "" if cutlass_tools_present() else "nvcc or the CUTLASS headers are not found"
 
 
@@ -266,7 +268,8 @@ def set_fp8_kernels_lookup(fn: Callable):
 
 
 def clear_caches() -> None:
-    """Forget every cached answer (a kernel became unavailable, or a lookup changed)."""
+    """Forget every cached answer (a kernel became unavailable, or a lookup changed). A change of
+    ``te_dist.settings`` needs no call: the predicates notice it themselves."""
     _clear_all()
 
 
@@ -396,6 +399,8 @@ def _make_predicate(name: str, rule: Callable, doc: str):
         return compute(_NONE_KEY, dtype, None, device)
 
     def predicate(recipe, dtype, *, split_alignment=None, device=None) -> bool:
+        if _filled_under[0] != _settings.generation:  # the settings changed since the answers were cached
+            _follow_settings()
         try:
             if recipe is None:
                 return lookup_none(dtype, device)
@@ -439,6 +444,14 @@ def _make_predicate(name: str, rule: Callable, doc: str):
 
 
 _ALL: list = []
+_filled_under = [-1]  # the settings generation the cached answers were computed under
+
+
+def _follow_settings() -> None:
+    _settings.current()  # the first call reads the environment
+    generation = _settings.generation
+    _clear_all()
+    _filled_under[0] = generation
 
 
 def _clear_all() -> None:

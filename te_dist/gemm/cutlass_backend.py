@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .. import settings as _settings
 from .. import support
 from . import torch_backend
 from .fp8_operands import columnwise_operand, fp8_format, one_scale, rowwise_operand, tensor_scales
@@ -46,7 +47,8 @@ def kernels_module():
 
 
 def is_available(device: torch.device) -> bool:
-    """The bf16 kernels can run here: not disabled (``TE_DIST_DISABLE_CUTLASS``, a failed build), tools found."""
+    """The bf16 kernels can run here: not turned off (``te_dist.settings.cutlass``) nor by a failed build,
+    tools found."""
     return not _state["disabled"] and not support.cutlass_disabled() and support.cutlass_tools_present()
 
 
@@ -164,6 +166,15 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, *, config=Non
 # --------------------------------------------------------------------------- FP8
 
 
+def _forced_fp8_tile(fb):
+    """``te_dist.settings.fp8_tile`` (None: the rule), checked against the FP8 tiles that exist."""
+    tile = _settings.current().fp8_tile
+    if tile is not None and tile not in fb.FP8_CONFIGS:
+        raise ValueError(f"te_dist.settings.fp8_tile={tile} names no FP8 tile (set by {_settings.source('fp8_tile')}); "
+                         f"the tiles are {sorted(fb.FP8_CONFIGS)}")
+    return tile
+
+
 def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, k, num_rows, bias, row_scale,
                 group_sizes, per_tensor: bool):
     """One FP8 kernel call; ``per_tensor``: a_scale and b_scale are one float each (the
@@ -171,7 +182,7 @@ def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, 
     index = _index(a.device)
     sms = _sm_count(index)
     fb = kernels_module().fp8_block
-    config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes)
+    config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, forced=_forced_fp8_tile(fb))
     lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
     ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=a.device)
     scratch = None

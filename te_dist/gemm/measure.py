@@ -4,7 +4,8 @@ The decision rule (``decide.pick_measured``) reads a bucket's entry through the 
 path, ``tuner().entry(...)``, which on a CUDA call's miss times the candidates (``decide.candidates``)
 within the bucket's budget; ``te-dist tune`` does the same ahead of a run. Entries persist in a file
 per device, so a later process starts warm. docs/kernels.md "Measured entries" has the bucket key,
-the timing, the file and the switches (``TE_DIST_TUNE=0``, ``configure(enabled=False)``).
+the timing, the file and the switch (``te_dist.settings.tune``: ``TE_DIST_TUNE=0``,
+``configure(enabled=False)``).
 
 Ranks: where a run must be deterministic across ranks (``configure(deterministic=True)`` or
 ``torch.use_deterministic_algorithms``) no rank measures and the entries are used only once
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -26,12 +26,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import settings as _settings
 from .decide import Choice, Problem
 
-__all__ = ["ENV", "ROUNDS", "Settings", "Tuner", "CudaClock", "bucket_rows", "bucket_key", "key_text", "parse_key",
+__all__ = ["ROUNDS", "TunerSettings", "Tuner", "CudaClock", "bucket_rows", "bucket_key", "key_text", "parse_key",
            "choice_name", "parse_choice", "time_runs", "tuner", "configure", "reset"]
 
-ENV = "TE_DIST_TUNE"
 FILE_VERSION = 2
 ROUNDS = 5
 SAMPLE_MS, MAX_CALLS = 0.5, 10  # a sample makes about this much GPU work, in 1..MAX_CALLS calls
@@ -39,10 +39,10 @@ Key = tuple
 
 
 @dataclass
-class Settings:
-    """What ``configure`` sets; ``enabled`` also needs ``TE_DIST_TUNE`` unset or not "0"."""
+class TunerSettings:
+    """How a tuner measures (``configure`` sets them); whether it measures at all is the switchboard's
+    ``te_dist.settings.tune``."""
 
-    enabled: bool = True
     deterministic: bool = False
     bucket_ms: float = 50.0
     total_ms: float = 2000.0
@@ -169,9 +169,9 @@ class Tuner:
     """Owner of one process's measured entries, settings and budget (``tuner()``). ``timer``,
     ``identity(device_index) -> (name, SM count)`` and ``file_tag`` are injectable for CPU tests."""
 
-    def __init__(self, settings: Optional[Settings] = None, *, timer=None, identity=None,
+    def __init__(self, settings: Optional[TunerSettings] = None, *, timer=None, identity=None,
                  file_tag: Optional[str] = None):
-        self.settings = settings or Settings()
+        self.settings = settings or TunerSettings()
         self.clock = CudaClock() if timer is None else _CallClock(timer)
         self._identity = identity or _cuda_identity
         self._file_tag = file_tag
@@ -179,13 +179,13 @@ class Tuner:
         self._by_identity: Dict[Tuple[str, int], _Table] = {}
         self.spent_ms = 0.0
         self.agreed = False  # set by adopt: every rank holds rank 0's entries
-        self.env_enabled = os.environ.get(ENV, "1").strip() != "0"  # read once: a lookup per call costs
         self._lock = threading.Lock()
         self._warned: set = set()
 
     @property
     def enabled(self) -> bool:
-        return self.settings.enabled and self.env_enabled
+        """Measuring is on (``te_dist.settings.tune``)."""
+        return _settings.current().tune
 
     def deterministic(self) -> bool:
         return self.settings.deterministic or torch.are_deterministic_algorithms_enabled()
@@ -359,19 +359,24 @@ def tuner() -> Tuner:
 
 def configure(*, enabled: Optional[bool] = None, deterministic: Optional[bool] = None,
               bucket_ms: Optional[float] = None, total_ms: Optional[float] = None, persist: Optional[bool] = None,
-              directory=None) -> Settings:
-    """Change the process's settings (a config file's ``kernels`` section lands here); returns them."""
+              directory=None) -> TunerSettings:
+    """Change the process's tuner settings; returns them. ``enabled`` sets ``te_dist.settings.tune``
+    for the rest of the process (``te_dist.settings.override(tune=...)`` sets it for a while)."""
+    for name, value in (("enabled", enabled), ("deterministic", deterministic), ("persist", persist)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, received {value!r}")
+    for name, value in (("bucket_ms", bucket_ms), ("total_ms", total_ms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{name} must be a non-negative number of milliseconds, received {value!r}")
     t = tuner()
     s = t.settings
-    for name, value in (("enabled", enabled), ("deterministic", deterministic), ("persist", persist)):
+    if enabled is not None:
+        _settings.set_for_process(tune=enabled)
+    for name, value in (("deterministic", deterministic), ("persist", persist)):
         if value is not None:
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, received {value!r}")
             setattr(s, name, value)
     for name, value in (("bucket_ms", bucket_ms), ("total_ms", total_ms)):
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of milliseconds, received {value!r}")
             setattr(s, name, float(value))
     if directory is not None:
         s.directory = Path(directory)
@@ -381,6 +386,7 @@ def configure(*, enabled: Optional[bool] = None, deterministic: Optional[bool] =
 
 
 def reset(new: Optional[Tuner] = None) -> Tuner:
-    """Start over with fresh settings, budget and tables (or install ``new``, for tests)."""
+    """Start over with fresh tuner settings, budget and tables (or install ``new``, for tests);
+    ``te_dist.settings.tune`` stays as it is."""
     _TUNER["t"] = new or Tuner()
     return _TUNER["t"]

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import settings
 from ..autocast import get_active_recipe, get_recipe_key
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
@@ -53,9 +54,6 @@ from .transports.selector import check_transport
 
 __all__ = ["MoELayer"]
 
-# The experts' first GEMM takes the dispatch's expand gather where it can (EP size 1, native FP8 path:
-# te_dist.ops.RowGather). False: the dispatcher copies the rows (the reference path of docs/moe.md "FP8 rows at EP size 1").
-GATHER_IN_EXPERTS = True
 _PROBS_POSITIONS = ("expert", "combine")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,7 +72,7 @@ class MoELayer(nn.Module):
     options (``score_function``, ``pre_softmax``, ``normalize``, ``expert_bias``,
     ``aux_loss_coeff``, ``z_loss_coeff``) are passed to :class:`TopKRouter`. ``transport``:
     how tokens move between EP ranks, ``"auto"`` | ``"all_to_all"`` | ``"peer"`` (docs/moe.md
-    "Transports"); ``TE_DIST_EP_TRANSPORT`` overrides it where set. A forced transport that
+    "Transports"); ``te_dist.settings.ep_transport`` overrides it where set. A forced transport that
     cannot run raises at the first forward, on every rank, with the reasons.
     """
 
@@ -251,10 +249,12 @@ class MoELayer(nn.Module):
         alignment = self._native_row_alignment(x_TH, recipe)
         # With the native FP8 path at EP size 1 the experts take the expand gather: fc1 reads its rows from
         # x_TH, and (probabilities in the expert) fc2 sums its rows back, the combine; under per-tensor
-        # recipes both then gather FP8 bytes (te_dist.ops.RowGather). x_NH is x_TH then.
+        # recipes both then gather FP8 bytes (te_dist.ops.RowGather). x_NH is x_TH then. Off
+        # (te_dist.settings.gather_in_experts): the dispatcher copies the rows, the reference path.
+        gather_in_experts = alignment is not None and settings.current().gather_in_experts
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag,
-            row_alignment=alignment, gather_in_experts=GATHER_IN_EXPERTS and alignment is not None,
+            row_alignment=alignment, gather_in_experts=gather_in_experts,
         )
         self._agreement.verify(state.peer_tags)  # every rank's tag: a change on some ranks raises on all
         # The experts get the split both ways: the offsets the dispatcher queued on the device before

@@ -8,7 +8,8 @@ start on multiples of ``alignment`` (the zero rows contribute nothing to the wei
 their outputs are dropped). No host sync: the maps are built on the device, from the counts
 already there (:func:`queue_padding_plan`, queued before the dispatcher's host read, then cut to
 the sizes the read brings) or from host sizes copied once, asynchronously (:func:`plan_padding`).
-On CUDA two Triton kernels write all maps (te_dist.moe.padding_triton), elsewhere torch ops.
+On CUDA two Triton kernels write all maps (te_dist.moe.padding_triton; off with
+``te_dist.settings.triton_padding``), elsewhere torch ops.
 
 Two ways to apply a plan:
   * folded into a row gather the dispatcher runs anyway (:meth:`PaddingPlan.compose`: the
@@ -26,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .. import settings
 from ..lazy_import import optional_module
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
@@ -145,12 +147,12 @@ def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int):
 
 
 _MAX_TRITON_EXPERTS = 8192  # the Triton tables kernel holds every local expert in one program
-USE_TRITON = True  # False: torch ops on CUDA too (the reference the Triton kernels are checked against)
 
 
 def _triton_maps():
-    """The Triton maps (:mod:`.padding_triton`), imported on first CUDA use; None (one warning) without Triton."""
-    if not USE_TRITON:
+    """The Triton maps (:mod:`.padding_triton`), imported on first CUDA use; None (one warning) without
+    Triton, and None while ``te_dist.settings.triton_padding`` is off (torch ops: the reference)."""
+    if not settings.current().triton_padding:
         return None
     module = optional_module(".padding_triton", __package__, "te_dist padding Triton kernels", "torch ops")
     return None if module is None else module.padding_maps

@@ -12,8 +12,9 @@ Dynamo's per-code recompile limit (8) counts shape variations of one configurati
 every format a model uses (with ``fullgraph=True`` hitting that limit raises instead of
 falling back).
 
-``set_compile_enabled(False)`` forces eager everywhere (benchmarks compare both);
-``set_compile_enabled(True)`` also compiles on CPU.
+The switch is ``te_dist.settings.torch_compile`` (``TE_DIST_TORCH_COMPILE``, ``override(torch_compile=...)``
+or ``set_compile_enabled``): None compiles on CUDA only, False forces eager everywhere (benchmarks
+compare both), True also compiles on CPU.
 """
 
 from __future__ import annotations
@@ -24,25 +25,35 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["dispatch", "set_compile_enabled", "compile_enabled"]
+from .. import settings
 
-_state = {"enabled": None}  # None: auto (CUDA only); True: everywhere; False: never
+__all__ = ["dispatch", "set_compile_enabled", "compile_enabled", "forget_compiled"]
+
 _compiled: dict = {}
 _failed: set = set()
 
 
 def set_compile_enabled(enabled: Optional[bool]) -> None:
-    """None = automatic (compile on CUDA only), True = always, False = never."""
-    if enabled not in (None, True, False):
+    """None = automatic (compile on CUDA only), True = always, False = never:
+    ``te_dist.settings.torch_compile`` for the rest of the process (``override`` sets it for a while)."""
+    if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"set_compile_enabled expects None, True or False, got {enabled!r}")
-    _state["enabled"] = enabled
+    settings.set_for_process(torch_compile=enabled)
 
 
 def compile_enabled(device: torch.device) -> bool:
-    enabled = _state["enabled"]
+    """Whether functions on ``device`` run compiled (``te_dist.settings.torch_compile``)."""
+    enabled = settings.current().torch_compile
     if enabled is None:
         return device.type == "cuda"
     return enabled
+
+
+def forget_compiled() -> None:
+    """Drop every compiled callable and every remembered failure: the next call compiles afresh
+    (after ``torch.compile`` itself changed, e.g. a test's stand-in backend)."""
+    _compiled.clear()
+    _failed.clear()
 
 
 def _static_key(fn: Callable, x: torch.Tensor, args: tuple) -> tuple:

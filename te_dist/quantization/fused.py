@@ -4,13 +4,15 @@ Why a separate module: the switch and the lazy loader must import without Triton
 while ``triton_casts`` imports Triton at module level. The quantizers ask :func:`fused_casts_for`
 for the kernel module per call; ``None`` means "use the ``cast`` functions through ``compile.dispatch``".
 
-Policy (``set_fused_casts_enabled``; the default is ``None``, see ``DEFAULT``):
+Policy (``te_dist.settings.fused_casts``: ``TE_DIST_FUSED_CASTS``, ``override(fused_casts=...)``, or
+``set_fused_casts_enabled``):
   * ``None`` (default): fused on CUDA devices of compute capability >= 8.9 (FP8 conversions in
     hardware) when ``triton`` imports; a kernel that fails to build warns once and that
-    configuration falls back to the compiled path;
+    configuration falls back to the compiled path. On by default: the fused kernels pass the
+    bit-exact GPU tests and beat the compiled casts (docs/benchmarks.md, "Quantization throughput");
   * ``True``: fused on every device (CPU tensors run in Triton's interpreter, which needs
     ``TRITON_INTERPRET=1`` before Triton is imported: that is how the CPU tests check the kernel
-    logic); failures raise;
+    logic); failures raise, and so does a missing Triton;
   * ``False``: never (the benchmark's "compiled" rows).
 Only bf16 / fp16 / fp32 inputs take the fused path (float64 stays on the reference path).
 """
@@ -24,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import settings
+
 __all__ = [
     "set_fused_casts_enabled",
     "fused_casts_enabled",
@@ -34,26 +38,22 @@ __all__ = [
 ]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# On by default (automatic): the fused kernels pass the bit-exact GPU tests and beat the compiled
-# casts (docs/benchmarks.md, "Quantization throughput").
-DEFAULT = None
-_state = {"enabled": DEFAULT}  # None: auto (CUDA sm89+), True: everywhere, False: never
 _failed: set = set()
 
 
 def set_fused_casts_enabled(enabled: Optional[bool]) -> None:
-    """None = automatic (CUDA with Triton), True = always (raises if Triton is missing), False = never."""
-    if enabled not in (None, True, False):
+    """None = automatic (CUDA with Triton), True = always (raises if Triton is missing), False = never:
+    ``te_dist.settings.fused_casts`` for the rest of the process (``override`` sets it for a while)."""
+    if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"set_fused_casts_enabled expects None, True or False, got {enabled!r}")
     if enabled is True and not fused_casts_available():
         raise RuntimeError(f"set_fused_casts_enabled(True) needs triton, which does not import: {_load()[1]}")
-    _state["enabled"] = enabled
+    settings.set_for_process(fused_casts=enabled)
 
 
 def fused_casts_enabled() -> Optional[bool]:
-    """The current setting (None = automatic)."""
-    return _state["enabled"]
+    """The setting in force, ``te_dist.settings.fused_casts`` (None = automatic)."""
+    return settings.current().fused_casts
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,19 +85,24 @@ def _device_ok(device: torch.device) -> bool:
 def fused_casts_for(x: torch.Tensor, family: str = "fp8"):
     """The kernel module of ``family`` ("fp8": ``triton_casts``, "nvfp4": ``triton_nvfp4``) when x
     should take the fused path, else None."""
-    enabled = _state["enabled"]
+    enabled = settings.current().fused_casts
     if enabled is False or x.dtype not in FUSED_DTYPES:
         return None
     if enabled is None:
         device = x.device  # a CUDA tensor's device always names its index
         if device.type != "cuda" or not _device_ok(device):
             return None
-    elif x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return _load(family)[0]
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"fused Triton casts were forced on (set_fused_casts_enabled(True)) for a {x.device.type} tensor; "
+            f"fused Triton casts were forced on ({settings.source('fused_casts')}) for a {x.device.type} tensor; "
             "non-CUDA tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
         )
-    return _load(family)[0]
+    module, error = _load(family)
+    if module is None:
+        raise RuntimeError(f"fused Triton casts were forced on ({settings.source('fused_casts')}) but their "
+                           f"kernels do not import: {error}")
+    return module
 
 
 def run_fused(key: tuple, fn: Callable, *args, **kwargs):
@@ -115,7 +120,7 @@ def run_fused(key: tuple, fn: Callable, *args, **kwargs):
         unsupported = getattr(_load()[0], "UnsupportedLayout", ())
         if isinstance(exc, unsupported):
             return None  # this shape only: later calls with other shapes keep the fused path
-        if _state["enabled"] is True:
+        if settings.current().fused_casts is True:
             raise
         _failed.add(key)
         warnings.warn(f"te_dist fused Triton cast {key} failed ({exc!r:.300}); using the compiled cast instead")
@@ -126,7 +131,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """``data.transpose(-1, -2).contiguous()`` of FP8 data (each matrix of a stack): the Triton byte
     transpose on CUDA where the fused casts run (torch's transpose copy moves one byte per access), else
     torch's."""
-    if _state["enabled"] is not False and data.is_cuda and _device_ok(data.device):
+    if settings.current().fused_casts is not False and data.is_cuda and _device_ok(data.device):
         module = _load()[0]
         if module is not None:
             out = run_fused(("transpose_fp8",), module.transpose_fp8, data)

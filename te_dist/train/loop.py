@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
 from ..ops.basic.weight_copy import set_first_microbatch
@@ -135,9 +136,6 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
     t, m = cfg.train, cfg.model
     if t.device != "cuda" and not (t.device == "auto" and torch.cuda.is_available()):
         torch.set_num_threads(t.threads)  # fixed thread count: CPU reductions stay reproducible
-    from ..gemm import measure  # measured grouped-GEMM choices: the config's switch (CUDA calls only)
-
-    measure.configure(enabled=t.autotune)
     ep_size, _ = cfg.layout(int(os.environ.get("WORLD_SIZE", "1")))
     recipe = resolve_recipe(cfg.recipe)
     if fault is not None:
@@ -271,6 +269,14 @@ def train(cfg: JobConfig, *, resume=None, fault: Optional[FaultInjection] = None
     deadlines and named by a failure (job_files.RankPhase; the worker passes its own).
     """
     cfg.validate()
+    # train.autotune: false turns the measured grouped-GEMM choices off for this run; true leaves
+    # te_dist.settings.tune as the process has it (TE_DIST_TUNE=0 keeps it off).
+    with settings.override(**({} if cfg.train.autotune else {"tune": False})):
+        return _train(cfg, resume=resume, fault=fault, stop=stop, overwrite=overwrite, skip_invalid=skip_invalid,
+                      announce=announce, phase=phase)
+
+
+def _train(cfg: JobConfig, *, resume, fault, stop, overwrite, skip_invalid, announce, phase) -> TrainResult:
     t, m, d = cfg.train, cfg.model, cfg.data
     phase = phase if phase is not None else RankPhase()
     if announce and int(os.environ.get("RANK", "0")) == 0:

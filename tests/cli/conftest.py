@@ -23,8 +23,8 @@ class CliResult:
         return self
 
 
-def _run(args, *, cwd, timeout: float = 240, pythonpath_first=None) -> CliResult:
-    env = dict(os.environ)
+def _run(args, *, cwd, timeout: float = 240, pythonpath_first=None, env=None) -> CliResult:
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath_first, str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     # `python -m te_dist.cli` is exactly what the `te-dist` console script calls (te_dist.cli:main).
@@ -43,12 +43,13 @@ def _run(args, *, cwd, timeout: float = 240, pythonpath_first=None) -> CliResult
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """``run_cli(*args, timeout=..., pythonpath_first=DIR)`` runs ``te-dist *args`` in a fresh temporary
-    directory (``pythonpath_first``: a folder whose modules shadow installed ones, in every process)."""
+    """``run_cli(*args, timeout=..., pythonpath_first=DIR, env={...})`` runs ``te-dist *args`` in a fresh
+    temporary directory (``pythonpath_first``: a folder whose modules shadow installed ones, in every
+    process; ``env``: variables added to this process's environment)."""
 
-    def run(*args, timeout: float = 240, pythonpath_first=None) -> CliResult:
+    def run(*args, timeout: float = 240, pythonpath_first=None, env=None) -> CliResult:
         return _run(args, cwd=tmp_path, timeout=timeout,
-                    pythonpath_first=str(pythonpath_first) if pythonpath_first else None)
+                    pythonpath_first=str(pythonpath_first) if pythonpath_first else None, env=env)
 
     return run
 

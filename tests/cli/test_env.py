@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from te_dist import support
+from te_dist import settings, support
 from te_dist.cli import SPLIT_ALIGNMENT, env_report, format_env_report
 from te_dist.recipe import RECIPE_NAMES, recipe_from_name
 
@@ -52,12 +52,26 @@ def test_report_names_the_path_each_recipe_takes():
     assert "which path a bf16 MoE expert MLP takes" in format_env_report(report)
 
 
-def test_report_shows_the_transport_choice_and_its_override(monkeypatch):
-    monkeypatch.delenv("TE_DIST_EP_TRANSPORT", raising=False)
-    report = env_report()
+def test_report_shows_the_transport_choice_and_its_override():
+    with settings.override(ep_transport=None):
+        report = env_report()
     assert report["transport"]["requested"] == "auto (transport='auto')"
     assert report["transport"]["auto picks"]["cpu"].startswith("all_to_all")
-    monkeypatch.setenv("TE_DIST_EP_TRANSPORT", "peer")
-    report = env_report()
-    assert report["transport"]["requested"] == "peer (TE_DIST_EP_TRANSPORT=peer)"
+    with settings.override(ep_transport="peer"):
+        report = env_report()
+    assert report["transport"]["requested"] == "peer (te_dist.settings.ep_transport='peer')"
     assert "token transport (EP > 1): peer" in format_env_report(report)
+    assert report["settings"]["ep_transport"] == {"value": "peer", "source": "te_dist.settings.ep_transport='peer'",
+                                                  "env": "TE_DIST_EP_TRANSPORT", "default": None}
+
+
+def test_env_command_shows_every_switch_and_where_it_comes_from(run_cli):
+    """In a fresh process: each field of te_dist.settings with the environment's value where one is set,
+    and a bad variable reported, not a crash."""
+    out = run_cli("env", timeout=120, env={"TE_DIST_EP_TRANSPORT": "nccl", "TE_DIST_TUNE": "0"}).check().output
+    assert "ep_transport       'all_to_all' TE_DIST_EP_TRANSPORT=nccl" in out
+    assert "tune               False    TE_DIST_TUNE=0" in out
+    assert "token transport (EP > 1): all_to_all (TE_DIST_EP_TRANSPORT=nccl)" in out
+    assert all(f"  {f.name:<18} " in out for f in settings.fields())
+    bad = run_cli("env", timeout=120, env={"TE_DIST_TUNE": "maybe"}).check().output
+    assert "invalid: TE_DIST_TUNE='maybe' (te_dist.settings.tune) is not accepted: expected 0 or 1" in bad

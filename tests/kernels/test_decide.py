@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from te_dist import settings
 from te_dist.gemm import decide
 from te_dist.gemm.decide import MARGIN, Problem, candidates, choose, pick_measured, static_choice, why_not
 
@@ -211,11 +212,7 @@ def test_tile_rules_end_with_a_catch_all_and_fp8_tiles_sit_beside_them():
     assert fp8_block.FP8_CONFIGS is h.FP8_CONFIGS
     assert h.fp8_config("wgrad", 64, 8) == h.FP8_WGRAD_CONFIG
     assert h.fp8_config("fwd", h.FP8_SMALL_M_ROWS * 8, 8) == 1 and h.fp8_config("fwd", h.FP8_SMALL_M_ROWS * 8 + 1, 8) == 0
-    fp8_block.CONFIG_OVERRIDE = 2
-    try:
-        assert fp8_block.choose_fp8_config("fwd", 64, 8) == 2
-    finally:
-        fp8_block.CONFIG_OVERRIDE = None
+    assert fp8_block.choose_fp8_config("fwd", 64, 8, forced=2) == 2 and fp8_block.choose_fp8_config("fwd", 64, 8) == 1
 
 
 def test_ragged_host_sizes_pick_config_10_for_forward_and_dgrad_of_64_to_768_rows():
@@ -247,8 +244,9 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(cutlass_backend, "is_available", lambda device: True)
     monkeypatch.setattr(entry, "_built_tiles", lambda p: (0, 2) if p.capability == HOPPER else ())
     timer = FakeTimer(MS)
-    measure.reset(measure.Tuner(measure.Settings(persist=False), timer=timer, identity=lambda i: (f"GPU{i}", 132)))
-    with S.set_capability_lookup(lambda d: {0: HOPPER, 1: BLACKWELL}[d.index] if d.type == "cuda" else None):
+    measure.reset(measure.Tuner(measure.TunerSettings(persist=False), timer=timer, identity=lambda i: (f"GPU{i}", 132)))
+    with S.set_capability_lookup(lambda d: {0: HOPPER, 1: BLACKWELL}[d.index] if d.type == "cuda" else None), \
+            settings.override(tune=True):
         yield entry, timer
     measure.reset()
 
@@ -280,11 +278,11 @@ def test_the_call_path_without_measuring_is_the_static_rule(fake_gpus):
     from te_dist.gemm import measure
 
     entry, timer = fake_gpus
-    measure.configure(enabled=False)
     run = lambda c: c  # noqa: E731
-    for index, want_fused in ((0, ("cutlass", None)), (1, TORCH)):
-        dev = torch.device("cuda", index)
-        assert entry._choose(_device_problem(index, sizes_on_host=False), dev, None, None, run) == TORCH
-        assert entry._choose(_device_problem(index, sizes_on_host=False, epilogue=True), dev, None, None,
-                             run) == want_fused
+    with settings.override(tune=False):
+        for index, want_fused in ((0, ("cutlass", None)), (1, TORCH)):
+            dev = torch.device("cuda", index)
+            assert entry._choose(_device_problem(index, sizes_on_host=False), dev, None, None, run) == TORCH
+            assert entry._choose(_device_problem(index, sizes_on_host=False, epilogue=True), dev, None, None,
+                                 run) == want_fused
     assert timer.calls == []

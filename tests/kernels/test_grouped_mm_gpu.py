@@ -7,7 +7,7 @@ Shapes: the six ANCHORS.md shapes, plus ragged / zero-token / single-token split
 import pytest
 import torch
 
-from te_dist import kernels
+from te_dist import kernels, settings
 from te_dist.gemm import cutlass_backend, measure, torch_backend
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +41,8 @@ def _sm90():
 def _static_rule():
     """These tests check the static rule's picks: no measured entry may override them."""
     measure.reset()
-    measure.configure(enabled=False)
-    yield
+    with settings.override(tune=False):
+        yield
     measure.reset()
 
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from fake_timing import MS, FakeTimer
+from te_dist import settings
 from te_dist.gemm import decide, measure
 from te_dist.gemm.decide import Problem
-from te_dist.gemm.measure import Settings, Tuner, bucket_key, bucket_rows
+from te_dist.gemm.measure import Tuner, TunerSettings, bucket_key, bucket_rows
 
 SIZES = (256,) * 8
 
@@ -32,7 +33,7 @@ def _runs(choices=tuple(MS)):
 
 
 def _tuner(tmp_path=None, timer=None, **settings):
-    s = Settings(persist=tmp_path is not None, directory=tmp_path, **{"bucket_ms": 1000.0, **settings})
+    s = TunerSettings(persist=tmp_path is not None, directory=tmp_path, **{"bucket_ms": 1000.0, **settings})
     return Tuner(s, timer=timer or FakeTimer(MS), identity=lambda i: ("Fake GPU", 132), file_tag="test")
 
 
@@ -40,11 +41,6 @@ def _pick(t, p=None, sizes=SIZES, runs=None):
     p = p or _p()
     ms = t.entry(p, 0, sizes, runs or _runs())
     return None if ms is None else decide.pick_measured(ms, p)
-
-
-@pytest.fixture(autouse=True)
-def _tune_env(monkeypatch):
-    monkeypatch.delenv(measure.ENV, raising=False)
 
 
 # ---------------------------------------------------------------------- keys
@@ -132,33 +128,35 @@ def test_no_measurement_while_capturing_or_deterministic(monkeypatch):
     assert timer.calls == []
 
 
-def test_switch_off_by_env_and_by_settings(monkeypatch):
-    monkeypatch.setenv(measure.ENV, "0")
-    assert not _tuner().enabled  # read when the tuner is made
-    monkeypatch.setenv(measure.ENV, "1")
+def test_the_switch_is_the_settings_tune_field():
+    """Every tuner follows te_dist.settings.tune, whether made before or after it changed."""
     t = _tuner()
-    t.settings.enabled = False
-    assert not t.enabled
-    try:
-        monkeypatch.setenv(measure.ENV, "0")
-        assert not measure.reset().enabled
-    finally:
-        monkeypatch.delenv(measure.ENV)
-        measure.reset()
-    assert measure.tuner().enabled
+    with settings.override(tune=False):
+        assert not t.enabled and not _tuner().enabled and not measure.tuner().enabled
+        with settings.override(tune=True):
+            assert t.enabled and measure.tuner().enabled
+        assert not t.enabled
+    assert t.enabled == settings.current().tune
 
 
-def test_configure_validates_and_reset_restores():
+def test_configure_validates_everything_first_and_enabled_sets_the_process_value():
+    tune = settings.current().tune
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        measure.configure(enabled="no", total_ms=10)
+    with pytest.raises(ValueError, match="total_ms"):
+        measure.configure(enabled=not tune, total_ms=-1)
+    assert measure.tuner().settings.total_ms == TunerSettings().total_ms and settings.current().tune == tune
     try:
-        with pytest.raises(TypeError, match="enabled must be a bool"):
-            measure.configure(enabled="no")
-        with pytest.raises(ValueError, match="total_ms"):
-            measure.configure(total_ms=-1)
         s = measure.configure(enabled=False, total_ms=10)
-        assert not s.enabled and measure.tuner().settings.total_ms == 10
+        assert s.total_ms == 10 and not measure.tuner().enabled and not settings.current().tune
+        assert settings.source("tune") == "te_dist.settings.tune=False"
+        with settings.override(tune=True):  # an override wins over the process value while it lasts
+            assert measure.tuner().enabled
+        assert not measure.tuner().enabled
     finally:
         measure.reset()
-    assert measure.tuner().settings.enabled
+        measure.configure(enabled=tune)
+    assert measure.tuner().settings.total_ms == TunerSettings().total_ms and measure.tuner().enabled == tune
 
 
 def test_budget_spent_leaves_new_buckets_to_the_static_rule(monkeypatch):
@@ -198,7 +196,7 @@ def test_entries_persist_and_reload(tmp_path):
 def test_file_is_keyed_by_device_and_versions(tmp_path):
     _pick(_tuner(tmp_path))
     for ident, tag in ((("Fake GPU", 114), "test"), (("Fake GPU", 132), "torch 9.9")):
-        _pick(Tuner(Settings(directory=tmp_path), timer=FakeTimer(MS), identity=lambda i, ident=ident: ident,
+        _pick(Tuner(TunerSettings(directory=tmp_path), timer=FakeTimer(MS), identity=lambda i, ident=ident: ident,
                     file_tag=tag))
     assert len(list(tmp_path.glob("*.json"))) == 3
 

@@ -9,18 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_dist import kernels
+from te_dist import kernels, settings
 from te_dist.gemm import entry, loop_backend, measure
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def fresh_tuner(tmp_path, monkeypatch):
-    monkeypatch.delenv(measure.ENV, raising=False)
+def fresh_tuner(tmp_path):
     tuner = measure.reset()
     measure.configure(directory=tmp_path, bucket_ms=200, total_ms=float("inf"))
-    yield tuner
+    with settings.override(tune=True):
+        yield tuner
     measure.reset()
 
 
@@ -61,10 +61,9 @@ def _reference(direction, x, w, dy, off, sizes):
 def test_tuned_call_matches_untuned(cuda_device, fresh_tuner, monkeypatch, direction, ragged):
     x, w, dy, off, sizes = _operands(direction, ragged, cuda_device)
     ref = _reference(direction, x, w, dy, off, sizes)
-    fresh_tuner.settings.enabled = False
-    untuned = _call(direction, x, w, dy, off, sizes).float().cpu()
+    with settings.override(tune=False):
+        untuned = _call(direction, x, w, dy, off, sizes).float().cpu()
     assert not fresh_tuner.table_for(cuda_device.index).ms  # off: nothing measured
-    fresh_tuner.settings.enabled = True
     first = _call(direction, x, w, dy, off, sizes).float().cpu()  # measures, then runs the choice
     again = _call(direction, x, w, dy, off, sizes).float().cpu()  # the entry's answer
     again2 = _call(direction, x, w, dy, off, sizes).float().cpu()

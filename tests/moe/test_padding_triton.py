@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from te_dist import settings
 from te_dist.moe import padding
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -46,6 +47,8 @@ def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment, device)
         assert padding._triton_maps() is not None, "Triton padding kernels did not load"
         plan = padding.queue_padding_plan(counts, alignment, rows).sized(tuple(counts.tolist()))
         assert plan.splits.offsets.tolist() == padding._padding_maps_eager(counts.cpu(), alignment, rows)[0].tolist()
+        with settings.override(triton_padding=False):  # the switch: torch ops on CUDA too
+            assert padding._triton_maps() is None
 
 
 @pytest.mark.gpu

@@ -224,7 +224,6 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
     bf16 copy (per-tensor: FP8 bytes gathered; block: the cast reads through the index), as does fc2's
     backward with its output gradient, with the same output and gradients as the dispatcher's copy,
     bit for bit, and the native kernels ran."""
-    from te_dist.moe import layer as moe_layer
     from te_dist.quantization.tensors import Float8Tensor
 
     from te_dist.quantization import triton_casts
@@ -237,7 +236,6 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
         taken.append(1) if k.get("gather") is not None else None) or real_cast(*a, **k))
     results = []
     for gather_in_experts in (True, False):
-        monkeypatch.setattr(moe_layer, "GATHER_IN_EXPERTS", gather_in_experts)
         torch.manual_seed(0)
         layer = MoELayer(256, 128, 8, 2, dtype=torch.bfloat16, device="cuda")
         x = torch.randn(512, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -245,9 +243,9 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
         for _ in range(2):  # DelayedScaling: the second step casts with the first one's amax
             x.grad = None
             layer.zero_grad(set_to_none=True)
-            with td.autocast(recipe=type(recipe)()):
+            with td.autocast(recipe=type(recipe)()), td.settings.override(gather_in_experts=gather_in_experts):
                 y = layer(x)
-            y.float().square().sum().backward()
+                y.float().square().sum().backward()
             out.append((y.detach(), x.grad, layer.fc1.weight.grad, layer.fc2.weight.grad))
         assert layer.fc1.has_native_weight_copy and layer.fc2.has_native_weight_copy
         results.append(out)

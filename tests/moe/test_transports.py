@@ -1,16 +1,16 @@
 """The choice of token transport (CPU, no process group: the group's size, backend and the agreement
-are stood in for): MoELayer's ``transport`` argument, the TE_DIST_EP_TRANSPORT override, forced
-transports that cannot run, and the agreement gathered once per (group, device)."""
+are stood in for): MoELayer's ``transport`` argument, the ``te_dist.settings.ep_transport`` override
+(TE_DIST_EP_TRANSPORT; its parsing: tests/test_settings.py), forced transports that cannot run, and the
+agreement gathered once per (group, device)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from te_dist import settings
 from te_dist.moe import MoELayer, TransportSelector
 from te_dist.moe.transports import AllToAllDispatcher, PeerDispatcher, base
 from te_dist.moe.transports.peer import availability
-
-ENV = base.TRANSPORT_ENV
 
 
 class _Group:
@@ -24,7 +24,7 @@ def two_ranks(monkeypatch):
     monkeypatch.setattr(base, "group_size", lambda group: 2)
     monkeypatch.setattr(base, "group_rank", lambda group: 0)
     monkeypatch.setattr(availability, "group_size", lambda group: 2)
-    monkeypatch.setattr(availability, "_agreed", {})
+    availability.forget_agreements()
     backend = {"name": "gloo"}
     gathered = []
 
@@ -34,8 +34,9 @@ def two_ranks(monkeypatch):
 
     monkeypatch.setattr(dist, "get_backend", lambda group: backend["name"])
     monkeypatch.setattr(dist, "all_gather_object", gather)
-    monkeypatch.delenv(ENV, raising=False)
-    return backend, gathered
+    with settings.override(ep_transport=None):
+        yield backend, gathered
+    availability.forget_agreements()
 
 
 def test_layer_validates_the_transport_argument():
@@ -45,12 +46,12 @@ def test_layer_validates_the_transport_argument():
     assert layer.transport == "peer" and isinstance(layer.dispatcher, TransportSelector)
 
 
-def test_one_rank_is_local_whatever_is_asked(monkeypatch):
+def test_one_rank_is_local_whatever_is_asked():
     """A group of one moves nothing: even a forced peer transport runs the (identity) all-to-all."""
     layer = MoELayer(8, 16, 4, 2, transport="peer")
     x = torch.randn(5, 8)
-    monkeypatch.setenv(ENV, "peer")
-    out = layer(x)
+    with settings.override(ep_transport="peer"):
+        out = layer(x)
     assert layer.dispatcher.transport == "local" and out.shape == x.shape
 
 
@@ -62,31 +63,32 @@ def test_auto_and_all_to_all_without_nccl(two_ranks):
     assert gathered == []  # the backend alone decided: no collective
 
 
-def test_forced_peer_names_the_reasons(two_ranks, monkeypatch):
+def test_forced_peer_names_the_reasons(two_ranks):
     backend, _ = two_ranks
     dev = torch.device("cpu")
     with pytest.raises(ValueError, match=r"transport='peer' but peer rows cannot run: the EP group runs gloo, not "
                                          r"nccl; rows of 24 bytes \(a multiple of 16 is needed\)"):
         TransportSelector(8, _Group(), "peer").choose(dev, 24)
-    monkeypatch.setenv(ENV, "peer")  # the override names itself as the source
-    with pytest.raises(ValueError, match="TE_DIST_EP_TRANSPORT=peer but peer rows cannot run"):
-        TransportSelector(8, _Group(), "all_to_all").choose(dev, 64)
+    with settings.override(ep_transport="peer"):  # the override names itself as the source
+        with pytest.raises(ValueError, match="te_dist.settings.ep_transport='peer' but peer rows cannot run"):
+            TransportSelector(8, _Group(), "all_to_all").choose(dev, 64)
     backend["name"] = "nccl"
-    monkeypatch.delenv(ENV)
     assert isinstance(TransportSelector(8, _Group(), "auto").choose(dev, 24), AllToAllDispatcher)  # rows too narrow
 
 
-def test_environment_overrides_the_argument_and_is_validated(two_ranks, monkeypatch):
+def test_the_setting_overrides_the_argument_between_calls_and_is_validated(two_ranks):
     backend, _ = two_ranks
     backend["name"] = "nccl"
     selector = TransportSelector(8, _Group(), "peer")
-    for value in ("all_to_all", "nccl"):  # "nccl" is the override's older spelling of all_to_all
-        monkeypatch.setenv(ENV, value)
+    with settings.override(ep_transport="all_to_all"):
         assert isinstance(selector.choose(torch.device("cpu"), 64), AllToAllDispatcher)
-    monkeypatch.setenv(ENV, "fast")
-    with pytest.raises(ValueError, match=r"TE_DIST_EP_TRANSPORT must be one of \('auto', 'all_to_all', 'peer'\) "
-                                         r"\(or 'nccl', read as 'all_to_all'\), got 'fast'"):
-        selector.choose(torch.device("cpu"), 64)
+    with pytest.raises(RuntimeError, match="transport='peer' but peer rows are unavailable"):
+        selector.choose(torch.device("cpu"), 64)  # the layer's own argument again
+    with pytest.raises(ValueError, match=r"te_dist.settings.ep_transport must be None \(the layer's argument\) or "
+                                         r"one of \('auto', 'all_to_all', 'peer'\), received 'nccl'"):
+        with settings.override(ep_transport="nccl"):  # the environment's alias is not a value in code
+            pass
+    assert settings.current().ep_transport is None
 
 
 def test_agreement_is_gathered_once_and_forced_peer_names_every_rank(two_ranks):

@@ -262,11 +262,9 @@ def test_split_alignment_is_remembered_exactly():
     assert gl.host_split_alignment(padded.splits.sizes) == 16
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe):
-    """What reaches the kernel library per GEMM (a fake library records it): per-tensor recipes
-    launch the tensor-scaled instances with each operand's one scale (no scale tables, no scratch);
-    block scaling launches the block-scaled ones with its [T, K/128] / weight-block tables."""
+@pytest.fixture
+def fake_fp8_library(monkeypatch):
+    """cutlass_kernels' FP8 loader stood in for: each launch appends what reached it to the list returned."""
     from te_dist.gemm import cutlass_backend as cb
 
     calls = []
@@ -280,13 +278,16 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
             return 0
 
     class FakeFp8Block:
+        FP8_CONFIGS = dict.fromkeys(range(5))
+
         @staticmethod
-        def choose_fp8_config(direction, rows, groups, sizes=None):
-            return 0
+        def choose_fp8_config(direction, rows, groups, sizes=None, *, forced=None):
+            return 0 if forced is None else forced
 
         @staticmethod
         def load_fp8(direction, config, a_format, b_format, out_f32, tensor_scales):
-            calls.append(dict(direction=direction, formats=(a_format, b_format), tensor_scales=tensor_scales))
+            calls.append(dict(direction=direction, config=config, formats=(a_format, b_format),
+                              tensor_scales=tensor_scales))
             return FakeLib()
 
     class FakeKernels:
@@ -296,6 +297,17 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
     monkeypatch.setattr(cb, "_sm_count", lambda index: 132)
     monkeypatch.setattr(cb, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return calls
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_kernel_launch_takes_the_recipes_scales_as_they_are(fake_fp8_library, recipe):
+    """What reaches the kernel library per GEMM (a fake library records it): per-tensor recipes
+    launch the tensor-scaled instances with each operand's one scale (no scale tables, no scratch);
+    block scaling launches the block-scaled ones with its [T, K/128] / weight-block tables."""
+    from te_dist.gemm import cutlass_backend as cb
+
+    calls = fake_fp8_library
     E, Kin, N, sizes = 2, 256, 384, (128, 256)
     qi, qw, qg = (make_quantizer(recipe, role) for role in ("input", "weight", "grad_output"))
     xq = qi(torch.randn(sum(sizes), Kin), rowwise=True, columnwise=True)
@@ -320,6 +332,28 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(monkeypatch, recipe)
         w1 = K.prepare_quantized_weight(qw(torch.randn(1, 128, 128), rowwise=True, columnwise=True))
         cb.fp8_forward(one, w1, torch.tensor([1], dtype=torch.int32))
         assert calls[-1]["direction"] == "fwd" and calls[-1]["tensor_scales"] is False
+
+
+def test_the_fp8_tile_setting_reaches_every_launch(fake_fp8_library):
+    """te_dist.settings.fp8_tile forces the tile of every FP8 launch; a tile that does not exist is
+    refused before any launch, naming the setting."""
+    from te_dist import settings
+    from te_dist.gemm import cutlass_backend as cb
+
+    recipe = R.Float8CurrentScaling()
+    xq = make_quantizer(recipe, "input")(torch.randn(256, 128), rowwise=True, columnwise=True)
+    wq = K.prepare_quantized_weight(make_quantizer(recipe, "weight")(torch.randn(2, 128, 128), rowwise=True,
+                                                                      columnwise=True))
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    cb.fp8_forward(xq, wq, offs)
+    with settings.override(fp8_tile=3):
+        cb.fp8_forward(xq, wq, offs)
+        with pytest.raises(ValueError, match=r"te_dist.settings.fp8_tile=7 names no FP8 tile "
+                                             r"\(set by te_dist.settings.fp8_tile=7\); the tiles are \[0, 1, 2, 3, 4\]"):
+            with settings.override(fp8_tile=7):
+                cb.fp8_forward(xq, wq, offs)
+    cb.fp8_forward(xq, wq, offs)
+    assert [c["config"] for c in fake_fp8_library] == [0, 3, 0]
 
 
 def test_mixed_scalings_broadcast_the_per_tensor_scale():

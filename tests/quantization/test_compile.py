@@ -5,6 +5,7 @@ import torch
 
 from te_dist.quantization import cast, compile as qcompile
 from te_dist import recipe as R
+from te_dist import settings
 from te_dist.quantization import make_quantizer, set_compile_enabled
 
 
@@ -76,34 +77,49 @@ def test_inductor_matches_eager_on_cuda(cuda_device):
         _close(compiled(x, *args), fn(x, *args))
 
 
-def test_compile_failure_falls_back_to_eager(monkeypatch):
+@pytest.fixture
+def stand_in_compile(monkeypatch):
+    """Install ``fn -> compiled`` as torch.compile, with no compiled callable or failure remembered
+    before or after the test."""
+    qcompile.forget_compiled()
+
+    def install(compile_fn):
+        monkeypatch.setattr(torch, "compile", compile_fn)
+
+    yield install
+    qcompile.forget_compiled()
+    torch._dynamo.reset()
+
+
+def test_compile_failure_falls_back_to_eager(stand_in_compile):
     def broken_compile(fn, **kwargs):
         def run(*args, **kw):
             raise RuntimeError("no compiler here")
         return run
 
-    monkeypatch.setattr(qcompile, "_compiled", {})
-    monkeypatch.setattr(qcompile, "_failed", set())
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    set_compile_enabled(True)
-    try:
-        x = torch.randn(4, 32)
-        with pytest.warns(UserWarning, match="running eagerly"):
-            q = make_quantizer(R.MXFP8BlockScaling(), "input")(x)
-        set_compile_enabled(False)
+    stand_in_compile(broken_compile)
+    x = torch.randn(4, 32)
+    with settings.override(torch_compile=True), pytest.warns(UserWarning, match="running eagerly"):
+        q = make_quantizer(R.MXFP8BlockScaling(), "input")(x)
+    with settings.override(torch_compile=False):
         assert torch.equal(q.dequantize(), make_quantizer(R.MXFP8BlockScaling(), "input")(x).dequantize())
-    finally:
-        set_compile_enabled(None)
 
 
-def test_set_compile_enabled_validates():
+def test_set_compile_enabled_validates_and_sets_the_field():
     with pytest.raises(TypeError, match="None, True or False"):
         set_compile_enabled("yes")
-    assert qcompile.compile_enabled(torch.device("cpu")) is False
-    assert qcompile.compile_enabled(torch.device("cuda")) is True
+    before = settings.current().torch_compile
+    try:
+        set_compile_enabled(False)
+        assert settings.current().torch_compile is False and not qcompile.compile_enabled(torch.device("cuda"))
+        set_compile_enabled(None)
+        assert qcompile.compile_enabled(torch.device("cpu")) is False
+        assert qcompile.compile_enabled(torch.device("cuda")) is True
+    finally:
+        set_compile_enabled(before)
 
 
-def test_each_configuration_has_its_own_compile_cache(monkeypatch):
+def test_each_configuration_has_its_own_compile_cache(stand_in_compile):
     """More configurations than Dynamo's per-code recompile limit (8) must all stay compiled."""
     real_compile = torch.compile
     calls = []
@@ -112,48 +128,35 @@ def test_each_configuration_has_its_own_compile_cache(monkeypatch):
         calls.append(fn)
         return real_compile(fn, backend="eager", fullgraph=kwargs.get("fullgraph", False))
 
-    monkeypatch.setattr(qcompile, "_compiled", {})
-    monkeypatch.setattr(qcompile, "_failed", set())
-    monkeypatch.setattr(torch, "compile", cheap_compile)
-    set_compile_enabled(True)
-    try:
-        x = torch.randn(4, 128)
-        import warnings
+    stand_in_compile(cheap_compile)
+    x = torch.randn(4, 128)
+    import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a fallback to eager would warn
-            for margin in range(12):
-                quantizer = make_quantizer(R.MXFP8BlockScaling(margin=margin), "input")
-                q = quantizer(x)
-                assert q.rowwise.scale_inv.dtype == torch.float8_e8m0fnu
-        assert len(calls) == 12 and len({id(fn.__code__) for fn in calls}) == 12
-        assert not qcompile._failed
-    finally:
-        set_compile_enabled(None)
-        torch._dynamo.reset()
+    with warnings.catch_warnings(), settings.override(torch_compile=True):
+        warnings.simplefilter("error")  # a fallback to eager would warn
+        for margin in range(12):
+            quantizer = make_quantizer(R.MXFP8BlockScaling(margin=margin), "input")
+            q = quantizer(x)
+            assert q.rowwise.scale_inv.dtype == torch.float8_e8m0fnu
+    assert len(calls) == 12 and len({id(fn.__code__) for fn in calls}) == 12
+    assert not qcompile._failed
 
 
 @pytest.mark.parametrize("name", ["delayed", "current", "block", "mxfp8", "nvfp4"])
-def test_quantizers_through_dispatch_match_eager(monkeypatch, name):
+def test_quantizers_through_dispatch_match_eager(stand_in_compile, name):
     real_compile = torch.compile
-    monkeypatch.setattr(qcompile, "_compiled", {})
-    monkeypatch.setattr(qcompile, "_failed", set())
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", fullgraph=True))
+    stand_in_compile(lambda fn, **kw: real_compile(fn, backend="aot_eager", fullgraph=True))
     recipe = R.recipe_from_name(name)
     x = torch.randn(128, 128, dtype=torch.bfloat16)
-    try:
-        results = []
-        for enabled in (True, False):
-            set_compile_enabled(enabled)
-            torch.manual_seed(0)
-            outs = []
+    results = []
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        outs = []
+        with settings.override(torch_compile=enabled):
             for role in ("input", "weight", "grad_output"):
                 quantizer = make_quantizer(recipe, role)
                 outs += [quantizer(x, columnwise=True).dequantize(), quantizer(x).dequantize()]
-            results.append(outs)
-        for a, b in zip(*results):
-            assert torch.equal(a, b)
-        assert not qcompile._failed
-    finally:
-        set_compile_enabled(None)
-        torch._dynamo.reset()
+        results.append(outs)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert not qcompile._failed

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from te_dist import recipe as R
-from te_dist.quantization import cast, fused, make_quantizer, set_compile_enabled, set_fused_casts_enabled
+from te_dist import settings
+from te_dist.quantization import cast, fused, make_quantizer, set_fused_casts_enabled
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -83,11 +84,9 @@ def nvfp4_kernels():
 
 @pytest.fixture
 def reference_mode():
-    """Eager reference on every device, then restore the defaults."""
-    set_compile_enabled(False)
-    yield
-    set_compile_enabled(None)
-    set_fused_casts_enabled(fused.DEFAULT)
+    """Eager reference on every device while the test runs."""
+    with settings.override(torch_compile=False):
+        yield
 
 
 def _assert_same(actual, expected, what=""):
@@ -536,10 +535,10 @@ def test_quantizers_fused_equal_reference(device, reference_mode, case):
     inputs = [x3, x3[1].t(), x3 * 4]  # 3-D, non-contiguous (transposed view), rescaled
     for step, x in enumerate(inputs):
         for rowwise, columnwise in ((True, False), (True, True), (False, True)):
-            set_fused_casts_enabled(True)  # forced: a kernel failure raises instead of falling back
-            got = fused_q(x, rowwise=rowwise, columnwise=columnwise)
-            set_fused_casts_enabled(False)
-            want = ref_q(x, rowwise=rowwise, columnwise=columnwise)
+            with settings.override(fused_casts=True):  # forced: a kernel failure raises instead of falling back
+                got = fused_q(x, rowwise=rowwise, columnwise=columnwise)
+            with settings.override(fused_casts=False):
+                want = ref_q(x, rowwise=rowwise, columnwise=columnwise)
             for i, (a, b) in enumerate(zip(_flatten(got), _flatten(want))):
                 _assert_same(a, b, f"step {step} row={rowwise} col={columnwise} tensor {i}")
             _assert_same(got.dequantize(), want.dequantize(), "dequantize")
@@ -552,14 +551,13 @@ def test_quantizers_fused_equal_reference(device, reference_mode, case):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_cuda_default_takes_the_fused_path(cuda_device, monkeypatch):
     """On an H200 the automatic mode (opt-in) must pick the kernels (no silent fallback to the compiled path)."""
-    set_fused_casts_enabled(None)
     calls = []
     from te_dist.quantization import triton_casts
 
     real = triton_casts.cast_fp8_blocks
     monkeypatch.setattr(triton_casts, "cast_fp8_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(256, 256, device=cuda_device, dtype=torch.bfloat16)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, settings.override(fused_casts=None):
         warnings.simplefilter("always")
         make_quantizer(R.Float8BlockScaling(), "input")(x, columnwise=True)
     assert calls == [1]
@@ -668,8 +666,9 @@ def test_kernels_build_for_sm90_without_spills(monkeypatch):
 # ----------------------------------------------------------------------------- policy (no Triton needed)
 @pytest.fixture
 def policy():
+    before = settings.current().fused_casts
     yield fused
-    fused.set_fused_casts_enabled(fused.DEFAULT)
+    settings.set_for_process(fused_casts=before)  # what the older setter changed, back as it was
     fused._failed.clear()
 
 
@@ -696,11 +695,23 @@ def test_forced_on_cpu_without_interpreter_raises(policy, monkeypatch):
     monkeypatch.setattr(fused, "_load", lambda family="fp8": (object(), ""))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     set_fused_casts_enabled(True)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+    assert settings.source("fused_casts") == "te_dist.settings.fused_casts=True"
+    with pytest.raises(ValueError, match=r"forced on \(te_dist.settings.fused_casts=True\).*TRITON_INTERPRET=1"):
         fused.fused_casts_for(torch.randn(4, 128))
     assert fused.fused_casts_for(torch.randn(4, 128, dtype=torch.float64)) is None  # float64: reference path
     set_fused_casts_enabled(False)
     assert fused.fused_casts_for(torch.randn(4, 128)) is None
+
+
+def test_forced_by_the_setting_without_triton_raises_at_the_cast(policy, monkeypatch):
+    """The setting accepts True without looking for Triton (it imports nothing); the first cast that
+    would take the fused path then names the setting and the import error."""
+    monkeypatch.setattr(fused, "_load", lambda family="fp8": (None, "ModuleNotFoundError('triton')"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with settings.override(fused_casts=True):
+        with pytest.raises(RuntimeError, match=r"forced on \(te_dist.settings.fused_casts=True\) but their kernels "
+                                               r"do not import: ModuleNotFoundError"):
+            fused.fused_casts_for(torch.randn(4, 128))
 
 
 def test_run_fused_failure_warns_once_then_falls_back(policy):
@@ -721,6 +732,5 @@ def test_run_fused_failure_warns_once_then_falls_back(policy):
 
 def test_run_fused_forced_mode_raises(policy, monkeypatch):
     monkeypatch.setattr(fused, "_load", lambda family="fp8": (object(), ""))
-    set_fused_casts_enabled(True)
-    with pytest.raises(RuntimeError, match="build failed"):
+    with settings.override(fused_casts=True), pytest.raises(RuntimeError, match="build failed"):
         fused.run_fused(("k",), lambda: (_ for _ in ()).throw(RuntimeError("build failed")))

@@ -9,13 +9,12 @@ docs/moe.md "Transports" has what each needs and does.
 """
 
 from .all_to_all import AllToAllDispatcher
-from .base import TRANSPORT_ENV, TRANSPORTS, DispatchState, RoutingError, TokenDispatcher
+from .base import TRANSPORTS, DispatchState, RoutingError, TokenDispatcher
 from .peer.dispatcher import PeerDispatcher
 from .selector import TransportSelector
 
 __all__ = [
     "TRANSPORTS",
-    "TRANSPORT_ENV",
     "TokenDispatcher",
     "DispatchState",
     "RoutingError",

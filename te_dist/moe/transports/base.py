@@ -21,13 +21,12 @@ import torch
 
 from ...distributed.groups import group_rank, group_size
 from ...ops import GroupSplits, RowGather
+from ...settings import EP_TRANSPORTS
 from ..permutation import PermutationState
 
-__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "DispatchState", "RoutingError", "TokenDispatcher"]
+__all__ = ["TRANSPORTS", "DispatchState", "RoutingError", "TokenDispatcher"]
 
-TRANSPORTS = ("auto", "all_to_all", "peer")  # what MoELayer(transport=...) accepts
-# Overrides the layer's argument where set (the same on every rank); "nccl" is read as "all_to_all".
-TRANSPORT_ENV = "TE_DIST_EP_TRANSPORT"
+TRANSPORTS = EP_TRANSPORTS  # what MoELayer(transport=...) accepts; te_dist.settings.ep_transport overrides it
 
 
 class RoutingError(ValueError):

@@ -1,10 +1,11 @@
 """``TransportSelector``: the dispatcher an ``MoELayer`` holds; it picks the transport per call.
 
 Why per call: "auto" depends on the device of the tensors and on every rank's support, known at
-the first forward, not at construction; and ``TE_DIST_EP_TRANSPORT`` (an override for jobs and
-benchmarks, read on every dispatch) may change between steps, on every rank alike.
+the first forward, not at construction; and ``te_dist.settings.ep_transport`` (an override for jobs
+and benchmarks: ``TE_DIST_EP_TRANSPORT``, or ``te_dist.settings.override(ep_transport=...)`` between
+steps, on every rank alike) may change.
 
-    requested = TE_DIST_EP_TRANSPORT if set, else the layer's ``transport``
+    requested = te_dist.settings.ep_transport if set, else the layer's ``transport``
     EP size 1                      -> "local" (the all-to-all dispatcher, which is then the identity)
     "all_to_all"                   -> AllToAllDispatcher
     "peer"                         -> PeerDispatcher, or raise with the reasons it cannot run
@@ -13,20 +14,17 @@ benchmarks, read on every dispatch) may change between steps, on every rank alik
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from ... import settings
 from .all_to_all import AllToAllDispatcher
-from .base import TRANSPORT_ENV, TRANSPORTS, DispatchState, TokenDispatcher
+from .base import TRANSPORTS, DispatchState, TokenDispatcher
 from .peer.availability import use_peer_rows
 from .peer.dispatcher import PeerDispatcher
 
 __all__ = ["TransportSelector", "check_transport", "requested_transport"]
-
-_ALIASES = {"nccl": "all_to_all"}  # the override's older spelling
-
 
 def check_transport(transport) -> str:
     """``transport`` if it is one of TRANSPORTS, else ValueError naming them."""
@@ -36,15 +34,11 @@ def check_transport(transport) -> str:
 
 
 def requested_transport(transport: str):
-    """(transport, where it came from): the environment's override where set, else ``transport``."""
-    override = os.environ.get(TRANSPORT_ENV)
-    if not override:
+    """(transport, where it came from): ``te_dist.settings.ep_transport`` where set, else ``transport``."""
+    override = settings.current().ep_transport
+    if override is None:
         return transport, f"transport={transport!r}"
-    name = _ALIASES.get(override, override)
-    if name not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV} must be one of {TRANSPORTS} (or 'nccl', read as 'all_to_all'), "
-                         f"got {override!r}")
-    return name, f"{TRANSPORT_ENV}={override}"
+    return override, settings.source("ep_transport")
 
 
 class TransportSelector(TokenDispatcher):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from te_dist.distributed import agree_tuned_choices
 from te_dist.gemm import decide, measure
 from te_dist.gemm.decide import Problem
-from te_dist.gemm.measure import Settings, Tuner
+from te_dist.gemm.measure import Tuner, TunerSettings
 
 CHOICES = [("cutlass", 0), ("torch", None), ("cutlass", 2), ("cutlass", 10)]
 
@@ -34,7 +34,7 @@ def main():
     winner = CHOICES[1 + rank % 3]  # rank 0: torch, rank 1: cutlass:2, ...
     ms = {c: (0.5 if c == winner else 1.0 + i) for i, c in enumerate(CHOICES)}
     timer = lambda fn, calls: ms[fn()]  # noqa: E731
-    tuner = measure.reset(Tuner(Settings(persist=False), timer=timer, identity=lambda i: ("Fake GPU", 132)))
+    tuner = measure.reset(Tuner(TunerSettings(persist=False), timer=timer, identity=lambda i: ("Fake GPU", 132)))
     runs = lambda: [(c, lambda c=c: c) for c in CHOICES]  # noqa: E731
     sizes = (256,) * 8
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ....distributed.groups import group_size
 
-__all__ = ["use_peer_rows"]
+__all__ = ["use_peer_rows", "forget_agreements"]
 
 _agreed: Dict[Tuple[str, object], List[str]] = {}  # (group, device index) -> why not, per rank; empty: peer runs
 
@@ -61,6 +61,12 @@ def _agree(group, device: torch.device) -> List[str]:
             why.append(f"ranks on {len(hosts)} hosts")
         _agreed[key] = why
     return why
+
+
+def forget_agreements() -> None:
+    """Drop every cached agreement (the process groups they were made in are gone: a new group may
+    reuse a name)."""
+    _agreed.clear()
 
 
 def use_peer_rows(group, device: torch.device, row_bytes: int, *, required: bool = False, source: str = "") -> bool:

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from ....distributed.groups import group_rank, group_size
-from ..base import TRANSPORT_ENV
 
 __all__ = [
     "PeerWorkspace",
@@ -137,7 +136,7 @@ class PeerWorkspace:
             raise RuntimeError(
                 f"peer rows: symmetric memory of {total} bytes for the EP group failed on EP rank {self.rank} "
                 f"({type(exc).__name__}: {exc}); build the MoE layer with transport='all_to_all' (or set "
-                f"{TRANSPORT_ENV}=all_to_all on every rank) to move tokens with the NCCL all-to-all instead"
+                f"TE_DIST_EP_TRANSPORT=all_to_all on every rank) to move tokens with the NCCL all-to-all instead"
             ) from exc
         self.num_experts, self.rows_bytes = num_experts, rows_bytes  # only once the buffer exists
         offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]

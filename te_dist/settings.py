@@ -1,0 +1,282 @@
+"""The switchboard: every fast-path switch and tuning knob of te_dist, in one frozen object.
+
+Why one place: a switch read at different moments (per call, when a cache fills, once per process)
+or flipped as a module global from outside cannot be reasoned about. Here each field is documented
+once (what it switches, its environment variable, its default), read from the environment ONCE per
+process on first use (never at ``import te_dist``), and changed in code through one context manager:
+
+    import te_dist
+    te_dist.settings.tune                      # the value in force (reads the environment on first use)
+    with te_dist.settings.override(fused_casts=False, tune=False):
+        ...                                    # both off here, restored on exit (also on an exception)
+
+Precedence: an active ``override`` > ``set_for_process`` (what the older setters such as
+``te_dist.quantization.set_fused_casts_enabled`` call) > the environment > the default. The values
+are process-wide: every thread sees them, autograd's backward threads included, so an override around
+a training step also covers its backward. Overrides nest; each one, on exit, removes exactly the
+layer it added (so overrides entered from several threads undo correctly in any order); changes are
+made under a lock and readers see one immutable ``Settings`` at a time.
+
+A cache whose answer depends on a field keys on the field itself or on ``generation`` (an int that
+changes whenever the values in force change; read it after ``current()``), so a changed setting is
+never frozen inside a cache (STYLE.md).
+This module is a leaf: it imports nothing of te_dist. docs/settings.md lists every field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
+
+__all__ = ["Settings", "EP_TRANSPORTS", "current", "override", "set_for_process", "source", "generation",
+           "from_environ", "fields", "describe"]
+
+generation = 0  # changes whenever the values in force change (module docstring); 0 until first read
+
+EP_TRANSPORTS = ("auto", "all_to_all", "peer")  # what MoELayer(transport=...) and ep_transport accept
+_TRANSPORT_ALIASES = {"nccl": "all_to_all"}  # the environment's older spelling
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_FLAG_WORDS = "0 or 1 (also true/false, yes/no, on/off)"
+
+
+# --------------------------------------------------------------------------- environment parsers
+# Each takes the variable's text (stripped, non-empty) and returns the field's value, or raises
+# ValueError with what is accepted; the caller adds the variable's name and value.
+
+
+def _flag(text: str) -> bool:
+    low = text.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected {_FLAG_WORDS}")
+
+
+def _inverted_flag(text: str) -> bool:
+    return not _flag(text)
+
+
+def _auto_flag(text: str) -> Optional[bool]:
+    if text.lower() == "auto":
+        return None
+    try:
+        return _flag(text)
+    except ValueError:
+        raise ValueError(f"expected auto, {_FLAG_WORDS}") from None
+
+
+def _transport(text: str) -> str:
+    name = _TRANSPORT_ALIASES.get(text, text)
+    if name not in EP_TRANSPORTS:
+        raise ValueError(f"expected one of {', '.join(EP_TRANSPORTS)} (or nccl, read as all_to_all)")
+    return name
+
+
+def _tile(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError("expected a tile id: a non-negative integer (cutlass_kernels.heuristics.FP8_CONFIGS)")
+    return int(text)
+
+
+# --------------------------------------------------------------------------- code-value checks
+# Each returns None when ``value`` is accepted, else the words for what is.
+
+
+def _is_bool(value) -> Optional[str]:
+    return None if isinstance(value, bool) else "True or False"
+
+
+def _is_auto_bool(value) -> Optional[str]:
+    return None if value is None or isinstance(value, bool) else "None (automatic), True or False"
+
+
+def _is_transport(value) -> Optional[str]:
+    return None if value is None or value in EP_TRANSPORTS else f"None (the layer's argument) or one of {EP_TRANSPORTS}"
+
+
+def _is_tile(value) -> Optional[str]:
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+    return None if ok else "None (the rule) or a non-negative int tile id"
+
+
+def _field(default, *, env: str, parse: Callable[[str], object], check: Callable[[object], Optional[str]], doc: str):
+    return dataclasses.field(default=default, metadata={"env": env, "parse": parse, "check": check, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The values in force (``current()``); each field's metadata holds its variable and its doc."""
+
+    cutlass: bool = _field(
+        True, env="TE_DIST_DISABLE_CUTLASS", parse=_inverted_flag, check=_is_bool,
+        doc="our CUTLASS SM90 grouped GEMMs (bf16 fused epilogues and measured wins; the native FP8 grouped "
+            "GEMMs). False: torch._grouped_mm / cuBLAS per expert, and FP8 expert MLPs run emulated. "
+            "TE_DIST_DISABLE_CUTLASS=1 sets False.")
+    tune: bool = _field(
+        True, env="TE_DIST_TUNE", parse=_flag, check=_is_bool,
+        doc="measured grouped-GEMM choices: the first CUDA call of a shape bucket times the candidates. "
+            "False: the static rule. Also te_dist.gemm.measure.configure(enabled=...) and train.autotune.")
+    ep_transport: Optional[str] = _field(
+        None, env="TE_DIST_EP_TRANSPORT", parse=_transport, check=_is_transport,
+        doc="the expert-parallel token transport of every MoELayer: None keeps each layer's transport= "
+            "argument; 'auto', 'all_to_all' or 'peer' overrides it (set it alike on every rank).")
+    fused_casts: Optional[bool] = _field(
+        None, env="TE_DIST_FUSED_CASTS", parse=_auto_flag, check=_is_auto_bool,
+        doc="the fused Triton casts: None (auto) on CUDA devices of compute capability 8.9+ where triton "
+            "imports; True everywhere (CPU tensors need TRITON_INTERPRET=1); False never (the compiled casts).")
+    torch_compile: Optional[bool] = _field(
+        None, env="TE_DIST_TORCH_COMPILE", parse=_auto_flag, check=_is_auto_bool,
+        doc="torch.compile of the casts and the memory-bound glue (SwiGLU, the combine's gather-sum): "
+            "None (auto) on CUDA; True also on CPU; False eager everywhere.")
+    triton_padding: bool = _field(
+        True, env="TE_DIST_TRITON_PADDING", parse=_flag, check=_is_bool,
+        doc="the Triton kernels that build the expert-row padding maps on CUDA. False: torch ops "
+            "(the reference they are checked against).")
+    gather_in_experts: bool = _field(
+        True, env="TE_DIST_GATHER_IN_EXPERTS", parse=_flag, check=_is_bool,
+        doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "
+            "(te_dist.ops.RowGather). False: the dispatcher copies the rows.")
+    fp8_tile: Optional[int] = _field(
+        None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
+        doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "
+            "GEMM, for tile sweeps. None: the rule (heuristics.fp8_config).")
+
+
+def fields() -> Tuple[dataclasses.Field, ...]:
+    """The fields of ``Settings`` in order (metadata: env, doc)."""
+    return dataclasses.fields(Settings)
+
+
+_FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def from_environ(environ: Mapping[str, str]) -> Tuple[Settings, Dict[str, str]]:
+    """(the values ``environ`` sets, where each came from): a pure parse; unset or empty variables
+    keep the default. Raises ValueError naming the variable, its value and what it accepts."""
+    values, sources = {}, {}
+    for f in _FIELDS.values():
+        env = f.metadata["env"]
+        text = environ.get(env, "").strip()
+        if not text:
+            sources[f.name] = "default"
+            continue
+        try:
+            values[f.name] = f.metadata["parse"](text)
+        except ValueError as exc:
+            raise ValueError(f"{env}={environ[env]!r} (te_dist.settings.{f.name}) is not accepted: {exc}") from None
+        sources[f.name] = f"{env}={text}"
+    return Settings(**values), sources
+
+
+def _checked(changes: Mapping[str, object]) -> Dict[str, object]:
+    """``changes`` validated as a whole (nothing applies unless every one is accepted)."""
+    for name, value in changes.items():
+        f = _FIELDS.get(name)
+        if f is None:
+            raise TypeError(f"te_dist.settings has no field {name!r}; its fields: {', '.join(_FIELDS)}")
+        accepted = f.metadata["check"](value)
+        if accepted is not None:
+            raise ValueError(f"te_dist.settings.{name} must be {accepted}, received {value!r}")
+    return dict(changes)
+
+
+class _Board:
+    """The process's state: the environment's values (read once), lasting code changes, the active
+    override layers, and the resulting values in force. Changed only under ``lock``."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.base: Optional[Settings] = None  # environment + set_for_process
+        self.base_sources: Dict[str, str] = {}
+        self.layers: list = []  # one dict per active override, oldest first
+        self.values: Optional[Settings] = None  # what readers see
+        self.sources: Dict[str, str] = {}
+
+    def load(self) -> Settings:
+        with self.lock:
+            if self.base is None:
+                self.base, self.base_sources = from_environ(os.environ)
+                self.publish()
+            return self.values
+
+    def publish(self) -> None:
+        global generation
+        merged, sources = {}, dict(self.base_sources)
+        for layer in self.layers:
+            merged.update(layer)
+            sources.update({name: f"te_dist.settings.{name}={value!r}" for name, value in layer.items()})
+        values = dataclasses.replace(self.base, **merged)
+        changed = values != self.values
+        self.sources = sources
+        self.values = values
+        if changed:
+            generation += 1  # after the values: a reader that sees the new number sees them too
+
+
+_BOARD = _Board()
+
+
+def current() -> Settings:
+    """The values in force; the first call reads the environment (a bad variable raises here)."""
+    values = _BOARD.values
+    return values if values is not None else _BOARD.load()
+
+
+def source(name: str) -> str:
+    """Where the value in force of field ``name`` comes from: ``"default"``, ``"TE_DIST_TUNE=0"``
+    or ``"te_dist.settings.tune=False"`` (code: an override or ``set_for_process``)."""
+    if name not in _FIELDS:
+        raise TypeError(f"te_dist.settings has no field {name!r}; its fields: {', '.join(_FIELDS)}")
+    current()
+    return _BOARD.sources[name]
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Settings]:
+    """Within the block, the given fields take the given values (process-wide); on exit, also on an
+    exception, this layer is removed again. Every value is checked before any applies."""
+    layer = _checked(changes)
+    with _BOARD.lock:
+        _BOARD.load()
+        _BOARD.layers.append(layer)
+        _BOARD.publish()
+        values = _BOARD.values
+    try:
+        yield values
+    finally:
+        with _BOARD.lock:
+            _BOARD.layers[:] = [other for other in _BOARD.layers if other is not layer]
+            _BOARD.publish()
+
+
+def set_for_process(**changes) -> Settings:
+    """Change fields for the rest of the process (below any active override): what the older setters
+    (``set_fused_casts_enabled``, ``set_compile_enabled``, ``measure.configure(enabled=...)``) call.
+    Code that wants a change for a while uses ``override``. Returns the values in force."""
+    checked = _checked(changes)
+    with _BOARD.lock:
+        _BOARD.load()
+        _BOARD.base = dataclasses.replace(_BOARD.base, **checked)
+        _BOARD.base_sources.update({name: f"te_dist.settings.{name}={value!r}" for name, value in checked.items()})
+        _BOARD.publish()
+        return _BOARD.values
+
+
+def describe() -> Dict[str, dict]:
+    """{field: {"value", "source", "env", "default"}} of the values in force (``te-dist env``)."""
+    values = current()
+    return {name: {"value": getattr(values, name), "source": source(name), "env": f.metadata["env"],
+                   "default": f.default} for name, f in _FIELDS.items()}
+
+
+def __getattr__(name: str):
+    """``te_dist.settings.<field>``: the value in force."""
+    if name in _FIELDS:
+        return getattr(current(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
