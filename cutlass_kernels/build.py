@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .cache import BuildError, build_cached, entry_is_whole, open_cached
 from .heuristics import CONFIGS, TILES
@@ -146,8 +146,9 @@ def build_command(inst: Instance, out_path: Path) -> List[str]:
     return _cutlass_entry(SOURCE, inst.name, inst.macros)[1](out_path)
 
 
-def cache_key(inst: Instance) -> str:
-    target = _cutlass_entry(SOURCE, inst.name, inst.macros)[0]
+def cache_key(inst: Instance, *, flags: Sequence[str] = BASE_FLAGS) -> str:
+    """The instance's cache key (built with ``flags``: the tests show a change of them changes it)."""
+    target = _cutlass_entry(SOURCE, inst.name, inst.macros, flags)[0]
     return target.stem[len(inst.name) + 1:]
 
 
@@ -183,7 +184,7 @@ def compile_device_code(inst: Instance, out: Path) -> Path:
     return out
 
 
-def _cutlass_entry(source: Path, name: str, macros):
+def _cutlass_entry(source: Path, name: str, macros, flags: Sequence[str] = BASE_FLAGS):
     """(cache target, compile command) of one instance (``macros``: its -D flags) of a CUTLASS source."""
     nvcc = find_nvcc()
     cut = find_cutlass()
@@ -192,13 +193,13 @@ def _cutlass_entry(source: Path, name: str, macros):
     if cut is None:
         raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
     include, util, version = cut
-    macros = tuple(macros)
+    macros, flags = tuple(macros), tuple(flags)
     key = _digest(source.read_bytes(), *(h.read_bytes() for h in SHARED_HEADERS), _tree_digest(include).encode(),
                   _tree_digest(util).encode(),
-                  " ".join(macros + ARCH_FLAGS + BASE_FLAGS).encode(), version.encode(), nvcc_version(nvcc).encode())
+                  " ".join(macros + ARCH_FLAGS + flags).encode(), version.encode(), nvcc_version(nvcc).encode())
 
     def command(out: Path) -> List[str]:
-        return [nvcc, *ARCH_FLAGS, *BASE_FLAGS, *macros, f"-I{include}", f"-I{util}", "-o", str(out), str(source)]
+        return [nvcc, *ARCH_FLAGS, *flags, *macros, f"-I{include}", f"-I{util}", "-o", str(out), str(source)]
 
     return cache_dir() / f"{name}-{key}.so", command
 
@@ -218,12 +219,12 @@ def open_cutlass_source(source: Path, name: str, macros, open_fn, *, verbose: bo
     return open_cached(target, command, name, open_fn, verbose)
 
 
-def plain_source_key(source: Path) -> str:
+def plain_source_key(source: Path, *, flags: Sequence[str] = BASE_FLAGS) -> str:
     """Cache key of a plain CUDA source (no CUTLASS headers): source, flags, nvcc version."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    return _digest(source.read_bytes(), " ".join(ARCH_FLAGS + BASE_FLAGS).encode(), nvcc_version(nvcc).encode())
+    return _digest(source.read_bytes(), " ".join(ARCH_FLAGS + tuple(flags)).encode(), nvcc_version(nvcc).encode())
 
 
 def _plain_target(source: Path) -> Path:

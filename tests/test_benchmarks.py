@@ -4,13 +4,14 @@ changes another module's globals, and the docs name only scripts that exist. Not
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from module_globals import writes
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -86,40 +87,15 @@ print(json.dumps({{"te_dist": te_dist.__file__, "problems": suite.check(suite.HE
     assert out["modules"] == sorted(f"bench_{p.stem}" for p in BENCH.glob("*.py"))
 
 
-def _imported_names(tree) -> set:
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            names |= {a.asname or a.name for a in node.names}
-    return names
-
-
-ALLOWED_TARGETS = ("os.environ", "sys.path", "sys.modules")  # documented environment switches; the import system
+ALLOWED_TARGETS = ("os.environ", "sys.path", "sys.modules")  # the process environment; the import system
 
 
 def test_no_script_assigns_another_modules_globals():
-    """The switchboard rule: a benchmark switches a fast path through a public function or parameter, never
-    by assigning (or setattr-ing) an attribute of an imported module or of a class imported from one."""
-    found = []
-    for path in sorted(BENCH.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        imported = _imported_names(tree)
-        for node in ast.walk(tree):
-            targets = []
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
-                targets = [ast.Attribute(value=node.args[0], attr="?")]
-            for target in targets:
-                base = target
-                while isinstance(base, (ast.Attribute, ast.Subscript)):
-                    base = base.value
-                text = ast.unparse(target)
-                if (target is not base and isinstance(base, ast.Name) and base.id in imported
-                        and not text.startswith(ALLOWED_TARGETS)):
-                    found.append(f"{path.name}:{node.lineno}: {text}")
+    """The switchboard rule (tests/test_module_globals.py): a benchmark switches a fast path through
+    ``te_dist.settings.override`` or a parameter, never by writing (or setattr-ing) an attribute of an
+    imported module or of a class imported from one."""
+    found = [w.where() for path in sorted(BENCH.glob("*.py")) for w in writes(path)
+             if not w.text.startswith(ALLOWED_TARGETS)]
     assert found == []
 
 

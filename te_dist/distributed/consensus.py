@@ -53,13 +53,14 @@ __all__ = [
     "recipe_payload",
     "DEFAULT_TIMEOUT_S",
     "reset_consensus_state",
+    "use_side_group_on_gloo",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
 _NO_RECIPE = "None"  # the key exchanged for "no recipe": rank 0 quantizing and rank 1 not is a mismatch
 _MAX_VERIFIED = 64  # distinct agreed keys remembered per group (more means a full exchange again)
 _MAX_DIFF_LINES = 12
-_FORCE_SIDE_GROUP = False  # tests set it to exercise the NCCL-style side group on gloo-only machines
+_side_group_on_gloo = False  # use_side_group_on_gloo: the NCCL-style side group on gloo-only machines
 
 
 class ConsensusError(RuntimeError):
@@ -204,7 +205,7 @@ class _GroupConsensus:
 
     def _make_side_group(self, group, timeout_s: float):
         backend = str(dist.get_backend(group)).lower()
-        if "gloo" in backend and not _FORCE_SIDE_GROUP:
+        if "gloo" in backend and not _side_group_on_gloo:
             return None
         # Only this group's ranks take part; every rank of it reaches here at the same consensus call.
         return dist.new_group(
@@ -261,6 +262,15 @@ class _Registry:
 _REGISTRY = _Registry()
 # Side groups are ours: release them while the interpreter is still whole (see _GroupConsensus).
 atexit.register(_REGISTRY.clear)
+
+
+def use_side_group_on_gloo(enabled: bool = True) -> None:
+    """Give gloo groups the gloo side group NCCL groups get (for groups made after the call): how the
+    tests exercise that path on machines without GPUs."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, received {enabled!r}")
+    global _side_group_on_gloo
+    _side_group_on_gloo = enabled
 
 
 def reset_consensus_state() -> None:

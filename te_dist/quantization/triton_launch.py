@@ -91,8 +91,9 @@ class TritonLaunch:
         self.kernel = kernel
         self.params: Tuple[str, ...] = tuple(getattr(kernel, "arg_names", ()))
         self.compiled: Dict[tuple, Any] = {}
+        self.knobs = _runtime_knobs()
         # False: Triton's path every call
-        self.fast = bool(self.params) and _current_device is not None and _runtime_knobs() is not None
+        self.fast = bool(self.params) and _current_device is not None and self.knobs is not None
 
     def key(self, grid, args, meta) -> Optional[tuple]:
         """The launch key of one call (None: Triton's path for this call)."""
@@ -110,8 +111,9 @@ class TritonLaunch:
             if k is None:
                 return None
             keys.append(k)
-        return (_current_device(), tuple(keys), tuple(meta.items()), _knobs.runtime.debug,
-                getattr(_knobs.compilation, "instrumentation_mode", None))
+        knobs = self.knobs
+        return (_current_device(), tuple(keys), tuple(meta.items()), knobs.runtime.debug,
+                getattr(knobs.compilation, "instrumentation_mode", None))
 
     def __call__(self, grid, *args, **meta):
         key = self.key(grid, args, meta) if self.fast else None
@@ -119,7 +121,7 @@ class TritonLaunch:
             compiled = None if key is None else self.compiled.get(key)
         except TypeError:  # an unhashable constexpr
             key = compiled = None
-        if compiled is None or _hooks_installed(_knobs.runtime):
+        if compiled is None or _hooks_installed(self.knobs.runtime):
             result = self.kernel[grid](*args, **meta)
             if key is not None:
                 self._remember(key, result)

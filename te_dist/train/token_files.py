@@ -80,13 +80,13 @@ class TokenFile:
             del tokens  # unmapped here: the pages it touched leave this process's resident memory
         return out
 
-    def chunks(self):
-        """The tokens in order, as arrays of at most ``_SCAN_CHUNK`` (plain reads, no map)."""
+    def chunks(self, chunk_tokens: int = _SCAN_CHUNK):
+        """The tokens in order, as arrays of at most ``chunk_tokens`` (plain reads, no map)."""
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             left = self.num_tokens
             while left:
-                chunk = np.fromfile(f, dtype=np.dtype(self.dtype), count=min(left, _SCAN_CHUNK))
+                chunk = np.fromfile(f, dtype=np.dtype(self.dtype), count=min(left, chunk_tokens))
                 if not len(chunk):
                     raise DataError(self.path, f"ends {left} tokens early (was it truncated while being read?)")
                 left -= len(chunk)
@@ -138,9 +138,10 @@ class TokenStats:
     unigram_entropy: Optional[float]  # nats per token of the token frequencies (None for a huge vocabulary)
 
 
-def scan_tokens(tokens: TokenFile) -> TokenStats:
+def scan_tokens(tokens: TokenFile, *, chunk_tokens: int = _SCAN_CHUNK) -> TokenStats:
+    """Range and unigram entropy of every token, read ``chunk_tokens`` at a time."""
     lo, hi, counts = None, None, np.zeros(0, dtype=np.int64)
-    for chunk in tokens.chunks():
+    for chunk in tokens.chunks(chunk_tokens):
         c_lo, c_hi = int(chunk.min()), int(chunk.max())
         lo = c_lo if lo is None else min(lo, c_lo)
         hi = c_hi if hi is None else max(hi, c_hi)

@@ -281,13 +281,10 @@ def test_a_large_token_file_is_read_without_growing_resident_memory(tmp_path):
     assert grown < 100e6, f"resident memory grew by {grown / 1e6:.0f} MB"
 
 
-def test_scan_counts_every_token(tmp_path, monkeypatch):
-    from te_dist.train import token_files
-
-    monkeypatch.setattr(token_files, "_SCAN_CHUNK", 1000)  # many chunks
+def test_scan_counts_every_token(tmp_path):
     tokens = np.random.default_rng(1).integers(0, 3000, 10_500)
     path = _tokens_file(tmp_path, tokens)
-    stats = scan_tokens(open_token_file(path, "uint16"))
+    stats = scan_tokens(open_token_file(path, "uint16"), chunk_tokens=1000)  # many chunks
     counts = np.bincount(tokens) / len(tokens)
     counts = counts[counts > 0]
     assert (stats.num_tokens, stats.min_token, stats.max_token) == (10_500, int(tokens.min()), int(tokens.max()))

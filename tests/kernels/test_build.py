@@ -26,8 +26,8 @@ def test_cache_key_covers_instance_and_flags(monkeypatch, tmp_path):
         pytest.skip("nvcc or the nvidia-cutlass headers are absent: the cache key needs both")
     keys = {build.cache_key(i) for i in build.all_instances()}
     assert len(keys) == len(build.all_instances())
-    monkeypatch.setattr(build, "BASE_FLAGS", build.BASE_FLAGS + ("-DEXTRA",))
-    assert build.cache_key(BUILT) not in keys
+    assert build.cache_key(BUILT) in keys
+    assert build.cache_key(BUILT, flags=build.BASE_FLAGS + ("-DEXTRA",)) not in keys
     monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
     assert build.cache_dir() == tmp_path
 
@@ -54,8 +54,8 @@ def test_nvcc_compiles_peer_rows(tmp_path, monkeypatch):
         assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
     mtime = path.stat().st_mtime_ns
     assert build.build_plain_source(peer_rows.SOURCE) == path and path.stat().st_mtime_ns == mtime
-    monkeypatch.setattr(build, "BASE_FLAGS", build.BASE_FLAGS + ("-DEXTRA",))
-    assert build.plain_source_key(peer_rows.SOURCE) not in path.name
+    assert build.plain_source_key(peer_rows.SOURCE) in path.name
+    assert build.plain_source_key(peer_rows.SOURCE, flags=build.BASE_FLAGS + ("-DEXTRA",)) not in path.name
 
 
 def test_fp8_instance_names_and_validation():

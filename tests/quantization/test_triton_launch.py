@@ -43,7 +43,7 @@ def fake_cuda(monkeypatch):
     runtime = SimpleNamespace(debug=False, launch_enter_hook=SimpleNamespace(calls=[]),
                               launch_exit_hook=SimpleNamespace(calls=[]))
     knobs = SimpleNamespace(runtime=runtime, compilation=SimpleNamespace(instrumentation_mode=""))
-    monkeypatch.setattr(triton_launch, "_knobs", knobs)
+    monkeypatch.setattr(triton_launch, "_runtime_knobs", lambda: knobs)
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234)
     return knobs

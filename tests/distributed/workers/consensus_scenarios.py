@@ -268,7 +268,7 @@ def main(argv=None):
     if args.side_group:
         from te_dist.distributed import consensus
 
-        consensus._FORCE_SIDE_GROUP = True
+        consensus.use_side_group_on_gloo()
     rank, world = dist.get_rank(), dist.get_world_size()
     for name in names:
         SCENARIOS[name](args, rank, world)
