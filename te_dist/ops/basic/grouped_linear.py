@@ -225,6 +225,7 @@ class GroupedLinear(BasicOperation):
         self._weight_copy = WeightCopy()  # the native FP8 path's weight copy
         # None: cast the weight at every forward; True / False: TransformerEngine's micro-batch protocol
         self.is_first_microbatch = None
+        self._emulated_said_for = None  # (recipe key, device) whose emulated path this op has reported
         # the quantized grouped kernels tile both features by 128 (the scale block); asked per forward
         self._native_shape_ok = in_features % 128 == 0 and out_features % 128 == 0
 
@@ -319,7 +320,12 @@ class GroupedLinear(BasicOperation):
 
     def _say_emulated(self, x) -> None:
         """Warn once per process and reason that an FP8 recipe runs the emulated path on a GPU (fake-quantize,
-        then the bf16 GEMM: slower than bf16 alone), naming the path and why."""
+        then the bf16 GEMM: slower than bf16 alone), naming the path and why. Each op works the reason out
+        once per recipe and device: every later emulated forward returns at the first line."""
+        said_for = (self._quantizers.settings_key, x.device)
+        if self._emulated_said_for == said_for:
+            return
+        self._emulated_said_for = said_for
         recipe = self._quantizers.recipe
         if not self._native_shape_ok:
             why = (f"expert features {self.in_features} -> {self.out_features} are not multiples of 128, the FP8 "
