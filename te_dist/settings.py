@@ -142,6 +142,11 @@ class Settings:
         True, env="TE_DIST_GATHER_IN_EXPERTS", parse=_flag, check=_is_bool,
         doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "
             "(te_dist.ops.RowGather). False: the dispatcher copies the rows.")
+    megatron_row_padding: bool = _field(
+        False, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
+        doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
+            "multiple (Megatron's dispatchers do not), so FP8 recipes run the native kernels there. Off "
+            "(default, until measured on a GPU): unaligned rows run the emulated path.")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

@@ -28,9 +28,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import settings
+from ..autocast import get_active_recipe
 from ..distributed.groups import group_rank, group_size
 from ..moe.expert_mlp import build_expert_mlp
 from ..moe.init import init_experts_, on_seeded_global_rng
+from ..moe.padding import native_row_alignment, needs_padding, pad_expert_rows
 from ..ops import OperationFuser
 from ._compat import define_missing_te_general_gemm, require_megatron
 from .checkpoint import expert_tensor_factory
@@ -263,13 +266,19 @@ class GroupedExperts(MegatronModule):
         split_sizes = tokens_per_expert.to(torch.int64)
         self._run_weight_owner_pre_hooks()
         with self._recipe_context():
+            padded = self._pad_rows(x_TH, probs_T, split_sizes)
+            x_PH, probs_P, splits = x_TH, probs_T, split_sizes
+            if padded is not None:
+                x_PH, probs_P, splits = padded.x_PH, padded.probs_P, padded.splits
             if self._fuser is not None:
-                fused_probs_T = probs_T if probs_T.dtype in _PROBS_DTYPES else probs_T.to(torch.float32)
-                y_TH = self._fuser(x_TH, split_sizes, fused_probs_T, split_sizes)
+                fused_probs_P = probs_P if probs_P.dtype in _PROBS_DTYPES else probs_P.to(torch.float32)
+                y_TH = self._fuser(x_PH, splits, fused_probs_P, splits)
             else:
-                h_TF = self._fc1_fuser(x_TH, split_sizes)
-                a_TF = (self._activation_func(h_TF) * probs_T.unsqueeze(-1)).to(h_TF.dtype)
-                y_TH = self._fc2_fuser(a_TF, split_sizes)
+                h_PF = self._fc1_fuser(x_PH, splits)
+                a_PF = (self._activation_func(h_PF) * probs_P.unsqueeze(-1)).to(h_PF.dtype)
+                y_TH = self._fc2_fuser(a_PF, splits)
+            if padded is not None:
+                y_TH = padded.unpad(y_TH)
         if self.linear_fc2_bias is not None:
             expert_T = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=x_TH.device),
@@ -278,6 +287,29 @@ class GroupedExperts(MegatronModule):
             )
             y_TH = y_TH + (probs_T.unsqueeze(-1) * self.linear_fc2_bias[expert_T]).to(y_TH.dtype)
         return y_TH, None
+
+    def _native_row_alignment(self, x_TH: torch.Tensor) -> Optional[int]:
+        """The row multiple the active recipe's native path needs of each expert's rows (None: none)."""
+        return native_row_alignment(x_TH, get_active_recipe(), (self.linear_fc1, self.linear_fc2))
+
+    def _pad_rows(self, x_TH, probs_T, split_sizes):
+        """Each expert's rows padded with zero rows to the native FP8 path's row multiple, or None.
+
+        Why: Megatron's token dispatchers hand over the rows unpadded, and the native FP8 grouped GEMMs
+        quantize wgrad's operands along the rows in blocks (128 rows for block scaling, 16 for per-tensor),
+        so an expert's rows must start on that multiple; off it the recipe runs the emulated path. MoELayer
+        pads the same way (te_dist.moe.padding). The sizes are read on the host: from a device
+        ``tokens_per_expert`` that is a sync, taken only where the padding may apply.
+        Behind ``te_dist.settings.megatron_row_padding`` (off by default: docs/settings.md)."""
+        if not settings.current().megatron_row_padding:
+            return None
+        alignment = self._native_row_alignment(x_TH)
+        if alignment is None:
+            return None
+        sizes = split_sizes.tolist()
+        if not needs_padding(sizes, alignment):
+            return None
+        return pad_expert_rows(x_TH, probs_T, sizes, alignment)
 
     def _run_weight_owner_pre_hooks(self) -> None:
         """Run the forward pre-hooks registered on the ops that own the expert weights.

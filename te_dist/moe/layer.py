@@ -43,10 +43,9 @@ from ..autocast import get_active_recipe, get_recipe_key
 from ..distributed.groups import group_rank, group_size
 from ..distributed.layer_agreement import LayerAgreement
 from ..ops.basic.weight_copy import check_microbatch_flag
-from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 from .expert_mlp import ACTIVATIONS, build_expert_mlp
 from .init import draw_base_seed, init_experts_, uniform_fan_in
-from .padding import needs_padding, pad_expert_rows
+from .padding import native_row_alignment, needs_padding, pad_expert_rows
 from .router import TopKRouter
 from .state_dict import install_expert_state_dict_hooks
 from .transports import TransportSelector
@@ -207,16 +206,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer parameters are on {weight.device}, got input on {hidden_states.device}")
 
     def _native_row_alignment(self, x_TH: torch.Tensor, recipe) -> Optional[int]:
-        """The row multiple each local expert's rows must start on, when the active ``recipe``'s native
-        grouped path needs one and the op-fuser predicate says that path runs here (at that alignment)."""
-        alignment = native_split_alignment(recipe)
-        if alignment is None or x_TH.device.type != "cuda" or getattr(recipe, "backward_override", None) is not None:
-            return None
-        if not (self.fc1.native_shape_ok and self.fc2.native_shape_ok):
-            return None
-        if not is_op_fuser_grouped_tensor_supported(recipe, x_TH.dtype, split_alignment=alignment, device=x_TH.device):
-            return None
-        return alignment
+        """The row multiple the experts' rows must start on for ``recipe``'s native path (None: none)."""
+        return native_row_alignment(x_TH, recipe, (self.fc1, self.fc2))
 
     @property
     def is_first_microbatch(self) -> Optional[bool]:

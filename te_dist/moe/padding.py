@@ -31,9 +31,24 @@ from .. import settings
 from ..lazy_import import optional_module
 from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
+from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 
-__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "needs_padding", "pad_expert_rows", "padded_sizes",
-           "plan_padding", "queue_padding_plan"]
+__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "native_row_alignment", "needs_padding", "pad_expert_rows",
+           "padded_sizes", "plan_padding", "queue_padding_plan"]
+
+
+def native_row_alignment(x: torch.Tensor, recipe, linears) -> Optional[int]:
+    """The row multiple each local expert's rows must start on, when the active ``recipe``'s native
+    grouped path needs one and the op-fuser predicate says that path runs here (at that alignment) for
+    the expert MLP's grouped ``linears``; None where the rows may stay as they are."""
+    alignment = native_split_alignment(recipe)
+    if alignment is None or x.device.type != "cuda" or getattr(recipe, "backward_override", None) is not None:
+        return None
+    if not all(linear.native_shape_ok for linear in linears):
+        return None
+    if not is_op_fuser_grouped_tensor_supported(recipe, x.dtype, split_alignment=alignment, device=x.device):
+        return None
+    return alignment
 
 
 def padded_sizes(sizes, alignment: int) -> tuple:

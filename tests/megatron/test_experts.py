@@ -241,3 +241,47 @@ def test_recipe_from_config_fields(megatron_world1):
     config.fp8, config.fp8_recipe = "e4m3", "blockwise"
     ours = H.build_moe_layer(config, "te_dist")
     assert ours.experts.recipe == R.Float8BlockScaling(fp8_format=R.Format.E4M3)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_rows_padded_for_the_native_path_give_the_unpadded_result(megatron_world1, monkeypatch, gated):
+    """With ``settings.megatron_row_padding`` on and a recipe whose native path needs a row multiple
+    (faked here: on CPU no native path runs), every expert's rows reach the grouped GEMMs padded to
+    that multiple, and output and gradients equal the unpadded run's; with the switch off nothing is padded."""
+    import te_dist
+    import te_dist.megatron.experts as E
+
+    overrides = {} if gated else {"gated_linear_unit": False, "activation_func": F.gelu}
+    _, ours = _pair(H.make_config(add_bias_linear=True, **overrides))
+    experts = ours.experts
+    with torch.no_grad():
+        experts.linear_fc1.bias.normal_()
+        experts.linear_fc2_bias.normal_()
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, experts.config.hidden_size, device=H.device())
+    probs = torch.rand(9, device=H.device())
+
+    def run():
+        experts.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        y, _ = experts(xr, counts, probs)
+        y.square().sum().backward()
+        return [y.detach(), xr.grad] + [p.grad.clone() for p in experts.parameters()]
+
+    reference = run()
+    padded_sizes = []
+    real_pad = E.pad_expert_rows
+
+    def spy(x_TH, probs_T, sizes, alignment):
+        got = real_pad(x_TH, probs_T, sizes, alignment)
+        padded_sizes.append(tuple(got.splits.sizes))
+        return got
+
+    monkeypatch.setattr(E, "pad_expert_rows", spy)
+    monkeypatch.setattr(type(experts), "_native_row_alignment", lambda self, x_TH: 4)
+    assert all(torch.equal(a, b) for a, b in zip(run(), reference)) and not padded_sizes  # switch off: unpadded
+    with te_dist.settings.override(megatron_row_padding=True):
+        padded = run()
+    assert padded_sizes == [(4, 0, 8, 4)]
+    for got, want in zip(padded, reference):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

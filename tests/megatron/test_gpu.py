@@ -70,6 +70,31 @@ def test_gpu_transformer_layer_forward_backward(megatron_world1):
     assert layer.mlp.experts.linear_fc1.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("recipe", ["block", "current"])
+def test_gpu_padded_rows_take_the_native_fp8_path(megatron_world1, recipe):
+    """``settings.megatron_row_padding`` on: unaligned rows per expert run the native FP8 kernels (the
+    weight copy is cast) and agree with the emulated path the switch-off run takes."""
+    import te_dist
+
+    config = _bf16_config(hidden_size=256, moe_ffn_hidden_size=128)
+    ours = H.build_moe_layer(config, "te_dist", recipe=recipe)
+    counts = torch.tensor([37, 0, 130, 5, 1, 64, 0, 19])
+    x = torch.randn(int(counts.sum()), config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(x.shape[0], device="cuda")
+    runs = {}
+    for padding in (False, True):
+        with te_dist.settings.override(megatron_row_padding=padding):
+            ours.experts.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y, _ = ours.experts(xi, counts, probs)
+            y.float().square().sum().backward()
+            runs[padding] = (y.float(), xi.grad.float(), ours.experts.linear_fc1.weight.grad.float())
+        assert ours.experts.linear_fc1.has_native_weight_copy == padding
+    for native, emulated in zip(runs[True], runs[False]):
+        scale = emulated.abs().max()
+        torch.testing.assert_close(native / scale, emulated / scale, rtol=0, atol=5e-2)
+
+
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_gpu_ep2_nccl_matches_sequential(tmp_path, megatron_world1, dispatcher):
     if torch.cuda.device_count() < 2:
