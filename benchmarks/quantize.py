@@ -18,6 +18,7 @@ training forward runs after the optimizer wrote the weights (both GEMM layouts, 
 --iters calls, against a copy of the same bf16 weights. ``floor GB`` = the bytes the recipe must move
 (current scaling: an amax read, then one pass writing both layouts = 6 bytes per element; delayed: 4;
 128x128 blocks: 4, plus scales); ``of bound`` = (floor GB / ms) / the copy's bandwidth, goal >= 0.8;
+rows ``current+1pass`` / ``delayed+1pass`` run the one-pass CUDA cast (``settings.cuda_rowcol_cast``);
 ``vs 4 B`` = moving 4 bytes per element at copy bandwidth over ``ms``. ``--sweep`` also times the
 candidate tiles of the 128x128 block cast (``tile=``), each checked against the default tile's bytes.
 """
@@ -46,6 +47,9 @@ CASES = [  # (label, recipe name, role, columnwise copy too)
     ("nvfp4 16x16 (weight)", "nvfp4", "weight", False),
     ("nvfp4 1x16 SR (grad)", "nvfp4", "grad_output", False),
 ]
+
+
+ONE_PASS_RECIPES = ("current", "delayed")  # casts settings.cuda_rowcol_cast switches (docs/quantization.md)
 
 
 def _recipe(name):
@@ -177,6 +181,7 @@ def _tile_sweep(w, iters):
 
 
 def weights(args) -> list:
+    from te_dist import settings
     from te_dist.ops import GroupedLinear
     from te_dist.recipe import recipe_from_name
 
@@ -192,21 +197,25 @@ def weights(args) -> list:
         copy_bw = 4 * numel / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6  # GB/s read + written
         del src, dst
         for rname in args.recipes.split(","):
-            for op in ops:
-                op.reset_recipe_state(recipe_from_name(rname))
-            ms = timing.each_call_ms(lambda: [op.quantized_weight() for op in ops], iters=args.iters)
-            gb = BYTES_PER_ELEMENT[rname] * numel / 1e9
-            rows.append(dict(config=name, recipe=rname, ms=ms, gb=gb, of_bound=gb / ms * 1e3 / copy_bw,
-                             vs4=4 * numel / 1e9 / copy_bw * 1e3 / ms, copy_bw=copy_bw))
-            print(f"row {name} {rname} {ms:.3f} ms {rows[-1]['of_bound']:.2f} of bound", flush=True)
+            # per-tensor recipes: also the one-pass CUDA cast (settings.cuda_rowcol_cast), labelled "+1pass"
+            for one_pass in (False, True) if rname in ONE_PASS_RECIPES and not args.no_one_pass else (False,):
+                label = rname + ("+1pass" if one_pass else "")
+                with settings.override(cuda_rowcol_cast=one_pass):
+                    for op in ops:
+                        op.reset_recipe_state(recipe_from_name(rname))
+                    ms = timing.each_call_ms(lambda: [op.quantized_weight() for op in ops], iters=args.iters)
+                gb = BYTES_PER_ELEMENT[rname] * numel / 1e9
+                rows.append(dict(config=name, recipe=label, ms=ms, gb=gb, of_bound=gb / ms * 1e3 / copy_bw,
+                                 vs4=4 * numel / 1e9 / copy_bw * 1e3 / ms, copy_bw=copy_bw))
+                print(f"row {name} {label} {ms:.3f} ms {rows[-1]['of_bound']:.2f} of bound", flush=True)
         if args.sweep:
             sweeps += [(name, *r) for r in _tile_sweep(ops[0].weight.detach(), args.iters)]
         del ops
         torch.cuda.empty_cache()
     print(f"\nExpert weight cast (fc1 + fc2), {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'config':<11} {'recipe':<8} {'ms':>8} {'floor GB':>10} {'of bound':>9} {'vs 4 B':>7} {'copy GB/s':>10}")
+    print(f"{'config':<11} {'recipe':<14} {'ms':>8} {'floor GB':>10} {'of bound':>9} {'vs 4 B':>7} {'copy GB/s':>10}")
     for r in rows:
-        print(f"{r['config']:<11} {r['recipe']:<8} {r['ms']:8.3f} {r['gb']:10.2f} {r['of_bound']:9.2f} "
+        print(f"{r['config']:<11} {r['recipe']:<14} {r['ms']:8.3f} {r['gb']:10.2f} {r['of_bound']:9.2f} "
               f"{r['vs4']:7.2f} {r['copy_bw']:10.0f}")
     if sweeps:
         print(f"\n{'config':<11} {'family':<22} {'tile':<14} {'fc1 ms':>8} {'same bytes':>10}")
@@ -235,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", default="current,delayed,block")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also the 128x128 block cast's candidate tiles")
+    p.add_argument("--no-one-pass", action="store_true", help="skip the per-tensor recipes' one-pass CUDA cast rows")
     timing.add_json_option(*sub.choices.values())
     return parser
 

@@ -142,6 +142,11 @@ class Settings:
         True, env="TE_DIST_GATHER_IN_EXPERTS", parse=_flag, check=_is_bool,
         doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "
             "(te_dist.ops.RowGather). False: the dispatcher copies the rows.")
+    cuda_rowcol_cast: bool = _field(
+        False, env="TE_DIST_CUDA_ROWCOL_CAST", parse=_flag, check=_is_bool,
+        doc="the per-tensor FP8 casts that also write the transposed copy (a grouped weight's dgrad layout) "
+            "read x once in a CUDA kernel (te_dist.quantization.cuda_rowcol). Off (default, until measured "
+            "on a GPU): the Triton cast, then the Triton byte transpose.")
     megatron_row_padding: bool = _field(
         False, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "

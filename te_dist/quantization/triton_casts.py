@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cuda_rowcol
 from .triton_launch import cdiv, launch, next_power_of_2
 
 __all__ = [
@@ -175,6 +176,23 @@ def _roll_history(amax_bits, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, n
     scale = tl.where(valid, scale, tl.load(scale_ptr))
     tl.store(new_scale_ptr, scale)
     tl.store(new_scale_inv_ptr, _recip(scale))
+
+
+@triton.jit
+def _scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, FMT_MAX: tl.constexpr, POWER_2: tl.constexpr):
+    """The cast's scale and scale_inv from amax bits (for a cast kernel that reads its scale)."""
+    scale = _fp8_scale(tl.load(amax_ptr), FMT_MAX, POWER_2)
+    tl.store(scale_ptr, scale)
+    tl.store(scale_inv_ptr, _recip(scale))
+
+
+@triton.jit
+def _roll_history_kernel(amax_ptr, hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len,
+                         margin_mul, FMT_MAX: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                         ITERS: tl.constexpr):
+    """:func:`_roll_history` of amax bits a cast recorded at ``amax_ptr``, as its own launch."""
+    _roll_history(tl.load(amax_ptr), hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr, new_scale_inv_ptr, hist_len,
+                  margin_mul, FMT_MAX, ALGO_MAX, BLOCK, ITERS)
 
 
 @triton.jit
@@ -562,17 +580,15 @@ def current_scaling_quantize_rowcol(x, fp8_dtype, fmt_max: float, power_2: bool)
     Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
     x = x.contiguous()
-    data, scale_inv = _cast_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
-    return data, transpose_fp8(data), scale_inv
+    return _cast_both_from_amax_bits(x, _amax_bits(x), fp8_dtype, fmt_max, power_2)
 
 
 @_on_x_device
 def cast_from_amax_rowcol(x, amax, fp8_dtype, fmt_max: float, power_2: bool):
     """:func:`cast_from_amax` plus the transposed data. Returns (data, data_t, scale_inv)."""
     _rowcol_layout(x)
-    data, scale_inv = _cast_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max,
-                                           power_2)
-    return data, transpose_fp8(data), scale_inv
+    return _cast_both_from_amax_bits(x.contiguous(), _scalar_f32(amax).view(torch.int32), fp8_dtype, fmt_max,
+                                     power_2)
 
 
 @_on_x_device
@@ -580,8 +596,44 @@ def delayed_scaling_step_rowcol(x, scale, history, fp8_dtype, fmt_max: float, ma
     """:func:`delayed_scaling_step` plus the transposed data (x [..., R, C], R % 4 == 0).
     Returns NEW (data, data_t, history, scale, scale_inv)."""
     _rowcol_layout(x)
+    if cuda_rowcol.enabled_for(x, fp8_dtype):
+        return _delayed_step_one_pass(x, scale, history, fp8_dtype, fmt_max, margin, algo)
     data, *update = _delayed_step(x, scale, history, fp8_dtype, fmt_max, margin, algo)
     return (data, transpose_fp8(data), *update)
+
+
+def _cast_both_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool):
+    """(data, data_t, scale_inv) of x (contiguous) cast with ``per_tensor_scale`` of the amax bits: the
+    one-pass CUDA cast where it is on and fits (:mod:`.cuda_rowcol`), else the cast then the transpose."""
+    if cuda_rowcol.enabled_for(x, fp8_dtype):
+        scale = torch.empty(1, dtype=torch.float32, device=x.device)
+        scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+        launch(_scale_kernel, (1,), bits, scale, scale_inv, FMT_MAX=fmt_max, POWER_2=power_2, num_warps=1)
+        return (*cuda_rowcol.cast_rowcol(x, scale, fp8_dtype, fmt_max), scale_inv)
+    data, scale_inv = _cast_from_amax_bits(x, bits, fp8_dtype, fmt_max, power_2)
+    return data, transpose_fp8(data), scale_inv
+
+
+def _delayed_step_one_pass(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
+    """:func:`delayed_scaling_step_rowcol` on the one-pass CUDA cast: the cast records amax(x), then one
+    small launch rolls the history. Returns NEW (data, data_t, history, scale, scale_inv)."""
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
+    x = x.contiguous()
+    if history.dtype != torch.float32 or not history.is_contiguous():
+        history = history.to(torch.float32).contiguous()
+    dev = x.device
+    bits = _zero_bits(dev)
+    data, data_t = cuda_rowcol.cast_rowcol(x, _scalar_f32(scale), fp8_dtype, fmt_max, amax_bits=bits)
+    new_history = torch.empty(history.numel(), dtype=torch.float32, device=dev)
+    new_scale = torch.empty((), dtype=torch.float32, device=dev)
+    new_scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    hist_len = history.numel()
+    hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
+    launch(_roll_history_kernel, (1,), bits, history, _scalar_f32(scale), new_history, new_scale, new_scale_inv,
+           hist_len, math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=hist_block,
+           ITERS=cdiv(hist_len, hist_block), num_warps=1)
+    return data, data_t, new_history, new_scale, new_scale_inv
 
 
 def _split_shape(x: torch.Tensor):

@@ -276,6 +276,118 @@ def test_per_tensor_transposed_data_needs_rows_in_words(device, kernels):
             kernels.current_scaling_quantize_rowcol(torch.ones(shape, device=device), *E4M3, False)
 
 
+# ----------------------------------------------------------------------------- one-pass CUDA rowcol cast
+_ONE_PASS_SHAPES = [(64, 128), (2, 128, 256), (3, 192, 384)]
+
+
+def _reference_rowcol(x, scale, fp8_dtype, fmt_max, amax_bits=None):
+    """What cast_rowcol.cu computes, in torch: the plain cast, its transpose, amax bits merged."""
+    data = cast.cast_fp8_per_tensor(x, scale.reshape(()), fp8_dtype, fmt_max)
+    if amax_bits is not None:
+        bits = x.float().abs().view(torch.int32).max() if x.numel() else torch.tensor(0, dtype=torch.int32)
+        amax_bits[0] = torch.maximum(amax_bits[0], bits.to(amax_bits.device))
+    return data, _t(data)
+
+
+@pytest.fixture
+def one_pass(device, monkeypatch):
+    """settings.cuda_rowcol_cast on; on the CPU the CUDA kernel is replaced by its torch reference, so
+    the interpreter checks the glue (scale kernel, history roll, layouts) and the GPU the kernel itself."""
+    from te_dist.quantization import cuda_rowcol
+
+    if device.type == "cpu":
+        monkeypatch.setattr(cuda_rowcol, "enabled_for", lambda x, fp8_dtype: (
+            x.shape[-2] % cuda_rowcol.TILE_ROWS == 0 and x.shape[-1] % cuda_rowcol.TILE_COLS == 0))
+        monkeypatch.setattr(cuda_rowcol, "cast_rowcol", _reference_rowcol)
+    with settings.override(cuda_rowcol_cast=True):
+        yield cuda_rowcol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("power_2", [False, True])
+def test_one_pass_rowcol_casts(device, kernels, one_pass, dtype, power_2):
+    """With the one-pass cast on: the same bytes as the plain casts (and their transposes) for current
+    scaling (amax from x or given) and delayed scaling over steps (amax recorded, history rolled)."""
+    history, d_scale = torch.zeros(4, device=device), torch.full((), 3.0, device=device)
+    for seed, shape in enumerate(_ONE_PASS_SHAPES):
+        x = _data(shape, dtype, device, seed=seed, specials=seed == 0)
+        assert one_pass.enabled_for(x, E4M3[0])
+        for fmt in (E4M3, E5M2):
+            data, data_t, scale_inv = kernels.current_scaling_quantize_rowcol(x, *fmt, power_2)
+            ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *fmt, power_2)
+            _assert_same(data, ref_data, f"{shape} data")
+            _assert_same(data_t, _t(ref_data), f"{shape} data_t")
+            _assert_same(scale_inv, ref_scale_inv, f"{shape} scale_inv")
+        amax = torch.tensor(5.5, device=device)
+        data, data_t, scale_inv = kernels.cast_from_amax_rowcol(x, amax, *E5M2, power_2)
+        scale = cast.per_tensor_scale(amax, E5M2[1], power_2=power_2)
+        ref_data = cast.cast_fp8_per_tensor(x, scale, *E5M2)
+        _assert_same(data, ref_data, f"{shape} data from amax")
+        _assert_same(data_t, _t(ref_data), f"{shape} data_t from amax")
+        _assert_same(scale_inv, 1.0 / scale, f"{shape} scale_inv from amax")
+        for algo in ("max", "most_recent"):
+            out = kernels.delayed_scaling_step_rowcol(x, d_scale, history, *E4M3, 1, algo)
+            ref = cast.delayed_scaling_step(x, d_scale, history, *E4M3, 1, algo)
+            _assert_same(out[1], _t(ref[0]), f"{shape} {algo} delayed data_t")
+            for name, a, b in zip(("data", "history", "scale", "scale_inv"), (out[0], *out[2:]), ref):
+                _assert_same(a, b, f"{shape} {algo} delayed {name}")
+        history, d_scale = out[2], out[3]
+
+
+def test_one_pass_cast_is_off_by_default_and_checks_its_input():
+    """Off by default (nothing is built); on, a CPU tensor or a shape off the tile does not take it; the
+    kernel's own entry refuses bad input before any launch, naming what it takes."""
+    from te_dist.quantization import cuda_rowcol
+
+    x = torch.ones(64, 128, dtype=torch.bfloat16)
+    assert settings.current().cuda_rowcol_cast is False
+    assert not cuda_rowcol.enabled_for(x, torch.float8_e4m3fn)
+    with settings.override(cuda_rowcol_cast=True):
+        assert not cuda_rowcol.enabled_for(x, torch.float8_e4m3fn)  # a CPU tensor
+    assert "lib" not in cuda_rowcol._state and "error" not in cuda_rowcol._state  # never built
+    with pytest.raises(ValueError, match=r"R % 64 == 0 and C % 128 == 0.*received \(64, 128\) torch.bfloat16 on cpu"):
+        cuda_rowcol.cast_rowcol(x, torch.ones(1), torch.float8_e4m3fn, 448.0)
+
+
+def test_nvcc_compiles_the_one_pass_cast(tmp_path, monkeypatch):
+    """cast_rowcol.cu (plain CUDA) compiles for sm_90a into the kernel cache and exports its C ABI."""
+    import subprocess
+
+    from cutlass_kernels import build
+    from te_dist.quantization import cuda_rowcol
+
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc is absent on this machine (the .cu build check needs the CUDA compiler)")
+
+    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
+    path = build.build_plain_source(cuda_rowcol.SOURCE)
+    assert path.parent == tmp_path and path.name.startswith("cast_rowcol-")
+    symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
+    for name in ("te_cr_cast", "te_cr_last_error"):
+        assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
+def test_one_pass_cast_matches_the_two_pass_cast_on_large_stacks(kernels):
+    """The CUDA kernel itself on many blocks: a grouped weight stack [E, N, K] (bf16), current and delayed
+    scaling, byte for byte the two-pass path's output, and the quantizer's weight copy alike."""
+    from te_dist.quantization import cuda_rowcol
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 1024, 768, generator=gen) * 4).to("cuda", torch.bfloat16)
+    x[3, 17, 5] = 300.0
+    history, scale = torch.zeros(8, device="cuda"), torch.full((), 2.0, device="cuda")
+    runs = {}
+    for on in (False, True):
+        with settings.override(cuda_rowcol_cast=on):
+            assert cuda_rowcol.enabled_for(x, E4M3[0]) == on
+            runs[on] = (kernels.current_scaling_quantize_rowcol(x, *E4M3, False)
+                        + kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 0, "max"))
+    for i, (a, b) in enumerate(zip(runs[True], runs[False])):
+        _assert_same(a, b, f"output {i}")
+
+
 # ----------------------------------------------------------------------------- block formats
 def _reference_blocks(x, block, fmt, power_2, columnwise):
     src = x.transpose(-1, -2) if columnwise else x

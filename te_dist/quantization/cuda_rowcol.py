@@ -1,0 +1,106 @@
+"""The per-tensor FP8 cast writing both GEMM layouts from one read (``cast_rowcol.cu``), for the
+fused per-tensor casts of stacks of matrices (a grouped weight's fprop and dgrad copies).
+
+Why CUDA here: the cast-then-transpose path reads the FP8 bytes back (5 bytes moved per element
+instead of 4), and the Triton kernel that wrote both copies in one pass placed bytes wrongly on
+Hopper GPUs; this kernel moves the transposed tile through shared memory as whole words.
+
+Behind ``te_dist.settings.cuda_rowcol_cast`` (off by default: docs/settings.md). The library is
+compiled into the kernel cache on first use, like the grouped GEMMs; a failed build warns once and
+the callers keep the Triton two-pass path. Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from .. import settings
+
+__all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "fits", "enabled_for", "cast_rowcol"]
+
+SOURCE = Path(__file__).resolve().parent / "cast_rowcol.cu"
+TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): R and C must be multiples
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded library, or "error": why it is unavailable
+
+
+class _Library:
+    def __init__(self, path: Path):
+        c = ctypes
+        lib = ctypes.CDLL(str(path))
+        lib.te_cr_last_error.restype = c.c_char_p
+        lib.te_cr_cast.restype = c.c_int
+        lib.te_cr_cast.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64,
+                                   c.c_int64, c.c_int, c.c_int, c.c_float, c.c_void_p]
+        self._lib = lib
+
+    def cast(self, *args) -> None:
+        if self._lib.te_cr_cast(*args) != 0:
+            raise RuntimeError(f"cast_rowcol launch failed: {self._lib.te_cr_last_error().decode(errors='replace')}")
+
+
+def _library() -> Optional[_Library]:
+    """The compiled library, or None (warned once) when it cannot be built or opened here."""
+    if "lib" not in _state and "error" not in _state:
+        with _lock:
+            if "lib" not in _state and "error" not in _state:
+                try:
+                    from cutlass_kernels.build import open_plain_source  # nvcc and the kernel cache
+
+                    _state["lib"] = open_plain_source(SOURCE, _Library)
+                except Exception as exc:  # no nvcc, a failed build, a library that does not open
+                    _state["error"] = repr(exc)
+                    warnings.warn(f"te_dist: the one-pass FP8 cast (cast_rowcol.cu) is unavailable ({exc!r:.300}); "
+                                  "the cast then the byte transpose run instead")
+    return _state.get("lib")
+
+
+def fits(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
+    """Whether the kernel takes x [..., R, C]: a CUDA tensor of a supported dtype, R a multiple of
+    ``TILE_ROWS``, C of ``TILE_COLS`` (a pure shape check: no build, no device query)."""
+    return (x.is_cuda and x.dim() >= 2 and x.dtype in _DTYPES and fp8_dtype in _FORMATS and x.numel() > 0
+            and x.shape[-2] % TILE_ROWS == 0 and x.shape[-1] % TILE_COLS == 0)
+
+
+def enabled_for(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
+    """The switch is on, x fits and the library is available (built on the first call that asks)."""
+    return settings.current().cuda_rowcol_cast and fits(x, fp8_dtype) and _library() is not None
+
+
+def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float,
+                amax_bits: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(data [..., R, C], data_t [..., C, R]) = fp8(clamp(x * scale)) in both layouts; ``scale``: a
+    float32 one-element tensor on x's device; ``amax_bits``: an int32 tensor whose first element takes
+    max(its value, the bits of max|x|). Call only where :func:`enabled_for` is True."""
+    if not fits(x, fp8_dtype):
+        raise ValueError(f"cast_rowcol takes a CUDA x [..., R, C] of {tuple(_DTYPES)} with R % {TILE_ROWS} == 0 and "
+                         f"C % {TILE_COLS} == 0 and an FP8 dtype of {tuple(_FORMATS)}, received {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device} -> {fp8_dtype}")
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
+        raise ValueError(f"scale must be one float32 value on {x.device}, received {scale.dtype} "
+                         f"{tuple(scale.shape)} on {scale.device}")
+    if amax_bits is not None and (amax_bits.dtype != torch.int32 or amax_bits.device != x.device):
+        raise ValueError(f"amax_bits must be int32 on {x.device}, received {amax_bits.dtype} on {amax_bits.device}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the one-pass FP8 cast is unavailable: {_state.get('error')}")
+    x = x.contiguous()
+    rows, cols = x.shape[-2], x.shape[-1]
+    matrices = x.numel() // (rows * cols)
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty((*x.shape[:-2], cols, rows), dtype=fp8_dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        lib.cast(x.data_ptr(), data.data_ptr(), data_t.data_ptr(), scale.data_ptr(),
+                 None if amax_bits is None else amax_bits.data_ptr(), matrices, rows, cols, _DTYPES[x.dtype],
+                 _FORMATS[fp8_dtype], float(fmt_max), stream)
+    return data, data_t
