@@ -42,46 +42,35 @@ int record(cudaError_t err, const char* what) {
   return static_cast<int>(err);
 }
 
+// Eight consecutive elements of x as float (one 16-byte load for 16-bit types, two for float).
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+
 template <typename T>
-struct Load8;  // eight consecutive elements as float
-
+struct Pair;  // the two-element vector type of a 16-bit T
 template <>
-struct Load8<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(const __nv_bfloat16* p, float* v) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <>
+struct Pair<__half> { using type = __half2; };
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* v) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const auto* pairs = reinterpret_cast<const typename Pair<T>::type*>(&raw);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 f = __bfloat1622float2(h[i]);
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = to_float2(pairs[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
   }
-};
+}
 
-template <>
-struct Load8<__half> {
-  static __device__ __forceinline__ void run(const __half* p, float* v) {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 f = __half22float2(h[i]);
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    }
-  }
-};
-
-template <>
-struct Load8<float> {
-  static __device__ __forceinline__ void run(const float* p, float* v) {
-    float4 a = reinterpret_cast<const float4*>(p)[0];
-    float4 b = reinterpret_cast<const float4*>(p)[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  }
-};
+__device__ __forceinline__ void load8(const float* p, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
 
 // fp8 byte of clamp(v * scale, -max, max); NaN stays NaN (the comparisons are false for it).
 template <__nv_fp8_interpretation_t kFmt>
@@ -116,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) cast_rowcol_kernel(const T* __restri
   for (int i = 0; i < 4; ++i) {
     const int64_t offset = base + (r0 + 4 * q + i) * C + c0 + 8 * j;
     float v[8];
-    Load8<T>::run(x + offset, v);
+    load8(x + offset, v);
     uint32_t lo = 0, hi = 0;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {

@@ -529,20 +529,23 @@ def cast_and_amax(x, scale, fp8_dtype, fmt_max: float):
     return data, bits.view(torch.float32).reshape(())
 
 
+def _delayed_outputs(history, algo: str, device):
+    """(history as float32 contiguous, NEW history, scale, scale_inv to write) of a fused delayed step."""
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
+    if history.dtype != torch.float32 or not history.is_contiguous():
+        history = history.to(torch.float32).contiguous()
+    new_scale, new_scale_inv = (torch.empty((), dtype=torch.float32, device=device) for _ in range(2))
+    return history, torch.empty(history.numel(), dtype=torch.float32, device=device), new_scale, new_scale_inv
+
+
 def _delayed_step(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
     """One launch: the cast with ``scale``, amax(x), and (its last program) the history roll into NEW
     (history, scale, scale_inv)."""
-    if algo not in ("max", "most_recent"):
-        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
     x = x.contiguous()
-    if history.dtype != torch.float32 or not history.is_contiguous():
-        history = history.to(torch.float32).contiguous()
-    dev = x.device
-    bits = torch.zeros(2, dtype=torch.int32, device=dev)  # amax bits, programs finished
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    new_history = torch.empty(history.numel(), dtype=torch.float32, device=dev)
-    new_scale = torch.empty((), dtype=torch.float32, device=dev)
-    new_scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    history, new_history, new_scale, new_scale_inv = _delayed_outputs(history, algo, x.device)
+    bits = torch.zeros(2, dtype=torch.int32, device=x.device)  # amax bits, programs finished
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     _launch_cast(x, data, scale=_scalar_f32(scale), amax_bits=bits, fmt_max=fmt_max, from_amax=False, power_2=False,
                  record=True, update=(history, new_history, new_scale, new_scale_inv, margin, algo))
     return data, new_history, new_scale, new_scale_inv
@@ -617,17 +620,10 @@ def _cast_both_from_amax_bits(x, bits, fp8_dtype, fmt_max: float, power_2: bool)
 def _delayed_step_one_pass(x, scale, history, fp8_dtype, fmt_max: float, margin: int, algo: str):
     """:func:`delayed_scaling_step_rowcol` on the one-pass CUDA cast: the cast records amax(x), then one
     small launch rolls the history. Returns NEW (data, data_t, history, scale, scale_inv)."""
-    if algo not in ("max", "most_recent"):
-        raise ValueError(f"fused delayed scaling supports amax_compute_algo 'max' or 'most_recent', got {algo!r}")
     x = x.contiguous()
-    if history.dtype != torch.float32 or not history.is_contiguous():
-        history = history.to(torch.float32).contiguous()
-    dev = x.device
-    bits = _zero_bits(dev)
+    history, new_history, new_scale, new_scale_inv = _delayed_outputs(history, algo, x.device)
+    bits = _zero_bits(x.device)
     data, data_t = cuda_rowcol.cast_rowcol(x, _scalar_f32(scale), fp8_dtype, fmt_max, amax_bits=bits)
-    new_history = torch.empty(history.numel(), dtype=torch.float32, device=dev)
-    new_scale = torch.empty((), dtype=torch.float32, device=dev)
-    new_scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     hist_len = history.numel()
     hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
     launch(_roll_history_kernel, (1,), bits, history, _scalar_f32(scale), new_history, new_scale, new_scale_inv,

@@ -211,12 +211,52 @@ def _t(data):
     return data.transpose(-1, -2).contiguous()
 
 
+# ----------------------------------------------------------------------------- one-pass CUDA rowcol cast
+_ONE_PASS_SHAPES = [(64, 128), (2, 128, 256), (3, 192, 384)]
+
+
+def _reference_rowcol(x, scale, fp8_dtype, fmt_max, amax_bits=None):
+    """What cast_rowcol.cu computes, in torch: the plain cast, its transpose, amax bits merged."""
+    data = cast.cast_fp8_per_tensor(x, scale.reshape(()), fp8_dtype, fmt_max)
+    if amax_bits is not None:
+        bits = x.float().abs().view(torch.int32).max() if x.numel() else torch.tensor(0, dtype=torch.int32)
+        amax_bits[0] = torch.maximum(amax_bits[0], bits.to(amax_bits.device))
+    return data, _t(data)
+
+
+@pytest.fixture
+def one_pass(device, monkeypatch):
+    """settings.cuda_rowcol_cast on; on the CPU the CUDA kernel is replaced by its torch reference, so
+    the interpreter checks the glue (scale kernel, history roll, layouts) and the GPU the kernel itself."""
+    from te_dist.quantization import cuda_rowcol
+
+    if device.type == "cpu":
+        monkeypatch.setattr(cuda_rowcol, "enabled_for", lambda x, fp8_dtype: (
+            x.shape[-2] % cuda_rowcol.TILE_ROWS == 0 and x.shape[-1] % cuda_rowcol.TILE_COLS == 0))
+        monkeypatch.setattr(cuda_rowcol, "cast_rowcol", _reference_rowcol)
+    with settings.override(cuda_rowcol_cast=True):
+        yield cuda_rowcol
+
+
+def _rowcol_shapes(request, path):
+    """The shapes a rowcol test runs: any for the Triton two-pass path; tiles of the one-pass cast with
+    it on (the ``one_pass`` fixture)."""
+    if path == "two_pass":
+        return _ROWCOL_SHAPES
+    one_pass = request.getfixturevalue("one_pass")
+    assert all(one_pass.enabled_for(torch.empty(s, device=request.getfixturevalue("device")), torch.float8_e4m3fn)
+               for s in _ONE_PASS_SHAPES)
+    return _ONE_PASS_SHAPES
+
+
+@pytest.mark.parametrize("path", ["two_pass", "one_pass"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("power_2", [False, True])
-def test_per_tensor_casts_with_transposed_data(device, kernels, dtype, power_2):
+def test_per_tensor_casts_with_transposed_data(request, device, kernels, dtype, power_2, path):
     """The per-tensor casts that also write the transposed data: the same bytes as the plain cast,
-    transposed, for current scaling (amax from x or given) and delayed scaling (amax recorded)."""
-    for seed, shape in enumerate(_ROWCOL_SHAPES):
+    transposed, for current scaling (amax from x or given) and delayed scaling (amax recorded); by the
+    Triton cast and transpose, and by the one-pass CUDA cast (``settings.cuda_rowcol_cast``)."""
+    for seed, shape in enumerate(_rowcol_shapes(request, path)):
         x = _data(shape, dtype, device, seed=seed, specials=seed == 0)
         data, data_t, scale_inv = kernels.current_scaling_quantize_rowcol(x, *E4M3, power_2)
         ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *E4M3, power_2)
@@ -232,10 +272,11 @@ def test_per_tensor_casts_with_transposed_data(device, kernels, dtype, power_2):
         _assert_same(scale_inv, 1.0 / scale, f"{shape} scale_inv from amax")
 
 
+@pytest.mark.parametrize("path", ["two_pass", "one_pass"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_delayed_scaling_with_transposed_data(device, kernels, dtype):
+def test_delayed_scaling_with_transposed_data(request, device, kernels, dtype, path):
     history, scale = torch.zeros(4, device=device), torch.full((), 3.0, device=device)
-    for step, shape in enumerate(_ROWCOL_SHAPES):
+    for step, shape in enumerate(_rowcol_shapes(request, path)):
         x = _data(shape, dtype, device, seed=step, specials=step == 1)
         out = kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 1, "max")
         ref = cast.delayed_scaling_step(x, scale, history, *E4M3, 1, "max")
@@ -274,64 +315,6 @@ def test_per_tensor_transposed_data_needs_rows_in_words(device, kernels):
     for shape in ((6, 64), (2, 6, 64), (64,), (0, 64)):
         with pytest.raises(kernels.UnsupportedLayout):
             kernels.current_scaling_quantize_rowcol(torch.ones(shape, device=device), *E4M3, False)
-
-
-# ----------------------------------------------------------------------------- one-pass CUDA rowcol cast
-_ONE_PASS_SHAPES = [(64, 128), (2, 128, 256), (3, 192, 384)]
-
-
-def _reference_rowcol(x, scale, fp8_dtype, fmt_max, amax_bits=None):
-    """What cast_rowcol.cu computes, in torch: the plain cast, its transpose, amax bits merged."""
-    data = cast.cast_fp8_per_tensor(x, scale.reshape(()), fp8_dtype, fmt_max)
-    if amax_bits is not None:
-        bits = x.float().abs().view(torch.int32).max() if x.numel() else torch.tensor(0, dtype=torch.int32)
-        amax_bits[0] = torch.maximum(amax_bits[0], bits.to(amax_bits.device))
-    return data, _t(data)
-
-
-@pytest.fixture
-def one_pass(device, monkeypatch):
-    """settings.cuda_rowcol_cast on; on the CPU the CUDA kernel is replaced by its torch reference, so
-    the interpreter checks the glue (scale kernel, history roll, layouts) and the GPU the kernel itself."""
-    from te_dist.quantization import cuda_rowcol
-
-    if device.type == "cpu":
-        monkeypatch.setattr(cuda_rowcol, "enabled_for", lambda x, fp8_dtype: (
-            x.shape[-2] % cuda_rowcol.TILE_ROWS == 0 and x.shape[-1] % cuda_rowcol.TILE_COLS == 0))
-        monkeypatch.setattr(cuda_rowcol, "cast_rowcol", _reference_rowcol)
-    with settings.override(cuda_rowcol_cast=True):
-        yield cuda_rowcol
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("power_2", [False, True])
-def test_one_pass_rowcol_casts(device, kernels, one_pass, dtype, power_2):
-    """With the one-pass cast on: the same bytes as the plain casts (and their transposes) for current
-    scaling (amax from x or given) and delayed scaling over steps (amax recorded, history rolled)."""
-    history, d_scale = torch.zeros(4, device=device), torch.full((), 3.0, device=device)
-    for seed, shape in enumerate(_ONE_PASS_SHAPES):
-        x = _data(shape, dtype, device, seed=seed, specials=seed == 0)
-        assert one_pass.enabled_for(x, E4M3[0])
-        for fmt in (E4M3, E5M2):
-            data, data_t, scale_inv = kernels.current_scaling_quantize_rowcol(x, *fmt, power_2)
-            ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *fmt, power_2)
-            _assert_same(data, ref_data, f"{shape} data")
-            _assert_same(data_t, _t(ref_data), f"{shape} data_t")
-            _assert_same(scale_inv, ref_scale_inv, f"{shape} scale_inv")
-        amax = torch.tensor(5.5, device=device)
-        data, data_t, scale_inv = kernels.cast_from_amax_rowcol(x, amax, *E5M2, power_2)
-        scale = cast.per_tensor_scale(amax, E5M2[1], power_2=power_2)
-        ref_data = cast.cast_fp8_per_tensor(x, scale, *E5M2)
-        _assert_same(data, ref_data, f"{shape} data from amax")
-        _assert_same(data_t, _t(ref_data), f"{shape} data_t from amax")
-        _assert_same(scale_inv, 1.0 / scale, f"{shape} scale_inv from amax")
-        for algo in ("max", "most_recent"):
-            out = kernels.delayed_scaling_step_rowcol(x, d_scale, history, *E4M3, 1, algo)
-            ref = cast.delayed_scaling_step(x, d_scale, history, *E4M3, 1, algo)
-            _assert_same(out[1], _t(ref[0]), f"{shape} {algo} delayed data_t")
-            for name, a, b in zip(("data", "history", "scale", "scale_inv"), (out[0], *out[2:]), ref):
-                _assert_same(a, b, f"{shape} {algo} delayed {name}")
-        history, d_scale = out[2], out[3]
 
 
 def test_one_pass_cast_is_off_by_default_and_checks_its_input():
