@@ -22,10 +22,10 @@ from te_dist.moe import MoELayer
 from te_dist.moe.transports.all_to_all import AllToAllDispatcher
 from te_dist.ops import GroupedLinear, OperationFuser, ScaledSwiGLU
 from te_dist.ops.basic import grouped_linear
+from te_dist.ops.basic.feature_padding import GRID
 
 RECIPES = [R.Float8CurrentScaling, R.DelayedScaling, R.Float8BlockScaling]
 SHAPES = {"320to200": (320, 200), "gptoss_like": (360, 360), "n_off_only": (256, 200)}  # gpt-oss 2880 / 8
-BIG = 128  # the grid
 
 
 def _name(recipe_type):
@@ -38,7 +38,7 @@ def _sizes(recipe_type):
 
 
 def _up(n):
-    return -(-n // BIG) * BIG
+    return -(-n // GRID) * GRID
 
 
 def _rel(a, b):
