@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_layer.py [--configs mixtral,deepseek,qwen3_235b,qwen3_30b,gptoss]
                                    [--recipes current,delayed,block] [--micro-batches 1,4] [--fixed]
+                                   [--pad-off-grid]
 
 One optimizer step = M micro-batches of ``MoELayer`` forward + backward (EP=1, one GPU), gradients
 accumulated, then ``torch.optim.AdamW(fused=True)`` writes the weights (through no version bump: the
@@ -17,6 +18,9 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
   * ``diff``: the arm's first output against bf16's on the same weights (relative Frobenius).
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
 every forward (the old fixed-weight figure; not a training step).
+``--pad-off-grid`` (or ``TE_DIST_FP8_PAD_OFF_GRID=1``) turns ``te_dist.settings.fp8_pad_off_grid`` on: the
+gpt-oss-like experts (features of 2880, off the FP8 kernels' 128 grid) take the native path zero padded to
+the grid instead of the emulated one; the header and the JSON rows say which was in force.
 
 Configs (expert shapes; tokens per micro-batch): Mixtral-like (H 4096, F 14336, E 8, top-2, 4096),
 DeepSeek-like (H 7168, F 2048, E 64, top-8, 4096), Qwen3-235B-like (H 4096, F 1536, E 128, top-8,
@@ -27,6 +31,7 @@ DeepSeek-like (H 7168, F 2048, E 64, top-8, 4096), Qwen3-235B-like (H 4096, F 15
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -105,12 +110,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed", action="store_true", help="add the fixed-weight rows (weights never written)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pad-off-grid", action="store_true",
+                   help="te_dist.settings.fp8_pad_off_grid on: off-grid experts (gpt-oss-like) run native, padded")
     timing.add_json_option(p)
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    switch = td.settings.override(fp8_pad_off_grid=True) if args.pad_off_grid else contextlib.nullcontext()
+    with switch:
+        pad_off_grid = td.settings.fp8_pad_off_grid
+        rows = run_configs(args, pad_off_grid)
+    print(f"\nMoELayer training step, EP=1, {torch.cuda.get_device_name()} (torch {torch.__version__}), "
+          f"fp8_pad_off_grid={pad_off_grid}")
+    print(f"{'config':<11} {'recipe':<14} {'M':>2} {'mb ms':>8} {'opt ms':>8} {'vs bf16':>8} {'+opt vs bf16':>12} "
+          f"{'path':>9} {'diff':>8}")
+    for r in rows:
+        print(f"{r['config']:<11} {r['recipe']:<14} {r['micro_batches']:>2} {r['mb_ms']:8.2f} {r['opt_ms']:8.2f} "
+              f"{r['speed']:7.2f}x {r['speed_opt']:11.2f}x {r['path']:>9} {r['diff']:8.1e}")
+    timing.write_json(args.json, rows, benchmark="fp8_layer")
+
+
+def run_configs(args, pad_off_grid: bool) -> list:
+    """One row per (config, M, arm) that ran."""
     rows = []
     for name in args.configs.split(","):
         c = CONFIGS[name]
@@ -137,19 +160,14 @@ def main(argv=None):
                     base = (mb, opt)
                 row = dict(config=name, recipe=label, micro_batches=micro, mb_ms=mb, opt_ms=opt,
                            speed=base[0] / mb, speed_opt=(base[0] + base[1] / micro) / (mb + opt / micro),
-                           path="-" if recipe is None else ("native" if native else "emulated"), diff=diff)
+                           path="-" if recipe is None else ("native" if native else "emulated"), diff=diff,
+                           pad_off_grid=pad_off_grid)
                 rows.append(row)
                 print(f"row {name} {label} M={micro} {row['speed']:.3f}x (+opt {row['speed_opt']:.3f}x) "
                       f"{row['path']}", flush=True)
         del layer
         torch.cuda.empty_cache()
-    print(f"\nMoELayer training step, EP=1, {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'config':<11} {'recipe':<14} {'M':>2} {'mb ms':>8} {'opt ms':>8} {'vs bf16':>8} {'+opt vs bf16':>12} "
-          f"{'path':>9} {'diff':>8}")
-    for r in rows:
-        print(f"{r['config']:<11} {r['recipe']:<14} {r['micro_batches']:>2} {r['mb_ms']:8.2f} {r['opt_ms']:8.2f} "
-              f"{r['speed']:7.2f}x {r['speed_opt']:11.2f}x {r['path']:>9} {r['diff']:8.1e}")
-    timing.write_json(args.json, rows, benchmark="fp8_layer")
+    return rows
 
 
 if __name__ == "__main__":

@@ -152,6 +152,11 @@ class Settings:
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
             "multiple (Megatron's dispatchers do not), so FP8 recipes run the native kernels there. Off "
             "(default, until measured on a GPU): unaligned rows run the emulated path.")
+    fp8_pad_off_grid: bool = _field(
+        False, env="TE_DIST_FP8_PAD_OFF_GRID", parse=_flag, check=_is_bool,
+        doc="expert features off the FP8 kernels' 128 grid (gpt-oss's 2880) take the native FP8 path, zero "
+            "padded to the grid inside GroupedLinear. False (default until measured on a GPU): such layers run "
+            "the emulated path (fake-quantize, then the bf16 GEMM).")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

@@ -34,9 +34,11 @@ def test_the_environment_parses_each_kind_of_field():
     values, sources = settings.from_environ({
         "TE_DIST_DISABLE_CUTLASS": "1", "TE_DIST_TUNE": "off", "TE_DIST_EP_TRANSPORT": "nccl",
         "TE_DIST_FUSED_CASTS": "auto", "TE_DIST_TORCH_COMPILE": " False ", "TE_DIST_TRITON_PADDING": "yes",
-        "TE_DIST_GATHER_IN_EXPERTS": "0", "TE_DIST_FP8_TILE": "3", "TE_DIST_UNRELATED": "x"})
+        "TE_DIST_GATHER_IN_EXPERTS": "0", "TE_DIST_FP8_PAD_OFF_GRID": "on", "TE_DIST_FP8_TILE": "3",
+        "TE_DIST_UNRELATED": "x"})
     assert values == settings.Settings(cutlass=False, tune=False, ep_transport="all_to_all", fused_casts=None,
-                                       torch_compile=False, triton_padding=True, gather_in_experts=False, fp8_tile=3)
+                                       torch_compile=False, triton_padding=True, gather_in_experts=False,
+                                       fp8_pad_off_grid=True, fp8_tile=3)
     assert sources["cutlass"] == "TE_DIST_DISABLE_CUTLASS=1" and sources["ep_transport"] == "TE_DIST_EP_TRANSPORT=nccl"
     assert settings.from_environ({"TE_DIST_DISABLE_CUTLASS": "0", "TE_DIST_TUNE": ""})[0] == settings.Settings()
 

@@ -110,7 +110,8 @@ def _expert_path_report(model, recipe) -> str:
     path, why = explain_path(recipe, fc1.weight.dtype, device=fc1.weight.device)
     if recipe is not None and path == "native":
         if not (fc1.native_shape_ok and fc2.native_shape_ok):
-            path, why = "emulated", "expert features are not multiples of 128 (the FP8 kernels' scale block)"
+            path, why = "emulated", ("expert features are not multiples of 128 (the FP8 kernels' scale block; "
+                                     "te_dist.settings.fp8_pad_off_grid pads them, it is off)")
         elif not all(layer.fc1.has_native_weight_copy for layer in layers):
             path, why = "emulated", ("the first step did not run the native kernels (see the warnings in the rank "
                                      "logs, <out>/logs/)")

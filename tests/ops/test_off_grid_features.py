@@ -1,5 +1,6 @@
 """Expert features off the block grid (gpt-oss's 2880 under 128-wide blocks): a layer's forward and
-backward never raise; the emulated path pads to the grid with zeros and equals the padded reference."""
+backward never raise; the emulated path pads to the grid with zeros and equals the padded reference.
+The native path's padding (te_dist.settings.fp8_pad_off_grid): test_off_grid_native.py."""
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def test_moe_layer_with_gpt_oss_like_features_trains_under_block_scaling():
 @pytest.mark.gpu
 def test_an_emulated_fp8_path_on_a_gpu_is_said_once(cuda_device):
     """On a GPU, an FP8 recipe that cannot run the native kernels warns once per process and reason,
-    naming the path and why: off-grid features, and MXFP8 before SM 10.0."""
+    naming the path and why: off-grid features (te_dist.settings.fp8_pad_off_grid off), and MXFP8
+    before SM 10.0."""
     import warnings
 
     from te_dist.ops.basic import grouped_linear
@@ -62,7 +64,7 @@ def test_an_emulated_fp8_path_on_a_gpu_is_said_once(cuda_device):
     grouped_linear._said_emulated.clear()
     layer = MoELayer(160, 96, 4, 2, dtype=torch.bfloat16, device=cuda_device)
     x = torch.randn(64, 160, dtype=torch.bfloat16, device=cuda_device)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, td.settings.override(fp8_pad_off_grid=False):
         warnings.simplefilter("always")
         for _ in range(3):
             with td.autocast(recipe=R.Float8CurrentScaling()):

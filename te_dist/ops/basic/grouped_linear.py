@@ -25,6 +25,8 @@ the weights did not change since the last cast (``is_first_microbatch``: see :mo
 the FP8 copies saved for backward, the three GEMMs on the quantized grouped entry points of
 ``te_dist.kernels``. No: the emulated path (fake-quantize, then
 the bf16 GEMM), which is also the reference and the path of every ``backward_override``.
+Features off the kernels' 128 grid take the native path zero padded to it
+(:mod:`.feature_padding`) while ``te_dist.settings.fp8_pad_off_grid`` is on; off, the emulated path.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ... import settings
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
+from .feature_padding import FeaturePadding
 from .row_gather import RowGather
 from .weight_copy import WeightCopy, check_microbatch_flag
 
@@ -226,8 +230,9 @@ class GroupedLinear(BasicOperation):
         # None: cast the weight at every forward; True / False: TransformerEngine's micro-batch protocol
         self.is_first_microbatch = None
         self._emulated_said_for = None  # (recipe key, device) whose emulated path this op has reported
-        # the quantized grouped kernels tile both features by 128 (the scale block); asked per forward
-        self._native_shape_ok = in_features % 128 == 0 and out_features % 128 == 0
+        # the quantized grouped kernels tile both features by 128 (the scale block): None on the grid, else
+        # the zero padding the native path adds (while te_dist.settings.fp8_pad_off_grid is on)
+        self._padding = FeaturePadding.to_grid(in_features, out_features)
 
     def reset_recipe_state(self, recipe) -> None:
         self._quantizers = GemmQuantizers(recipe)
@@ -252,8 +257,10 @@ class GroupedLinear(BasicOperation):
     # ------------------------------------------------------------------ functional core
     @property
     def native_shape_ok(self) -> bool:
-        """The quantized grouped kernels tile both features by 128 (the scale block)."""
-        return self._native_shape_ok
+        """The quantized grouped kernels tile both features by 128 (the scale block): on the grid, or
+        off it while ``te_dist.settings.fp8_pad_off_grid`` pads them (read at every ask, so an override
+        takes effect at the next forward)."""
+        return self._padding is None or settings.current().fp8_pad_off_grid
 
     def native_path(self, x: torch.Tensor, group_sizes, predicate=None) -> bool:
         """Does this call take the quantized grouped path? Asks the support predicate (the module
@@ -261,7 +268,7 @@ class GroupedLinear(BasicOperation):
         Only under a recipe whose backward quantizes too (no ``backward_override``) and on CUDA;
         elsewhere the emulated path is the reference."""
         q = self._quantizers
-        if not q.active or q.backward_override is not None or not self._native_shape_ok:
+        if not q.active or q.backward_override is not None or not self.native_shape_ok:
             return False
         predicate = predicate or support().is_module_grouped_tensor_supported
         supported = predicate(q.recipe, x.dtype, split_alignment=host_split_alignment(group_sizes), device=x.device)
@@ -322,20 +329,21 @@ class GroupedLinear(BasicOperation):
         """Warn once per process and reason that an FP8 recipe runs the emulated path on a GPU (fake-quantize,
         then the bf16 GEMM: slower than bf16 alone), naming the path and why. Each op works the reason out
         once per recipe and device: every later emulated forward returns at the first line."""
-        said_for = (self._quantizers.settings_key, x.device)
+        shape_ok = self.native_shape_ok  # the reason follows te_dist.settings.fp8_pad_off_grid
+        said_for = (self._quantizers.settings_key, x.device, shape_ok)
         if self._emulated_said_for == said_for:
             return
         self._emulated_said_for = said_for
         recipe = self._quantizers.recipe
-        if not self._native_shape_ok:
+        if not shape_ok:
             why = (f"expert features {self.in_features} -> {self.out_features} are not multiples of 128, the FP8 "
-                   "kernels' scale block")
+                   "kernels' scale block (te_dist.settings.fp8_pad_off_grid pads them; it is off)")
         else:
             path, why = support().explain_path(recipe, x.dtype, device=x.device)
             if path == "native":  # the kernels run here, but not on these splits
                 why = (f"the experts' row splits are not multiples of {support().native_split_alignment(recipe)} "
                        "rows (MoELayer pads them; a caller's own dispatcher must too)")
-        key = (type(recipe).__name__, "features" if not self._native_shape_ok else why)
+        key = (type(recipe).__name__, "features" if not shape_ok else why)
         if key not in _said_emulated:
             _said_emulated.add(key)
             warnings.warn(f"te_dist: {type(recipe).__name__} expert GEMMs on {x.device} run the emulated path "
@@ -352,9 +360,15 @@ class GroupedLinear(BasicOperation):
         """The native path: x quantized once (rowwise for fprop, columnwise for wgrad), the weight's
         copy reused while its version lasts; only the FP8 copies backward needs are saved.
         ``rows``: (rows_in, rows_out) of the forward; ``x_is_source``: x is rows_in's source and the
-        quantizer casts the gathered rows (``Quantizer.gathered``), else x holds the GEMM's rows."""
+        quantizer casts the gathered rows (``Quantizer.gathered``), else x holds the GEMM's rows.
+        Off the grid, x (or rows_in's source) and the bias are zero padded to the weight copy's [Kp] / [Np]
+        and the output is sliced back to N (:mod:`.feature_padding`)."""
         offsets, group_sizes = groups
         q = self._quantizers
+        pad = self._padding
+        bias = self.bias
+        if pad is not None:
+            x, bias = pad.input(x), pad.bias(bias)
         need_wgrad = ctx.requires_grad and self.weight.requires_grad
         if x_is_source:
             rows_in = rows[0]
@@ -363,10 +377,10 @@ class GroupedLinear(BasicOperation):
         else:
             xq = q.input(x, rowwise=True, columnwise=need_wgrad)
         wq = self.quantized_weight()
-        y = kernels().grouped_mm_quantized_forward(xq, wq, offsets, bias_EN=self.bias, out_dtype=x.dtype,
+        y = kernels().grouped_mm_quantized_forward(xq, wq, offsets, bias_EN=bias, out_dtype=x.dtype,
                                                    group_sizes=group_sizes)
         self._save(ctx, _wgrad_copy(xq) if need_wgrad else None, None, wq, groups, rows)
-        return y
+        return y if pad is None else pad.output(y)
 
     @property
     def has_native_weight_copy(self) -> bool:
@@ -383,6 +397,8 @@ class GroupedLinear(BasicOperation):
 
     def _cast_weight(self):
         w = self.weight.detach()
+        if self._padding is not None:  # the copy is of the zero-padded [E, Np, Kp] weight
+            w = self._padding.weight(w)
         q = self._quantizers
         if getattr(q.weight, "num_updates", None) == 0:
             # DelayedScaling: never cast with the initial scale (1, before any amax was seen): a kept copy
@@ -414,28 +430,35 @@ class GroupedLinear(BasicOperation):
     def _quantized_backward(self, ctx, dy):
         """dgrad and wgrad from one quantization of dy (rowwise for dgrad, columnwise for wgrad); with
         ``rows_out`` the quantizer casts the gathered rows of the op's output gradient
-        (``Quantizer.gathered``: RowGather says why)."""
+        (``Quantizer.gathered``: RowGather says why). Off the grid dy is zero padded to [Np] before its
+        quantization, and dgrad and wgrad are sliced back to the input's and the weight's shapes."""
         xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg, (rows_in, rows_out) = ctx.saved
         ctx.saved = ()
         need_dx = ctx.input_requires_grad
         quantize = self._quantizers.grad_output
+        pad = self._padding
+        dy_q = dy if pad is None else pad.output_grad(dy)  # what is quantized; dy stays for the bias gradient
         if rows_out is not None:
-            dyq = quantize.gathered(dy, rows_out.index, rows_out.zero_rows, rowwise=need_dx, columnwise=weight_rg,
+            dyq = quantize.gathered(dy_q, rows_out.index, rows_out.zero_rows, rowwise=need_dx, columnwise=weight_rg,
                                     covers_source=rows_out.covers_source)
             if bias_rg:
                 dy = rows_out.take(dy)
         else:
-            dyq = quantize(dy, rowwise=need_dx, columnwise=weight_rg)
+            dyq = quantize(dy_q, rowwise=need_dx, columnwise=weight_rg)
         k = kernels()
         dx = None
         if need_dx:
             dx = k.grouped_mm_quantized_dgrad(dyq, wq, offsets, out_dtype=dy.dtype, group_sizes=group_sizes)
+            if pad is not None:
+                dx = pad.input_grad(dx)
             if rows_in is not None:
                 dx = rows_in.sum_back(dx)
         dw = None
         if weight_rg:
             dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype,
                                               group_sizes=group_sizes)
+            if pad is not None:
+                dw = pad.weight_grad(dw)
         db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
         return dx, dw, db
 
