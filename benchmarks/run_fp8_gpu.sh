@@ -4,6 +4,8 @@
 #                                          # them back (unpack into .kcache/ and carry it next time)
 #   bash benchmarks/run_fp8_gpu.sh tests   # the FP8 GPU tests (casts, weight copy, layer, off-grid)
 #   bash benchmarks/run_fp8_gpu.sh bench   # the weight cast and the training-step benchmarks
+#   bash benchmarks/run_fp8_gpu.sh switches  # the paths landed off by default (docs/settings.md): their GPU
+#                                          # tests with the switch on, then the benchmarks on against off
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -30,5 +32,18 @@ bench|all)
   timeout ${LAYER_LIMIT:-330} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---fixed} --json "$OUT/fp8_layer.json" \
     > "$OUT/fp8_layer.txt" 2>&1
   tail -n 45 "$OUT/fp8_layer.txt"
+  ;;
+switches)
+  # cuda_rowcol_cast, fp8_pad_off_grid, megatron_row_padding: each test file turns its switch on itself
+  timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu \
+    tests/ops/test_off_grid_native.py tests/megatron/test_gpu.py > "$OUT/switch_tests.txt" 2>&1
+  timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu \
+    tests/quantization/test_triton_casts.py -k "one_pass or transposed or delayed" >> "$OUT/switch_tests.txt" 2>&1
+  tail -n 15 "$OUT/switch_tests.txt"
+  timeout ${CAST_LIMIT:-100} python3 benchmarks/quantize.py weights --recipes current,delayed > "$OUT/weight_cast.txt" 2>&1
+  tail -n 12 "$OUT/weight_cast.txt"
+  TE_DIST_CUDA_ROWCOL_CAST=1 timeout ${LAYER_LIMIT:-240} python3 benchmarks/fp8_layer.py --pad-off-grid \
+    --json "$OUT/fp8_layer_switches.json" > "$OUT/fp8_layer_switches.txt" 2>&1
+  tail -n 45 "$OUT/fp8_layer_switches.txt"
   ;;
 esac
