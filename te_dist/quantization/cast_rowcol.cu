@@ -19,6 +19,8 @@
 // C ABI (launch on the given stream; 0 or a cudaError_t, see te_cr_last_error):
 //   te_cr_cast(x, out, out_t, scale, amax_bits or NULL, B, R, C, fmt, fmt_max, stream)
 //   fmt: 0 = E4M3, 1 = E5M2. x is bfloat16 (dtype 0) or float16 (dtype 1) or float32 (dtype 2).
+//   te_cr_cast_on_host(x, out, out_t, scale, amax_bits or NULL, B, R, C, fmt, fmt_max): the same two
+//   phases on the host, for the CPU tests (bfloat16 x; host pointers; no CUDA call).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 namespace {
 
@@ -43,8 +46,8 @@ int record(cudaError_t err, const char* what) {
 }
 
 // Eight consecutive elements of x as float (one 16-byte load for 16-bit types, two for float).
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__host__ __device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__host__ __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
 
 template <typename T>
 struct Pair;  // the two-element vector type of a 16-bit T
@@ -54,9 +57,10 @@ template <>
 struct Pair<__half> { using type = __half2; };
 
 template <typename T>
-__device__ __forceinline__ void load8(const T* p, float* v) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const auto* pairs = reinterpret_cast<const typename Pair<T>::type*>(&raw);
+__host__ __device__ __forceinline__ void load8(const T* p, float* v) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);  // one 16-byte load
+  typename Pair<T>::type pairs[4];
+  memcpy(pairs, &raw, sizeof(raw));  // register moves; a pointer cast here breaks host strict aliasing
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 f = to_float2(pairs[i]);
@@ -65,7 +69,7 @@ __device__ __forceinline__ void load8(const T* p, float* v) {
   }
 }
 
-__device__ __forceinline__ void load8(const float* p, float* v) {
+__host__ __device__ __forceinline__ void load8(const float* p, float* v) {
   const float4 a = reinterpret_cast<const float4*>(p)[0];
   const float4 b = reinterpret_cast<const float4*>(p)[1];
   v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
@@ -74,11 +78,71 @@ __device__ __forceinline__ void load8(const float* p, float* v) {
 
 // fp8 byte of clamp(v * scale, -max, max); NaN stays NaN (the comparisons are false for it).
 template <__nv_fp8_interpretation_t kFmt>
-__device__ __forceinline__ uint32_t fp8_byte(float v, float scale, float fmt_max) {
+__host__ __device__ __forceinline__ uint32_t fp8_byte(float v, float scale, float fmt_max) {
   float y = v * scale;
   y = y > fmt_max ? fmt_max : y;
   y = y < -fmt_max ? -fmt_max : y;
   return static_cast<uint32_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, kFmt));
+}
+
+__host__ __device__ __forceinline__ int abs_bits(float v) {
+  int bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return bits & 0x7FFFFFFF;
+}
+
+// Where block (b, r0, c0) sits: matrix b, rows r0.., columns c0.. of it.
+struct Tile {
+  int64_t b, r0, c0;
+};
+
+__host__ __device__ __forceinline__ Tile tile_of(int64_t block_x, int64_t block_y, int64_t R) {
+  const int64_t tiles_r = R / kTileRows;
+  const int64_t b = block_x / tiles_r;
+  return Tile{b, (block_x - b * tiles_r) * kTileRows, block_y * kTileCols};
+}
+
+// Phase 1 of thread t: its 4 x 8 patch (octet j of the tile's columns, quad q of its rows) cast and
+// stored rowwise, its columns packed into words in tile_t; returns the patch's amax bits.
+template <typename T, __nv_fp8_interpretation_t kFmt>
+__host__ __device__ __forceinline__ int cast_patch(const T* x, uint8_t* out, uint32_t* tile_t, float scale,
+                                                   float fmt_max, int64_t R, int64_t C, Tile tile, int t) {
+  const int j = t % (kTileCols / 8);
+  const int q = t / (kTileCols / 8);
+  const int64_t base = tile.b * R * C;
+  uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int amax = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t offset = base + (tile.r0 + 4 * q + i) * C + tile.c0 + 8 * j;
+    float v[8];
+    load8(x + offset, v);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t byte = fp8_byte<kFmt>(v[k], scale, fmt_max);
+      if (k < 4) lo |= byte << (8 * k); else hi |= byte << (8 * (k - 4));
+      words[k] |= byte << (8 * i);
+      amax = max(amax, abs_bits(v[k]));
+    }
+    *reinterpret_cast<uint2*>(out + offset) = make_uint2(lo, hi);
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) tile_t[(8 * j + k) * kSmemStride + q] = words[k];
+  return amax;
+}
+
+// Phase 2 of thread t: half h of transposed row c (32 bytes = words 8h .. 8h+7) from tile_t.
+__host__ __device__ __forceinline__ void store_transposed(uint8_t* out_t, const uint32_t* tile_t, int64_t R,
+                                                          int64_t C, Tile tile, int t) {
+  const int c = t / 2;
+  const int h = t % 2;
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = tile_t[c * kSmemStride + 8 * h + i];
+  uint4* dst = reinterpret_cast<uint4*>(out_t + tile.b * C * R + (tile.c0 + c) * R + tile.r0 + 32 * h);
+  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
 template <typename T, __nv_fp8_interpretation_t kFmt, bool kAmax>
@@ -88,51 +152,14 @@ __global__ void __launch_bounds__(kThreads) cast_rowcol_kernel(const T* __restri
                                                                  int* __restrict__ amax_bits, int64_t R, int64_t C,
                                                                  float fmt_max) {
   __shared__ uint32_t tile_t[kTileCols * kSmemStride];  // [column][word of 4 rows]
-  const int64_t tiles_r = R / kTileRows;
-  const int64_t b = blockIdx.x / tiles_r;
-  const int64_t r0 = (blockIdx.x - b * tiles_r) * kTileRows;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTileCols;
-  const float scale = *scale_ptr;
-  const int t = threadIdx.x;
-
-  // Phase 1: a 4 x 8 patch per thread; octet j of the tile's columns, quad q of its rows.
-  const int j = t % (kTileCols / 8);
-  const int q = t / (kTileCols / 8);
-  const int64_t base = b * R * C;
-  uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int amax = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t offset = base + (r0 + 4 * q + i) * C + c0 + 8 * j;
-    float v[8];
-    load8(x + offset, v);
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t byte = fp8_byte<kFmt>(v[k], scale, fmt_max);
-      if (k < 4) lo |= byte << (8 * k); else hi |= byte << (8 * (k - 4));
-      words[k] |= byte << (8 * i);
-      if (kAmax) amax = max(amax, __float_as_int(v[k]) & 0x7FFFFFFF);
-    }
-    *reinterpret_cast<uint2*>(out + offset) = make_uint2(lo, hi);
-  }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) tile_t[(8 * j + k) * kSmemStride + q] = words[k];
+  const Tile tile = tile_of(blockIdx.x, blockIdx.y, R);
+  const int amax = cast_patch<T, kFmt>(x, out, tile_t, *scale_ptr, fmt_max, R, C, tile, threadIdx.x);
   if (kAmax) {
-    amax = __reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(amax));
-    if ((t & 31) == 0) atomicMax(amax_bits, amax);
+    const unsigned warp_amax = __reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(amax));
+    if ((threadIdx.x & 31) == 0) atomicMax(amax_bits, static_cast<int>(warp_amax));
   }
   __syncthreads();
-
-  // Phase 2: thread t writes half h of transposed row c (32 bytes = words 8h .. 8h+7).
-  const int c = t / 2;
-  const int h = t % 2;
-  uint32_t w[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = tile_t[c * kSmemStride + 8 * h + i];
-  uint4* dst = reinterpret_cast<uint4*>(out_t + b * C * R + (c0 + c) * R + r0 + 32 * h);
-  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  store_transposed(out_t, tile_t, R, C, tile, threadIdx.x);
 }
 
 template <typename T, __nv_fp8_interpretation_t kFmt>
@@ -161,6 +188,29 @@ int launch_fmt(int fmt, const void* x, void* out, void* out_t, const float* scal
 extern "C" {
 
 const char* te_cr_last_error() { return g_error; }
+
+// The kernel's two phases run on the host, block by block and thread by thread (a block's phase 2
+// after all of its phase 1, as __syncthreads orders them): what the CPU tests check the tiling,
+// packing and layouts with. bfloat16 x only; amax_bits as in te_cr_cast (or NULL).
+int te_cr_cast_on_host(const void* x, void* out, void* out_t, float scale, int* amax_bits, int64_t B, int64_t R,
+                       int64_t C, int fmt, float fmt_max) {
+  if (B <= 0 || R <= 0 || C <= 0 || R % kTileRows || C % kTileCols || (fmt != 0 && fmt != 1)) return 1;
+  static uint32_t tile_t[kTileCols * kSmemStride];
+  const __nv_bfloat16* xt = static_cast<const __nv_bfloat16*>(x);
+  for (int64_t bx = 0; bx < B * (R / kTileRows); ++bx) {
+    for (int64_t by = 0; by < C / kTileCols; ++by) {
+      const Tile tile = tile_of(bx, by, R);
+      for (int t = 0; t < kThreads; ++t) {
+        const int amax = fmt == 0
+            ? cast_patch<__nv_bfloat16, __NV_E4M3>(xt, static_cast<uint8_t*>(out), tile_t, scale, fmt_max, R, C, tile, t)
+            : cast_patch<__nv_bfloat16, __NV_E5M2>(xt, static_cast<uint8_t*>(out), tile_t, scale, fmt_max, R, C, tile, t);
+        if (amax_bits != nullptr && amax > *amax_bits) *amax_bits = amax;
+      }
+      for (int t = 0; t < kThreads; ++t) store_transposed(static_cast<uint8_t*>(out_t), tile_t, R, C, tile, t);
+    }
+  }
+  return 0;
+}
 
 int te_cr_cast(const void* x, void* out, void* out_t, const float* scale, int* amax_bits, int64_t B, int64_t R,
                int64_t C, int dtype, int fmt, float fmt_max, cudaStream_t stream) {

@@ -41,11 +41,32 @@ class _Library:
         lib.te_cr_cast.restype = c.c_int
         lib.te_cr_cast.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64,
                                    c.c_int64, c.c_int, c.c_int, c.c_float, c.c_void_p]
+        lib.te_cr_cast_on_host.restype = c.c_int
+        lib.te_cr_cast_on_host.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_float, c.c_void_p, c.c_int64,
+                                           c.c_int64, c.c_int64, c.c_int, c.c_float]
         self._lib = lib
 
     def cast(self, *args) -> None:
         if self._lib.te_cr_cast(*args) != 0:
             raise RuntimeError(f"cast_rowcol launch failed: {self._lib.te_cr_last_error().decode(errors='replace')}")
+
+    def cast_on_host(self, x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, fmt_max: float,
+                     amax_bits: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's two phases run on the host over a CPU bf16 x (the CPU tests' check of its tiling,
+        packing and layouts; no GPU needed)."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-2] % TILE_ROWS or x.shape[-1] % TILE_COLS:
+            raise ValueError(f"cast_on_host takes a CPU bf16 x [..., R, C] on the tile, received {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        rows, cols = x.shape[-2], x.shape[-1]
+        data = torch.empty(x.shape, dtype=fp8_dtype)
+        data_t = torch.empty((*x.shape[:-2], cols, rows), dtype=fp8_dtype)
+        rc = self._lib.te_cr_cast_on_host(x.data_ptr(), data.data_ptr(), data_t.data_ptr(), scale,
+                                          None if amax_bits is None else amax_bits.data_ptr(),
+                                          x.numel() // (rows * cols), rows, cols, _FORMATS[fp8_dtype], fmt_max)
+        if rc != 0:
+            raise ValueError(f"te_cr_cast_on_host refused x {tuple(x.shape)} -> {fp8_dtype}")
+        return data, data_t
 
 
 def _library() -> Optional[_Library]:

@@ -332,8 +332,9 @@ def test_one_pass_cast_is_off_by_default_and_checks_its_input():
         cuda_rowcol.cast_rowcol(x, torch.ones(1), torch.float8_e4m3fn, 448.0)
 
 
-def test_nvcc_compiles_the_one_pass_cast(tmp_path, monkeypatch):
-    """cast_rowcol.cu (plain CUDA) compiles for sm_90a into the kernel cache and exports its C ABI."""
+def test_nvcc_compiles_the_one_pass_cast_and_its_phases_run_on_the_host(tmp_path, monkeypatch):
+    """cast_rowcol.cu (plain CUDA) compiles for sm_90a into the kernel cache and exports its C ABI; its
+    per-thread phases, run on the host, write the reference's bytes."""
     import subprocess
 
     from cutlass_kernels import build
@@ -346,8 +347,21 @@ def test_nvcc_compiles_the_one_pass_cast(tmp_path, monkeypatch):
     path = build.build_plain_source(cuda_rowcol.SOURCE)
     assert path.parent == tmp_path and path.name.startswith("cast_rowcol-")
     symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
-    for name in ("te_cr_cast", "te_cr_last_error"):
+    for name in ("te_cr_cast", "te_cr_cast_on_host", "te_cr_last_error"):
         assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
+    # The kernel's own phases (cast_patch, store_transposed), run on the host: the same bytes as the
+    # plain cast and its transpose, amax bits merged, over several tiles and matrices.
+    lib = cuda_rowcol._Library(path)
+    for seed, (shape, (fp8_dtype, fmt_max)) in enumerate((((2, 128, 256), E4M3), ((3, 64, 384), E5M2))):
+        x = _data(shape, torch.bfloat16, "cpu", seed=seed)
+        bits = torch.tensor([7], dtype=torch.int32)
+        data, data_t = lib.cast_on_host(x, 0.37, fp8_dtype, fmt_max, bits)
+        ref = cast.cast_fp8_per_tensor(x, torch.tensor(0.37), fp8_dtype, fmt_max)
+        _assert_same(data, ref, f"{shape} data")
+        _assert_same(data_t, _t(ref), f"{shape} data_t")
+        assert bits.item() == x.float().abs().view(torch.int32).max().item()
+    with pytest.raises(ValueError, match="on the tile"):
+        lib.cast_on_host(torch.ones(64, 100, dtype=torch.bfloat16), 1.0, *E4M3)
 
 
 @pytest.mark.gpu
