@@ -239,7 +239,7 @@ def _plain_command(source: Path):
 
 
 def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
-    """Path of the cached .so of a plain CUDA source of this package, compiling it first if needed."""
+    """Path of the cached .so of a plain CUDA source (te_dist's peer_rows.cu), compiling it first if needed."""
     return _compile_cached(_plain_target(source), _plain_command(source), source.stem, verbose)
 
 

@@ -1,15 +1,20 @@
 """The peer-rows transport: its row map (simulated over R ranks in one process) on CPU, its kernels
-with stand-in ranks on one GPU (its choice: tests/moe/test_transports.py).
+compiled by nvcc (wherever nvcc exists) and run with stand-in ranks on one GPU (its choice:
+tests/moe/test_transports.py).
 
-The map is what cutlass_kernels/peer_rows.cu computes on the device; the GPU tests
+The map is what te_dist/moe/transports/peer/peer_rows.cu computes on the device; the GPU tests
 (tests/moe/test_dispatcher_multiprocess.py, tests/moe/test_layer_multiprocess.py, marked gpu) run
 the kernels themselves against the all-to-all path and the closed-form references.
 """
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
-from te_dist.moe.transports.peer import availability
+from cutlass_kernels import build
+from te_dist.moe.transports.peer import availability, library
 from te_dist.moe.transports.peer import rows as peer_rows
 from te_dist.moe.transports.peer.rows import expected_sources
 
@@ -56,6 +61,23 @@ def test_empty_sender_and_empty_matrix():
     assert [b.shape[0] for b in _simulate(torch.zeros(2, 4, dtype=torch.int64))] == [0, 0]
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None and build.find_nvcc() is None,
+                    reason="nvcc is absent on this machine (the .cu build check needs the CUDA compiler)")
+def test_nvcc_compiles_peer_rows(tmp_path, monkeypatch):
+    """The expert-parallel row moves (plain CUDA, no CUTLASS): compiled, cached, exporting the C ABI."""
+    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
+    path = build.build_plain_source(library.SOURCE)
+    assert path.parent == tmp_path and path.name.startswith("peer_rows-")
+    symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
+    for name in ("te_pr_barrier", "te_pr_plan", "te_pr_move", "te_pr_exchange", "te_pr_wait_counts", "te_pr_new_event",
+                 "te_pr_device_address", "te_pr_last_error"):
+        assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
+    mtime = path.stat().st_mtime_ns
+    assert build.build_plain_source(library.SOURCE) == path and path.stat().st_mtime_ns == mtime
+    assert build.plain_source_key(library.SOURCE) in path.name
+    assert build.plain_source_key(library.SOURCE, flags=build.BASE_FLAGS + ("-DEXTRA",)) not in path.name
+
+
 def test_local_support_names_the_reason_on_cpu():
     assert availability._local_support(torch.device("cpu")) == "tensors on cpu"
 
@@ -66,7 +88,7 @@ def test_plan_pull_push_kernels_on_one_gpu(cuda_device, R, El, H, tail):
     """peer_rows.cu with R stand-in ranks on one GPU (their "peer" regions are local buffers): the
     plan kernel's map equals expected_sources, pulls bring every sent row once into (local expert,
     source rank) order, split into two column blocks where ``tail`` > 0, and pushes put them back."""
-    from cutlass_kernels.peer_rows import load_peer_rows
+    from te_dist.moe.transports.peer.library import load_peer_rows
 
     lib = load_peer_rows()
     stream = torch.cuda.current_stream(cuda_device).cuda_stream
@@ -157,7 +179,7 @@ def test_exchange_kernel_writes_matrix_header_and_flag_on_one_gpu(cuda_device):
     sent, received, most sent, smallest count) and the flag land in pinned host memory, the host's
     wait returns on the flag (in slices: one ends "not ready" while the GPU is busy), a wait for a
     flag that never comes raises once the kernel is done, and memory that is not pinned is refused."""
-    from cutlass_kernels.peer_rows import load_peer_rows
+    from te_dist.moe.transports.peer.library import load_peer_rows
 
     lib = load_peer_rows()
     stream = torch.cuda.current_stream(cuda_device).cuda_stream

@@ -39,25 +39,6 @@ def test_instance_validation():
         ck.Instance("fwd", 99)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and build.find_nvcc() is None,
-                    reason="nvcc is absent on this machine (the .cu build check needs the CUDA compiler)")
-def test_nvcc_compiles_peer_rows(tmp_path, monkeypatch):
-    """The expert-parallel row moves (plain CUDA, no CUTLASS): compiled, cached, exporting the C ABI."""
-    from cutlass_kernels import peer_rows
-
-    monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
-    path = build.build_plain_source(peer_rows.SOURCE)
-    assert path.parent == tmp_path and path.name.startswith("peer_rows-")
-    symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
-    for name in ("te_pr_barrier", "te_pr_plan", "te_pr_move", "te_pr_exchange", "te_pr_wait_counts", "te_pr_new_event",
-                 "te_pr_device_address", "te_pr_last_error"):
-        assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
-    mtime = path.stat().st_mtime_ns
-    assert build.build_plain_source(peer_rows.SOURCE) == path and path.stat().st_mtime_ns == mtime
-    assert build.plain_source_key(peer_rows.SOURCE) in path.name
-    assert build.plain_source_key(peer_rows.SOURCE, flags=build.BASE_FLAGS + ("-DEXTRA",)) not in path.name
-
-
 def test_fp8_instance_names_and_validation():
     from cutlass_kernels.fp8_block import Fp8Instance, all_fp8_instances, choose_fp8_config
 

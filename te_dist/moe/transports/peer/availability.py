@@ -29,7 +29,7 @@ def _local_support(device: torch.device) -> str:
         return f"tensors on {device}"
     try:
         importlib.import_module("torch.distributed._symmetric_memory")
-        from cutlass_kernels.peer_rows import load_peer_rows
+        from .library import load_peer_rows
 
         load_peer_rows()
     except Exception as exc:  # no symmetric memory in this torch, or no nvcc to build the kernels

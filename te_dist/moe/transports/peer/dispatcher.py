@@ -8,7 +8,8 @@ combine pushes the outputs home, where the K-sum reads them. The probabilities a
 the rows when applied in the expert. Needs: NCCL backend, rows of a multiple of 16 bytes, every
 rank on one host with symmetric memory and nvcc (availability.py; docs/moe.md "Transports").
 
-    rows.py          the symmetric workspace, the count exchange and the moves (kernels: cutlass_kernels/peer_rows.cu)
+    rows.py          the symmetric workspace, the count exchange and the moves
+    peer_rows.cu     their kernels; library.py, its ctypes view (built into cutlass_kernels' cache)
     autograd.py      dispatch and combine as autograd functions over the senders' regions
     availability.py  whether every rank of the group can run it
 """

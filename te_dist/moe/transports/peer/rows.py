@@ -7,7 +7,7 @@ so rows can go from where they are made to where they are used in one pass (docs
 Every rank's symmetric buffer holds a counts region [R, E] and a rows region with *this rank's own
 rows in its send order* (sorted by global expert). Every move is run by the receiving side of the
 dispatch, over the N rows it receives, kept grouped by (local expert, source rank), the grouped
-GEMMs' order (cutlass_kernels/peer_rows.cu, "Layout"):
+GEMMs' order (peer_rows.cu, "Layout"):
 
     dispatch   exchange kernel: barrier | counts into row `me` of every rank's counts region |
                barrier | where each received row sits in its sender's region | count matrix into
@@ -87,7 +87,7 @@ class PeerWorkspace:
     """The symmetric buffer of one EP group on one device, and the device tables of peer addresses."""
 
     def __init__(self, group, device: torch.device):
-        from cutlass_kernels.peer_rows import load_peer_rows
+        from .library import load_peer_rows
 
         self.group = group if group is not None else dist.group.WORLD
         self.world = group_size(group)

@@ -1,7 +1,8 @@
 """ctypes view of ``peer_rows.cu`` (the expert-parallel row moves), built on first use like the GEMMs.
 
-Only pointers and integers cross this boundary; te_dist.moe.transports.peer.rows owns the tensors,
-the symmetric memory and the barriers.
+Only pointers and integers cross this boundary; ``rows.py`` owns the tensors, the symmetric memory
+and the barriers. The build and the disk cache are cutlass_kernels' (``build.open_plain_source``),
+imported on first use so that ``import te_dist`` never needs them.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import ctypes
 import threading
 from pathlib import Path
 
-from .build import BuildError, open_plain_source
-
-__all__ = ["SOURCE", "BuildError", "PeerRowsLibrary", "load_peer_rows"]
+__all__ = ["SOURCE", "PeerRowsLibrary", "load_peer_rows"]
 
 SOURCE = Path(__file__).resolve().parent / "peer_rows.cu"
 
@@ -97,9 +96,11 @@ _loaded: list = []
 
 
 def load_peer_rows() -> PeerRowsLibrary:
-    """The library, compiled into the kernel cache on first use (raises BuildError without nvcc, or
-    when the library fails to load even after a rebuild)."""
+    """The library, compiled into the kernel cache on first use (raises cutlass_kernels' BuildError
+    without nvcc, or when the library fails to load even after a rebuild)."""
     if not _loaded:
+        from cutlass_kernels.build import open_plain_source
+
         with _lock:
             if not _loaded:
                 _loaded.append(open_plain_source(SOURCE, PeerRowsLibrary))

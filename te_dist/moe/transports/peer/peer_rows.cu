@@ -1,5 +1,6 @@
 // Row moves between the GPUs of one expert-parallel group through peer-mapped (symmetric) memory:
-// the device-side transport of te_dist.distributed.peer_rows. Plain CUDA, no CUTLASS.
+// the device side of te_dist.moe.transports.peer (rows.py; ctypes view: library.py). Plain CUDA, no
+// CUTLASS: cutlass_kernels' build compiles it into the same kernel cache.
 //
 // Why: a variable-split all-to-all over NCCL needs its split sizes on the host, so the dispatch
 // reads the exchanged counts first and the GPU idles while the host launches the token move. Here
