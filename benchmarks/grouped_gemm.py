@@ -8,6 +8,7 @@
     python benchmarks/grouped_gemm.py --sweep --smoke | --dry-run    # 3 small shapes, checked | the shapes, no GPU
     python benchmarks/grouped_gemm.py --sweep --write-shapes FILE   # the sweep's shapes, for `te-dist tune`
     python benchmarks/grouped_gemm.py --summary PATH                 # a saved sweep's closing lines
+    python benchmarks/grouped_gemm.py --host-cpu [--rounds 5]        # no GPU: our host time per call over raw torch
 
 Tables (TFLOP/s): cN = CUTLASS tile config N, ``cut`` = the tile table's pick from the shape alone,
 ``auto`` = ``te_dist.kernels`` (validation + backend selection), ``loop`` = cuBLAS per expert, then
@@ -36,6 +37,13 @@ queue one call of each. Closing lines: the geomeans, the worst rows and the rows
 a fresh process's table); a second run with the same ``--tune-dir`` gives the warm-table numbers.
 ``--smoke`` runs three small shapes once and checks every column against torch; ``--dry-run`` prints
 the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
+
+``--host-cpu``: the host time our wrapper adds to a call, on any machine (``host_cpu``). torch runs
+``torch._grouped_mm`` on CPU too, so on tiny bf16 operands ``raw`` (torch's call) and ``torch``
+(``grouped_mm_forward(..., backend="torch", check_offsets=False)``: validation, decision, torch's
+call) differ by our host work; ``decide`` and ``decide sizes`` time the decision of the same call on
+a faked SM 9.0 GPU (the capability hook; measuring on, the bucket already looked up), without and
+with host sizes. Median and best µs per call over ``--rounds`` x 20 interleaved repeats.
 """
 
 from __future__ import annotations
@@ -278,6 +286,47 @@ def print_step_sums(results):
               + f"{acc['best'] / acc['auto']:10.3f}{acc['cutlass'] / acc['auto']:10.3f}")
 
 
+def host_cpu(args) -> dict:
+    """--host-cpu (module doc): {column: (median, best) µs per call}, printed with the differences."""
+    from te_dist import kernels, support
+    from te_dist.gemm import decide, entry, measure
+
+    torch.set_num_threads(1)  # torch's share stays one core's, as the wrapper's is
+    sizes = (2, 0, 3, 3)
+    E, K, N = len(sizes), 16, 16
+    x, w, _, off = operands(E, list(sizes), K, N, dev="cpu")
+    cuda = torch.device("cuda", 0)
+    problem = ("decide.Problem('fwd', 'cuda', support.device_capability(cuda), x.dtype, x.dtype, x.shape[0], K, N, E, "
+               "True, False, {}, False)")
+    stmts = {"raw": "torch._grouped_mm(x, w, offs=off)",
+             "torch": "kernels.grouped_mm_forward(x, w, off, backend='torch', check_offsets=False)",
+             "decide": f"entry._choose({problem.format(False)}, cuda, None, None, call)",
+             "decide sizes": f"entry._choose({problem.format(True)}, cuda, None, sizes, call)"}
+    names = dict(torch=torch, kernels=kernels, decide=decide, entry=entry, support=support, cuda=cuda, x=x, w=w,
+                 off=off, K=K, N=N, E=E, sizes=sizes, call=lambda choice: None)
+    measure.reset(measure.Tuner(measure.TunerSettings(persist=False), identity=lambda index: ("cpu proxy", 132),
+                                timer=lambda fn, calls: 1.0))  # a miss "times" every candidate alike
+    with support.set_capability_lookup(lambda d: (9, 0) if d.type == "cuda" else None):
+        for stmt in stmts.values():
+            eval(stmt, names)  # the first call of a bucket looks it up (measures) once
+        runs = {k: [] for k in stmts}
+        for _ in range(args.rounds):
+            both = timing.timeit_us(list(stmts.values()), names, 2000, 20, lambda v: (timing.median(v), min(v)))
+            for key, pair in zip(stmts, both):
+                runs[key].append(pair)
+    measure.reset()
+    out = {k: (timing.median(m for m, _ in v), min(b for _, b in v)) for k, v in runs.items()}
+    print(f"# host µs per call on CPU ({torch.__version__}, one thread): E={E} K={K} N={N} T={sum(sizes)} bf16\n"
+          f"{'column':<14}{'median':>8}{'best':>8}")
+    for key, (median, best) in out.items():
+        print(f"{key:<14}{median:8.2f}{best:8.2f}")
+    over = (out["torch"][0] - out["raw"][0], out["torch"][1] - out["raw"][1])
+    print(f"torch over raw{over[0]:8.2f}{over[1]:8.2f}")
+    timing.write_json(args.json, {"host_us": {k: {"median": m, "best": b} for k, (m, b) in out.items()}},
+                      dtype="bfloat16", benchmark="grouped_gemm --host-cpu", rounds=args.rounds)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ --sweep
 GOALS = {"torch": 0.99, "auto": 0.95}  # per-row speed ratio against raw torch._grouped_mm
 GEOMEAN_GOAL = 0.98  # auto, fresh process
@@ -458,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--write-shapes", default=None,
                     help="--sweep: write the shapes as JSON for `te-dist tune` and exit")
     ap.add_argument("--summary", default=None, metavar="FILE", help="print a saved --sweep --json FILE's summary")
+    ap.add_argument("--host-cpu", action="store_true", help="no GPU: our host time per call over raw torch, on CPU")
     return ap
 
 
@@ -467,6 +517,8 @@ def main(argv=None) -> int:
         with open(args.summary) as f:
             data = json.load(f)
         print(f"{args.summary}: {data['meta']}\n" + "\n".join(summary_lines(data["sweep"])))
+    elif args.host_cpu:
+        host_cpu(args)
     elif args.sweep:
         sweep(args)
     else:

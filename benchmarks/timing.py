@@ -47,15 +47,16 @@ def geomean(values) -> float:
 
 
 # ------------------------------------------------------------------------------------------ host time
-def timeit_us(stmts, names: dict, number: int, repeats: int) -> list:
-    """Best per-call time (µs) of each statement string, the statements alternating inside every repeat
-    (a load spike hits all of them). Statements run with ``names`` as globals: no lambda layer is timed."""
+def timeit_us(stmts, names: dict, number: int, repeats: int, reduce=min) -> list:
+    """Per-call time (µs) of each statement string, the best (or ``reduce``) of the repeats, the
+    statements alternating inside every repeat (a load spike hits all of them). Statements run with
+    ``names`` as globals: no lambda layer is timed."""
     timers = [timeit.Timer(s, globals=names) for s in stmts]
-    best = [float("inf")] * len(stmts)
+    samples = [[] for _ in stmts]
     for _ in range(repeats):
         for i, t in enumerate(timers):
-            best[i] = min(best[i], t.timeit(number) / number * 1e6)
-    return best
+            samples[i].append(t.timeit(number) / number * 1e6)
+    return [reduce(v) for v in samples]
 
 
 def cpu_us(fn, iters: int, repeats: int, sync=None) -> float:

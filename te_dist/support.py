@@ -171,7 +171,7 @@ def device_capability(device) -> Optional[Tuple[int, int]]:
     """Cached compute capability of ``device`` (None for non-CUDA devices; None or an unindexed
     CUDA device means the current one). Every capability probe of the package goes through here,
     so ``set_capability_lookup`` fakes a GPU for all of them."""
-    if not isinstance(device, torch.device) or (device.type == "cuda" and device.index is None):
+    if not isinstance(device, torch.device) or device.index is None:  # (a CPU device resolves to itself)
         device = resolve_device(device)
     return _cached_capability(device)
 

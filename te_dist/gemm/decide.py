@@ -35,7 +35,7 @@ from .. import support
 
 __all__ = ["BACKENDS", "QUANTIZED_BACKENDS", "MARGIN", "LOOP_MAX_GROUPS", "LOOP_MIN_ROWS_PER_GROUP",
            "LOOP_MIN_CONTRACTION", "LOOP_MIN_FLOP_PER_EXPERT", "LOOP_MIN_FLOP_PER_EXPERT_BLOCK", "Choice", "Problem",
-           "why_not", "static_choice", "allowed", "pick_measured", "choose", "candidates", "quantized_why_not",
+           "capture_underway", "why_not", "static_choice", "allowed", "pick_measured", "choose", "candidates", "quantized_why_not",
            "fp8_loop_why_not", "fp8_loop_wins", "choose_quantized"]
 
 BACKENDS = ("cutlass", "torch", "loop")
@@ -63,10 +63,17 @@ class Problem(NamedTuple):
     n: int
     num_groups: int
     weight_k_major: bool = True
-    capturing: bool = False
+    capturing: bool = False  # a CUDA graph is being captured (asked only where it matters: capture_underway)
     sizes_on_host: bool = False  # the caller passed the rows of each group as host ints
     epilogue: bool = False  # a bias or row scale to apply (with an output dtype other than the input's:
     # work torch._grouped_mm does not fuse)
+
+
+def capture_underway() -> bool:
+    """Whether the current CUDA stream is capturing a graph. Asking is a CUDA call of its own, and only
+    the per-expert loop and a measurement care, so the call path decides as if not and asks where the
+    choice is the loop (deciding again with ``capturing=True`` if so) or before a measurement."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def why_not(backend: str, p: Problem, *, cutlass_built: Callable[[], bool], torch_grouped: bool) -> Optional[str]:
@@ -112,16 +119,15 @@ def static_choice(p: Problem, *, cutlass_built: Callable[[], bool], torch_groupe
     """The rule's answer without a measurement (rows 2 and 4-8 of the table)."""
     if p.device_type != "cuda":
         return "loop"
-    can = lambda b: why_not(b, p, cutlass_built=cutlass_built, torch_grouped=torch_grouped) is None  # noqa: E731
     fused = p.epilogue or p.out_dtype != p.dtype
     if fused:
         if _cublas_per_expert_wins(p):
             return "loop"
-        if can("cutlass"):
+        if why_not("cutlass", p, cutlass_built=cutlass_built, torch_grouped=torch_grouped) is None:
             return "cutlass"
-    if can("torch"):
+    if why_not("torch", p, cutlass_built=cutlass_built, torch_grouped=torch_grouped) is None:
         return "torch"
-    if not fused and can("cutlass"):
+    if not fused and why_not("cutlass", p, cutlass_built=cutlass_built, torch_grouped=torch_grouped) is None:
         return "cutlass"
     reason = why_not("loop", p, cutlass_built=cutlass_built, torch_grouped=torch_grouped)
     if reason is not None:

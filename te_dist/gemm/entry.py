@@ -26,12 +26,16 @@ __all__ = ["grouped_mm", "grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_w
            "describe_choice", "available_backends"]
 
 _TORCH_GROUPED = torch_backend.is_available()
+
+
 def _problem(direction, a, k, n, num_groups, out_dtype, k_major, group_sizes, epilogue) -> decide.Problem:
-    device = a.device
-    cuda = device.type == "cuda"
-    return decide.Problem(direction, device.type, device_capability(device) if cuda else None, a.dtype, out_dtype,
-                          a.shape[0], k, n, num_groups, k_major, cuda and torch.cuda.is_current_stream_capturing(),
-                          group_sizes is not None, epilogue)
+    """The call as the rule sees it, decided as if no CUDA graph were being captured: asking costs a
+    CUDA call, and only a loop choice or a measurement depends on it (``_choose`` asks then)."""
+    if a.is_cuda:
+        return decide.Problem(direction, "cuda", device_capability(a.device), a.dtype, out_dtype, a.shape[0], k, n,
+                              num_groups, k_major, False, group_sizes is not None, epilogue)
+    return decide.Problem(direction, a.device.type, None, a.dtype, out_dtype, a.shape[0], k, n, num_groups, k_major,
+                          False, group_sizes is not None, epilogue)
 
 
 def _weight_k_major(w_EKN: torch.Tensor, E: int, K: int, N: int) -> bool:
@@ -41,15 +45,21 @@ def _weight_k_major(w_EKN: torch.Tensor, E: int, K: int, N: int) -> bool:
 
 
 def _choose(p: decide.Problem, device, forced, group_sizes, call) -> decide.Choice:
-    """The decision, with the bucket's measured entry on CUDA (``call(choice)`` makes the call)."""
+    """The decision, with the bucket's measured entry on CUDA (``call(choice)`` makes the call; None:
+    the rule without a measurement). A loop choice on CUDA asks whether a graph is being captured,
+    and if so the rule decides again."""
     cutlass_ok = lambda: p.capability == (9, 0) and cutlass_backend.is_available(device)  # noqa: E731
     measured = None
-    if forced is None and p.device_type == "cuda":
+    if forced is None and call is not None and p.device_type == "cuda":
         t = measure.tuner()
         if t.enabled:
             measured = t.entry(p, device.index, group_sizes, lambda: [(c, lambda c=c: call(c)) for c in decide.candidates(
                 p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, configs=_built_tiles(p), group_sizes=group_sizes)])
-    return decide.choose(p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, forced=forced, measured=measured)
+    choice = decide.choose(p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, forced=forced, measured=measured)
+    if choice[0] == "loop" and p.device_type == "cuda" and decide.capture_underway():
+        choice = decide.choose(p._replace(capturing=True), cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED,
+                               forced=forced, measured=measured)
+    return choice
 
 
 def _built_tiles(p: decide.Problem) -> tuple:
@@ -81,9 +91,9 @@ def _run(direction: str, choice, args: tuple, group_sizes):
     return getattr(cutlass_backend, _FUNCTION[direction])(*args, config=config, group_sizes=group_sizes)
 
 
-def _decide_and_run(direction: str, p: decide.Problem, device, backend, args: tuple, group_sizes):
-    choice = _choose(p, device, backend, group_sizes, lambda c: _run(direction, c, args, group_sizes))
-    return _run(direction, choice, args, group_sizes)
+def _decide_and_run(p: decide.Problem, device, backend, args: tuple, group_sizes):
+    call = lambda c: _run(p.direction, c, args, group_sizes)  # noqa: E731
+    return call(_choose(p, device, backend, group_sizes, call))
 
 
 def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
@@ -93,7 +103,7 @@ def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, g
     E, K, N = w_EKN.shape
     p = _problem("fwd", x_TK, K, N, E, args[-1], _weight_k_major(w_EKN, E, K, N), group_sizes,
                  bias_EN is not None or row_scale_T is not None)
-    return _decide_and_run("fwd", p, x_TK.device, backend, args, group_sizes)
+    return _decide_and_run(p, x_TK.device, backend, args, group_sizes)
 
 
 def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
@@ -103,7 +113,7 @@ def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes
     E, K, N = w_EKN.shape  # dgrad contracts over N and writes K columns
     p = _problem("dgrad", dy_TN, N, K, E, args[-1], _weight_k_major(w_EKN, E, K, N), group_sizes,
                  row_scale_T is not None)
-    return _decide_and_run("dgrad", p, dy_TN.device, backend, args, group_sizes)
+    return _decide_and_run(p, dy_TN.device, backend, args, group_sizes)
 
 
 def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
@@ -111,7 +121,7 @@ def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=N
     if backend is None and x_TK.is_cpu:
         return loop_backend.wgrad(*args, group_sizes)
     p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, args[-1], True, group_sizes, False)
-    return _decide_and_run("wgrad", p, x_TK.device, backend, args, group_sizes)
+    return _decide_and_run(p, x_TK.device, backend, args, group_sizes)
 
 
 class _Dispatch:
@@ -136,20 +146,16 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
     layer does): the decision sees them and the per-expert loop reads no offsets; they must agree
     with the offsets (checked against the row count, never read from the device)."""
     _check_backend_arg(backend)
-    validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
-    if group_sizes is not None:
-        group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], x_TK.shape[0])
-    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch, group_sizes)
+    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets, group_sizes)
+    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch, sizes)
 
 
 def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
                        check_offsets=None, group_sizes=None) -> torch.Tensor:
     """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
     _check_backend_arg(backend)
-    validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets)
-    if group_sizes is not None:
-        group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], x_TK.shape[0])
-    return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes)
+    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets, group_sizes)
+    return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes)
 
 
 def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,
@@ -158,9 +164,8 @@ def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=Non
     ``validate=False`` skips the checks: only for a backward whose forward validated its operands."""
     _check_backend_arg(backend)
     if validate:
-        validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets)
-        if group_sizes is not None:
-            group_sizes = validation.check_group_sizes(group_sizes, w_EKN.shape[0], dy_TN.shape[0])
+        group_sizes = validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets,
+                                             group_sizes)
     return _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes)
 
 
@@ -172,9 +177,7 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
     if num_groups is None:
         num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
     if validate:
-        validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets)
-        if group_sizes is not None:
-            group_sizes = validation.check_group_sizes(group_sizes, num_groups, x_TK.shape[0])
+        group_sizes = validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets, group_sizes)
     return _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes)
 
 
@@ -191,8 +194,7 @@ def select_backend(direction: str, x_TK, w_EKN, *, out_dtype=None, backend=None,
     """The backend the rule picks for a call with these operands without a measurement (benchmarks,
     logs). ``x_TK``: the call's row operand (dgrad: dy); ``epilogue``: a bias or row scale is given."""
     p = _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue)
-    cutlass_ok = lambda: p.capability == (9, 0) and cutlass_backend.is_available(x_TK.device)  # noqa: E731
-    return decide.choose(p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, forced=backend)[0]
+    return _choose(p, x_TK.device, backend, group_sizes, None)[0]
 
 
 def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=None, epilogue: bool = False) -> str:
@@ -200,13 +202,11 @@ def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=
     if group_sizes is not None:
         group_sizes = tuple(group_sizes)
     p = _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue)
-    if p.device_type == "cuda" and measure.tuner().enabled:
-        t = measure.tuner()
-        ms = t.table_for(x_TK.device.index).ms.get(measure.bucket_key(p, group_sizes))
-        if ms and (t.agreed or not t.deterministic()):
-            choice = decide.pick_measured(ms, p)
-            if choice is not None:
-                return f"{measure.choice_name(choice)} measured"
+    t = measure.tuner()
+    ms = t.entry(p, x_TK.device.index, group_sizes) if p.device_type == "cuda" and t.enabled else None
+    choice = decide.pick_measured(ms, p) if ms else None
+    if choice is not None:
+        return f"{measure.choice_name(choice)} measured"
     name = select_backend(direction, x_TK, w_EKN, out_dtype=out_dtype, group_sizes=group_sizes, epilogue=epilogue)
     if name == "cutlass":
         ck = cutlass_backend.kernels_module()

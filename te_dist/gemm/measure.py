@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import settings as _settings
-from .decide import Choice, Problem
+from .decide import Choice, Problem, capture_underway
 
 __all__ = ["ROUNDS", "TunerSettings", "Tuner", "CudaClock", "bucket_rows", "bucket_key", "key_text", "parse_key",
            "choice_name", "parse_choice", "time_runs", "tuner", "configure", "reset"]
@@ -190,20 +190,22 @@ class Tuner:
     def deterministic(self) -> bool:
         return self.settings.deterministic or torch.are_deterministic_algorithms_enabled()
 
-    def entry(self, p: Problem, device_index: int, group_sizes, runs: Callable[[], list]) -> Optional[dict]:
+    def entry(self, p: Problem, device_index: int, group_sizes, runs: Optional[Callable[[], list]] = None
+              ) -> Optional[dict]:
         """The bucket's {choice: ms}, measured now on a miss where allowed (``runs()`` builds the
-        candidates' (choice, zero-argument call) pairs); None where there is none to use."""
+        candidates' (choice, zero-argument call) pairs; None: never measure); None where there is none
+        to use."""
         table = self._by_index.get(device_index) or self.table_for(device_index)
         key = bucket_key(p, group_sizes)
         ms = table.ms.get(key)
-        if ms is None:
+        if ms is None and runs is not None:
             ms = self._miss(p, key, table, runs)
         if not ms or (not self.agreed and self.deterministic()):
             return None
         return ms
 
     def _miss(self, p: Problem, key: Key, table: _Table, runs) -> Optional[dict]:
-        if p.capturing or self.deterministic() or self.spent_ms >= self.settings.total_ms:
+        if self.deterministic() or self.spent_ms >= self.settings.total_ms or p.capturing or capture_underway():
             return None
         started = perf_counter()
         pairs = runs()

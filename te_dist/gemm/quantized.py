@@ -14,7 +14,7 @@ import torch
 from . import cutlass_backend, decide, fp8_loop_backend
 from .fp8_operands import QuantizedWeight, copy_format, dequantized, fp8_format, tensor_scales
 from .entry import grouped_mm_dgrad, grouped_mm_forward, grouped_mm_wgrad
-from .validation import check_quantized, check_quantized_offsets
+from .validation import check_offsets_tensor, check_quantized
 
 __all__ = ["grouped_mm_quantized_forward", "grouped_mm_quantized_dgrad", "grouped_mm_quantized_wgrad"]
 
@@ -60,7 +60,7 @@ def _checked_with_weight(name: str, aq, wq, offsets_E, dim: int, which: str):
     if aq.shape[1] != features:
         raise ValueError(f"{name} has {aq.shape[1]} features but the weight [E={E}, N={N}, K={K}] {which}={features}")
     device = _device(aq)
-    check_quantized_offsets(offsets_E, E, device)
+    check_offsets_tensor(offsets_E, E, name, device)
     return device, E, N, K
 
 
@@ -98,7 +98,7 @@ def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype
     T, K = xq.shape
     N = dyq.shape[1]
     device = _device(xq)
-    check_quantized_offsets(offsets_E, num_groups, device)
+    check_offsets_tensor(offsets_E, num_groups, "xq", device)
     name = decide.choose_quantized(
         device, K, N, out_dtype=out_dtype, b_format=copy_format(xq, "columnwise"), backend=backend,
         group_sizes=group_sizes, num_rows=T, num_groups=num_groups, block_scales=not tensor_scales(xq, dyq),

@@ -2,8 +2,10 @@
 
 Operands reach torch as given: a weight passed as the transposed view of a contiguous [E, N, K]
 parameter is that view, not a copy (torch reads either major order). Only a layout torch rejects
-(a sliced view off 16-byte rows, an expanded gradient's zero strides) is copied. Its output dtype
-is the input's, so a row scale, bias or other output dtype runs as separate torch ops afterwards.
+(a sliced view off 16-byte rows, an expanded gradient's zero strides) is copied, after torch said
+no: torch checks layouts in C++ before it launches anything, so asking it first costs the usual
+call nothing. Its output dtype is the input's, so a row scale, bias or other output dtype runs as
+separate torch ops afterwards.
 """
 
 from __future__ import annotations
@@ -30,18 +32,30 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
+def _grouped_mm(a, b, offsets_E) -> torch.Tensor:
+    """torch._grouped_mm of the operands as given; where torch rejects a layout that a copy mends,
+    the copy, then the call again (an error of anything else is torch's own)."""
+    try:
+        return torch._grouped_mm(a, b, offs=offsets_E)
+    except RuntimeError:
+        a_copy, b_copy = _aligned(a), _aligned(b)
+        if a_copy is a and b_copy is b:
+            raise
+    return torch._grouped_mm(a_copy, b_copy, offs=offsets_E)
+
+
 def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:
-    acc_TN = torch._grouped_mm(_aligned(x_TK), _aligned(w_EKN), offs=offsets_E)
+    acc_TN = _grouped_mm(x_TK, w_EKN, offsets_E)
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype)
 
 
 def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Tensor:
-    acc_TK = torch._grouped_mm(_aligned(dy_TN), _aligned(w_EKN).transpose(1, 2), offs=offsets_E)
+    acc_TK = _grouped_mm(dy_TN, w_EKN.transpose(1, 2), offsets_E)
     return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype or dy_TN.dtype)
 
 
 def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tensor:
     """dw[e] = (dy_e^T @ x_e) as [E, N, K]; returned transposed as [E, K, N]."""
     out_dtype = out_dtype or x_TK.dtype
-    dw_ENK = torch._grouped_mm(_aligned(dy_TN).t(), _aligned(x_TK), offs=offsets_E)
+    dw_ENK = _grouped_mm(dy_TN.t(), x_TK, offsets_E)
     return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)

@@ -3,7 +3,8 @@ same whichever backend would run.
 
 Checks of offsets' *values* (monotonic, ending at T) read them on the host, so they run for CPU
 offsets always and for CUDA offsets only when asked (``check_offsets=True``): reading a GPU tensor
-would sync and break graph capture. Nothing here syncs or allocates.
+would sync and break graph capture. Nothing here syncs or allocates. The checks sit on every call's
+path, so each reads a tensor attribute once and calls no helper for an operand that is absent.
 
 Legend: T tokens (rows), K input features, N output features, E experts (groups).
 """
@@ -15,21 +16,18 @@ from typing import Optional
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_offsets_values", "check_group_sizes", "check_forward", "check_dgrad",
-           "check_wgrad", "check_quantized", "check_quantized_offsets"]
+           "check_wgrad", "check_quantized", "check_offsets_tensor"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FLOATS = frozenset(SUPPORTED_DTYPES)  # a set lookup: every call checks a few dtypes
 
 
-def _check_tensor(name: str, t, ndim: int) -> None:
+def _check_tensor(name: str, t, ndim: int, *, floats: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, received {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, received shape {tuple(t.shape)}")
-
-
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _FLOATS:
+    if floats and t.dtype not in _FLOATS:
         raise TypeError(f"{name}.dtype must be one of {SUPPORTED_DTYPES}, received {t.dtype}")
 
 
@@ -38,13 +36,37 @@ def _check_same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {device}; they must share a device")
 
 
-def _check_offsets(offsets_E, num_groups: int, ref_name: str, device: torch.device) -> None:
+def check_offsets_tensor(offsets_E, num_groups: int, ref_name: str, device: torch.device) -> None:
+    """int32 cumulative end rows, one per expert, on the operands' device (values: see module doc)."""
     _check_tensor("offsets_E", offsets_E, 1)
     if offsets_E.dtype != torch.int32:
         raise TypeError(f"offsets_E.dtype must be torch.int32 (cumulative end rows), received {offsets_E.dtype}")
     _check_same_device("offsets_E", offsets_E, ref_name, device)
-    if offsets_E.shape[0] != num_groups:
-        raise ValueError(f"offsets_E has {offsets_E.shape[0]} entries but there are {num_groups} experts")
+    _check_count(offsets_E, num_groups)
+
+
+def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int, offsets_E) -> torch.device:
+    """The row operand ``a`` (2-D floats), ``b`` (``b_ndim``-D, a's dtype and device) and the offsets
+    (1-D int32 on that device; their count is the caller's to check); returns the device. Written out
+    flat, each attribute read once and no helper called unless a check fails: it runs on every call."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(offsets_E, torch.Tensor)):
+        for name, t, ndim in ((a_name, a, 2), (b_name, b, b_ndim), ("offsets_E", offsets_E, 1)):
+            _check_tensor(name, t, ndim)
+    if a.dim() != 2 or b.dim() != b_ndim or offsets_E.dim() != 1:
+        for name, t, ndim in ((a_name, a, 2), (b_name, b, b_ndim), ("offsets_E", offsets_E, 1)):
+            _check_tensor(name, t, ndim)
+    dtype = a.dtype
+    if dtype not in _FLOATS:
+        raise TypeError(f"{a_name}.dtype must be one of {SUPPORTED_DTYPES}, received {dtype}")
+    if b.dtype != dtype:
+        raise TypeError(f"{b_name}.dtype must equal {a_name}.dtype={dtype}, received {b.dtype}")
+    if offsets_E.dtype != torch.int32:
+        raise TypeError(f"offsets_E.dtype must be torch.int32 (cumulative end rows), received {offsets_E.dtype}")
+    device = a.device
+    if b.device != device or offsets_E.device != device:
+        _check_same_device(b_name, b, a_name, device)
+        _check_same_device("offsets_E", offsets_E, a_name, device)
+    return device
 
 
 def check_offsets_values(offsets_E: torch.Tensor, num_rows: int) -> None:
@@ -95,16 +117,17 @@ def check_group_sizes(group_sizes, num_groups: int, num_rows: int) -> tuple:
     return group_sizes
 
 
-def _maybe_check_values(offsets_E, num_rows, check_offsets: Optional[bool]) -> None:
+def _rows(offsets_E, num_groups: int, num_rows: int, check_offsets: Optional[bool], group_sizes):
+    """The offsets' values where they are read (module doc), then the host sizes as a tuple (or None)."""
     if check_offsets or (check_offsets is None and offsets_E.is_cpu):
         check_offsets_values(offsets_E, num_rows)
+    return None if group_sizes is None else check_group_sizes(group_sizes, num_groups, num_rows)
 
 
 def _check_row_scale_and_out_dtype(row_scale_T, rows_name, rows, device, out_dtype) -> None:
     """The optional per-row scale ([T] floats beside ``rows``) and the output dtype."""
     if row_scale_T is not None:
-        _check_tensor("row_scale_T", row_scale_T, 1)
-        _check_float("row_scale_T", row_scale_T)
+        _check_tensor("row_scale_T", row_scale_T, 1, floats=True)
         _check_same_device("row_scale_T", row_scale_T, rows_name, device)
         if row_scale_T.shape[0] != rows.shape[0]:
             raise ValueError(f"row_scale_T must have T={rows.shape[0]} entries, received {row_scale_T.shape[0]}")
@@ -112,60 +135,51 @@ def _check_row_scale_and_out_dtype(row_scale_T, rows_name, rows, device, out_dty
         raise TypeError(f"out_dtype must be None or one of {SUPPORTED_DTYPES}, received {out_dtype}")
 
 
-def _check_rows_and_weight(rows_name: str, rows, w_EKN) -> torch.device:
-    """The row operand and the weight; returns their device."""
-    _check_tensor(rows_name, rows, 2)
-    _check_tensor("w_EKN", w_EKN, 3)
-    _check_float(rows_name, rows)
-    if w_EKN.dtype != rows.dtype:
-        raise TypeError(f"w_EKN.dtype must equal {rows_name}.dtype={rows.dtype}, received {w_EKN.dtype}")
-    device = rows.device
-    _check_same_device("w_EKN", w_EKN, rows_name, device)
-    return device
+def _check_count(offsets_E, num_groups: int) -> None:
+    if offsets_E.shape[0] != num_groups:
+        raise ValueError(f"offsets_E has {offsets_E.shape[0]} entries but there are {num_groups} experts")
 
 
-def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets=None) -> None:
-    device = _check_rows_and_weight("x_TK", x_TK, w_EKN)
+def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
+    """Every check of a forward call; returns the host sizes as a tuple (or None)."""
+    device = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3, offsets_E)
     E, K, N = w_EKN.shape
     if x_TK.shape[1] != K:
         raise ValueError(f"x_TK has K={x_TK.shape[1]} columns but w_EKN expects K={K} (w_EKN shape {tuple(w_EKN.shape)})")
-    _check_offsets(offsets_E, E, "x_TK", device)
+    _check_count(offsets_E, E)
     if bias_EN is not None:
-        _check_tensor("bias_EN", bias_EN, 2)
-        _check_float("bias_EN", bias_EN)
+        _check_tensor("bias_EN", bias_EN, 2, floats=True)
         _check_same_device("bias_EN", bias_EN, "x_TK", device)
         if tuple(bias_EN.shape) != (E, N):
             raise ValueError(f"bias_EN must have shape {(E, N)}, received {tuple(bias_EN.shape)}")
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "x_TK", x_TK, device, out_dtype)
-    _maybe_check_values(offsets_E, x_TK.shape[0], check_offsets)
+    return _rows(offsets_E, E, x_TK.shape[0], check_offsets, group_sizes)
 
 
-def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None) -> None:
-    device = _check_rows_and_weight("dy_TN", dy_TN, w_EKN)
-    if dy_TN.shape[1] != w_EKN.shape[2]:
-        raise ValueError(f"dy_TN has N={dy_TN.shape[1]} columns but w_EKN expects N={w_EKN.shape[2]}")
-    _check_offsets(offsets_E, w_EKN.shape[0], "dy_TN", device)
+def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
+    """Every check of a dgrad call; returns the host sizes as a tuple (or None)."""
+    device = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3, offsets_E)
+    E, _, N = w_EKN.shape
+    if dy_TN.shape[1] != N:
+        raise ValueError(f"dy_TN has N={dy_TN.shape[1]} columns but w_EKN expects N={N}")
+    _check_count(offsets_E, E)
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", dy_TN, device, out_dtype)
-    _maybe_check_values(offsets_E, dy_TN.shape[0], check_offsets)
+    return _rows(offsets_E, E, dy_TN.shape[0], check_offsets, group_sizes)
 
 
-def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=None) -> None:
-    _check_tensor("x_TK", x_TK, 2)
-    _check_tensor("dy_TN", dy_TN, 2)
-    _check_float("x_TK", x_TK)
-    if dy_TN.dtype != x_TK.dtype:
-        raise TypeError(f"dy_TN.dtype must equal x_TK.dtype={x_TK.dtype}, received {dy_TN.dtype}")
-    device = x_TK.device
-    _check_same_device("dy_TN", dy_TN, "x_TK", device)
+def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=None, group_sizes=None):
+    """Every check of a wgrad call; returns the host sizes as a tuple (or None)."""
+    device = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2, offsets_E)
     if dy_TN.shape[0] != x_TK.shape[0]:
         raise ValueError(f"dy_TN has {dy_TN.shape[0]} rows but x_TK has {x_TK.shape[0]}")
     if not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be a non-negative int, received {num_groups!r}")
-    _check_offsets(offsets_E, num_groups, "x_TK", device)
-    _check_row_scale_and_out_dtype(None, "x_TK", x_TK, device, out_dtype)
-    _maybe_check_values(offsets_E, x_TK.shape[0], check_offsets)
+    _check_count(offsets_E, num_groups)
+    if out_dtype is not None:
+        _check_row_scale_and_out_dtype(None, "x_TK", x_TK, device, out_dtype)
+    return _rows(offsets_E, num_groups, x_TK.shape[0], check_offsets, group_sizes)
 
 
 def check_quantized(name: str, q, ndim: int) -> None:
@@ -177,11 +191,3 @@ def check_quantized(name: str, q, ndim: int) -> None:
         raise TypeError(f"{name} must be a quantized tensor (te_dist.quantization), received {type(q).__name__}")
     if len(q.shape) != ndim:
         raise ValueError(f"{name} must be {ndim}-D, received shape {tuple(q.shape)}")
-
-
-def check_quantized_offsets(offsets_E, num_groups: int, device) -> None:
-    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dtype != torch.int32 or offsets_E.shape != (num_groups,):
-        got = f"{offsets_E.dtype} {tuple(offsets_E.shape)}" if isinstance(offsets_E, torch.Tensor) else type(offsets_E)
-        raise TypeError(f"offsets_E must be an int32 tensor of shape [{num_groups}] (cumulative end rows), received {got}")
-    if offsets_E.device != device:
-        raise ValueError(f"offsets_E is on {offsets_E.device} but the operands are on {device}")

@@ -2,6 +2,7 @@
 its table and summary, and the ``--dry-run`` of the script (the timing itself needs a GPU)."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -77,3 +78,17 @@ def test_the_script_dry_run_prints_the_drawn_shapes_without_a_gpu():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 5 and all(line.startswith(f"s{i}_") for i, line in enumerate(lines))
+
+
+def test_the_script_host_cpu_mode_times_our_wrapper_against_raw_torch_without_a_gpu(tmp_path):
+    """``--host-cpu``: every column runs on CPU (torch's call, our torch path, the decision on a faked SM
+    9.0 GPU with and without host sizes) and lands in the JSON; the figures are printed, not judged."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = tmp_path / "host.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), "--host-cpu", "--rounds", "1",
+                          "--json", str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    host = json.loads(path.read_text())["host_us"]
+    assert set(host) == {"raw", "torch", "decide", "decide sizes"}
+    assert all(0 < v["best"] <= v["median"] for v in host.values())
+    assert "torch over raw" in out.stdout
