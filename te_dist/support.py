@@ -53,7 +53,6 @@ __all__ = [
     "CacheInfo",
     "set_capability_lookup",
     "set_fp8_kernels_lookup",
-    "capability_lookup",
     "device_capability",
     "fp8_kernels_available",
     "cutlass_tools_present",
@@ -71,9 +70,8 @@ CacheInfo = collections.namedtuple("CacheInfo", ["hits", "misses", "maxsize", "c
 
 
 class _Spec(NamedTuple):
-    tag: str
+    tag: str  # "none" (no recipe) reads no setting nor the split alignment; every other rule reads both
     read: Callable  # recipe -> the settings this check reads (hashable; enums as their string value)
-    uses_alignment: bool
 
 
 def _no_settings(_recipe_obj):
@@ -81,19 +79,14 @@ def _no_settings(_recipe_obj):
 
 
 _SPECS = {
-    type(None): _Spec("none", _no_settings, False),
-    _recipe.DelayedScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_"), True),
-    _recipe.Float8CurrentScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_"), True),
-    _recipe.Float8BlockScaling: _Spec(
-        "fp8_block",
-        operator.attrgetter("fp8_format._value_", "x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"),
-        True,
-    ),
-    _recipe.MXFP8BlockScaling: _Spec("mxfp8", operator.attrgetter("fp8_format._value_"), True),
-    _recipe.NVFP4BlockScaling: _Spec("nvfp4", operator.attrgetter("disable_2d_quantization"), True),
+    type(None): _Spec("none", _no_settings),
+    _recipe.DelayedScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_")),
+    _recipe.Float8CurrentScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_")),
+    _recipe.Float8BlockScaling: _Spec("fp8_block", operator.attrgetter(
+        "fp8_format._value_", "x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")),
+    _recipe.MXFP8BlockScaling: _Spec("mxfp8", operator.attrgetter("fp8_format._value_")),
+    _recipe.NVFP4BlockScaling: _Spec("nvfp4", operator.attrgetter("disable_2d_quantization")),
 }
-# The cached path keys every recipe's entry on split_alignment and None's on nothing else.
-assert all(spec.uses_alignment == (cls is not type(None)) for cls, spec in _SPECS.items())
 
 
 def _spec_for(recipe_obj) -> _Spec:
@@ -154,17 +147,9 @@ def _default_capability(device: torch.device) -> Optional[Tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-_capability_lookup: Callable = _default_capability
-
-
-def capability_lookup(device: torch.device) -> Optional[Tuple[int, int]]:
-    """Compute capability of ``device`` (None for non-CUDA devices) via the installed lookup."""
-    return _capability_lookup(device)
-
-
 @functools.lru_cache(maxsize=None)
 def _cached_capability(device: torch.device):
-    return _capability_lookup(device)
+    return _lookups["capability"](device)
 
 
 def device_capability(device) -> Optional[Tuple[int, int]]:
@@ -174,20 +159,6 @@ def device_capability(device) -> Optional[Tuple[int, int]]:
     if not isinstance(device, torch.device) or device.index is None:  # (a CPU device resolves to itself)
         device = resolve_device(device)
     return _cached_capability(device)
-
-
-@contextlib.contextmanager
-def set_capability_lookup(fn: Callable):
-    """Install ``fn(device) -> (major, minor) | None`` (tests inject fake GPUs); clears the caches."""
-    global _capability_lookup
-    previous = _capability_lookup
-    _capability_lookup = fn
-    _clear_all()
-    try:
-        yield
-    finally:
-        _capability_lookup = previous
-        _clear_all()
 
 
 _fp8_unavailable: list = []  # the reason the FP8 kernels cannot run here (set by their backend)
@@ -228,12 +199,36 @@ def mark_fp8_kernels_unavailable(reason: str) -> None:
     _clear_all()
 
 
-_fp8_kernels_lookup: Callable = _default_fp8_kernels
+# What tests may replace (set_capability_lookup, set_fp8_kernels_lookup): the compute capability of
+# a device, and whether the FP8 kernels can be built and loaded here.
+_lookups = {"capability": _default_capability, "fp8_kernels": _default_fp8_kernels}
+
+
+@contextlib.contextmanager
+def _installed(kind: str, fn: Callable):
+    previous = _lookups[kind]
+    _lookups[kind] = fn
+    _clear_all()
+    try:
+        yield
+    finally:
+        _lookups[kind] = previous
+        _clear_all()
+
+
+def set_capability_lookup(fn: Callable):
+    """Install ``fn(device) -> (major, minor) | None`` (tests inject fake GPUs); clears the caches."""
+    return _installed("capability", fn)
+
+
+def set_fp8_kernels_lookup(fn: Callable):
+    """Install ``fn() -> bool`` for "FP8 grouped kernels available" (tests); clears the caches."""
+    return _installed("fp8_kernels", fn)
 
 
 def fp8_kernels_available() -> bool:
     """Can cutlass_kernels' FP8 grouped GEMMs be built and loaded here (via the installed lookup)?"""
-    return bool(_fp8_kernels_lookup())
+    return bool(_lookups["fp8_kernels"]())
 
 
 def _fp8_why_not_at(cap) -> Optional[str]:
@@ -251,20 +246,6 @@ def fp8_kernels_why_not(device) -> Optional[str]:
     answer the FP8 rules, ``explain_path`` and the quantized entry points' decision all read."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     return _fp8_why_not_at(device_capability(device) if device.type == "cuda" else None)
-
-
-@contextlib.contextmanager
-def set_fp8_kernels_lookup(fn: Callable):
-    """Install ``fn() -> bool`` for "FP8 grouped kernels available" (tests); clears the caches."""
-    global _fp8_kernels_lookup
-    previous = _fp8_kernels_lookup
-    _fp8_kernels_lookup = fn
-    _clear_all()
-    try:
-        yield
-    finally:
-        _fp8_kernels_lookup = previous
-        _clear_all()
 
 
 def clear_caches() -> None:
@@ -308,36 +289,38 @@ def resolve_device(device) -> torch.device:
 # --------------------------------------------------------------------------- rules
 
 _LOW_PRECISION_ACT = (torch.bfloat16, torch.float16)
+_FP8_FORMAT_NAMES = {"fp8_tensor": "per-tensor", "fp8_block": "block"}
 
 
-def _aligned(split_alignment, multiple: int) -> bool:
-    return split_alignment is not None and split_alignment % multiple == 0
+def _sm(cap) -> str:
+    return f"sm_{cap[0]}{cap[1]}"
 
 
-def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> bool:
+def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> Optional[str]:
+    """None where the single-launch grouped path runs (the module docstring's table), else why not:
+    the one statement of the rules, which the predicates cache as ``is None`` and ``explain_path``
+    words for people."""
     if cap is None:  # CPU: reference (emulated) grouped path for every recipe
-        return dtype in (torch.bfloat16, torch.float16, torch.float32)
-    if cap < (9, 0):
-        return False
+        return None if dtype in (torch.bfloat16, torch.float16, torch.float32) else f"no reference path for {dtype}"
     if tag == "none":
-        return dtype == torch.bfloat16
-    if dtype not in _LOW_PRECISION_ACT:
-        return False
-    if tag == "fp8_tensor":
-        return (settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 16)
-                and _fp8_why_not_at(cap) is None)
-    if tag == "fp8_block":
-        fmt, x_dim, w_dim, grad_dim = settings
-        return (fmt != _recipe.Format.E5M2.value and (x_dim, w_dim, grad_dim) == (1, 2, 1)
-                and _aligned(split_alignment, 128) and _fp8_why_not_at(cap) is None)
-    if tag == "mxfp8":
-        return cap >= (10, 0) and settings != _recipe.Format.E5M2.value and _aligned(split_alignment, 32)
-    if tag == "nvfp4":
-        # 16-row splits keep the 16x16 blocks of the wgrad operands inside one expert; the 1D
-        # variant quantizes those operands columnwise in 32-row tiles instead.
-        multiple = 16 if not settings else 32
-        return cap >= (10, 0) and dtype == torch.bfloat16 and _aligned(split_alignment, multiple)
-    raise AssertionError(f"unhandled tag {tag}")  # internal invariant: _SPECS and rules agree
+        return None if cap >= (9, 0) and dtype == torch.bfloat16 else (
+            f"no single-launch grouped kernel for {dtype} on {_sm(cap)} (bf16 on SM 9.0+ only)")
+    if tag in ("mxfp8", "nvfp4") and cap < (10, 0):
+        return f"{tag.upper()} has no tensor-core path before SM 10.0 (this is {_sm(cap)})"
+    if dtype not in _LOW_PRECISION_ACT or (tag == "nvfp4" and dtype != torch.bfloat16):
+        return f"the grouped path takes bf16{'' if tag == 'nvfp4' else ' or fp16'} activations, received {dtype}"
+    fmt = settings[0] if tag == "fp8_block" else settings
+    if tag != "nvfp4" and fmt == _recipe.Format.E5M2.value:
+        return "E5M2 for every operand has no kernel (use E4M3 or HYBRID)"
+    if tag == "fp8_block" and settings[1:] != (1, 2, 1):
+        return (f"the kernels take 1x128 activations/gradients and 128x128 weights (x/w/grad dims 1/2/1), "
+                f"received {'/'.join(map(str, settings[1:]))}")
+    # nvfp4: 16-row splits keep the 16x16 blocks of the wgrad operands inside one expert; the 1D
+    # variant (disable_2d_quantization) quantizes those operands columnwise in 32-row tiles instead.
+    multiple = (32 if settings else 16) if tag == "nvfp4" else _NATIVE_ALIGNMENT[tag]
+    if split_alignment is None or split_alignment % multiple:
+        return f"split alignment {split_alignment} is not a multiple of {multiple}"
+    return _fp8_why_not_at(cap) if tag in _FP8_FORMAT_NAMES else None
 
 
 _NATIVE_ALIGNMENT = {"fp8_tensor": 16, "fp8_block": 128, "mxfp8": 32, "nvfp4": 32}
@@ -351,9 +334,9 @@ def native_split_alignment(recipe) -> Optional[int]:
     return _NATIVE_ALIGNMENT.get(_spec_for(recipe).tag)
 
 
-def _op_fuser_rule(tag, settings, dtype, split_alignment, cap) -> bool:
+def _op_fuser_rule(tag, settings, dtype, split_alignment, cap) -> Optional[str]:
     if cap is not None and dtype != torch.bfloat16:
-        return False
+        return f"the fused grouped MLP takes bf16 activations natively, received {dtype}"
     return _module_rule(tag, settings, dtype, split_alignment, cap)
 
 
@@ -390,7 +373,7 @@ def _make_predicate(name: str, rule: Callable, doc: str):
             dev = resolve_device(device)
             hit = lookup(key, dtype, split_alignment, dev) if key is not _NONE_KEY else lookup_none(dtype, dev)
             raise _Answer(hit)
-        return rule(key.tag, key.settings, dtype, split_alignment, _capability_lookup(_as_device(device)))
+        return rule(key.tag, key.settings, dtype, split_alignment, _lookups["capability"](_as_device(device))) is None
 
     lookup = functools.lru_cache(maxsize=None)(compute)  # (settings key, dtype, alignment, device)
 
@@ -418,8 +401,8 @@ def _make_predicate(name: str, rule: Callable, doc: str):
         spec = _spec_for(recipe)
         _check_args(dtype, split_alignment)
         dev = resolve_device(device)
-        return rule(spec.tag, spec.read(recipe), dtype, split_alignment if spec.uses_alignment else None,
-                    _capability_lookup(dev))
+        return rule(spec.tag, spec.read(recipe), dtype, split_alignment if spec.tag != "none" else None,
+                    _lookups["capability"](dev)) is None
 
     def cache_info() -> CacheInfo:
         """Hits and misses count each call once; currsize counts (settings, dtype, alignment, device) entries."""
@@ -479,33 +462,19 @@ is_op_fuser_grouped_tensor_supported = _make_predicate(
 def explain_path(recipe, dtype, *, device=None) -> Tuple[str, str]:
     """("native" | "emulated" | "split", why) for a fused grouped-MLP call under ``recipe`` with
     ``dtype`` activations on ``device``, splits aligned as MoELayer pads them. For people
-    (``te-dist env``), not the hot path: it re-derives the reason the op-fuser rule answers with."""
+    (``te-dist env``), not the hot path: the op-fuser rule's own reason, uncached."""
     spec = _spec_for(recipe)
     dev = resolve_device(device)
-    cap = _capability_lookup(dev)
-    alignment = native_split_alignment(recipe)
-    if is_op_fuser_grouped_tensor_supported(recipe, dtype, split_alignment=alignment, device=dev) and cap is not None:
-        if spec.tag == "none":
-            return "native", "torch._grouped_mm (CUTLASS SM90 where an epilogue is fused or measured faster)"
-        return "native", (f"CUTLASS SM90 FP8 grouped GEMMs ({'block' if spec.tag == 'fp8_block' else 'per-tensor'} "
-                          f"scales; cuBLAS per expert where each expert's GEMM is large), expert rows padded to "
-                          f"{alignment}")
+    cap = _lookups["capability"](dev)
     if cap is None:
         return ("emulated" if spec.tag != "none" else "split"), f"{dev.type}: the float32 reference path"
+    alignment = native_split_alignment(recipe)
+    why = _op_fuser_rule(spec.tag, spec.read(recipe), dtype, alignment, cap)
+    if why is not None:
+        return ("split" if spec.tag == "none" else "emulated"), why
     if spec.tag == "none":
-        return "split", f"no single-launch grouped kernel for {dtype} on sm_{cap[0]}{cap[1]} (bf16 on SM 9.0+ only)"
-    if spec.tag in ("mxfp8", "nvfp4") and cap < (10, 0):
-        return "emulated", f"{type(recipe).__name__} has no tensor-core path before SM 10.0 (this is sm_{cap[0]}{cap[1]})"
-    if spec.tag in ("mxfp8", "nvfp4"):
-        return "emulated", f"te_dist has no native {type(recipe).__name__} grouped kernel yet"
-    reason = _fp8_why_not_at(cap)
-    if reason is not None:
-        return "emulated", reason
-    if dtype != torch.bfloat16:
-        return "emulated", f"the fused grouped MLP takes bf16 activations natively, received {dtype}"
-    if spec.tag == "fp8_block":
-        fmt, x_dim, w_dim, grad_dim = spec.read(recipe)
-        if (x_dim, w_dim, grad_dim) != (1, 2, 1):
-            return "emulated", (f"the kernels take 1x128 activations/gradients and 128x128 weights "
-                                f"(x/w/grad dims 1/2/1), received {x_dim}/{w_dim}/{grad_dim}")
-    return "emulated", "E5M2 for every operand has no kernel (use E4M3 or HYBRID)"
+        return "native", "torch._grouped_mm (CUTLASS SM90 where an epilogue is fused or measured faster)"
+    if spec.tag not in _FP8_FORMAT_NAMES:
+        return "native", f"{type(recipe).__name__} grouped path, expert rows padded to {alignment}"
+    return "native", (f"CUTLASS SM90 FP8 grouped GEMMs ({_FP8_FORMAT_NAMES[spec.tag]} scales; cuBLAS per expert where "
+                      f"each expert's GEMM is large), expert rows padded to {alignment}")

@@ -233,7 +233,7 @@ def test_write_racing_with_the_memo_store_leaves_no_stale_memo(fake_gpus, monkey
         calls.append(value)
         return value
 
-    monkeypatch.setitem(S._SPECS, R.MXFP8BlockScaling, S._Spec("mxfp8", read_then_race, True))
+    monkeypatch.setitem(S._SPECS, R.MXFP8BlockScaling, S._Spec("mxfp8", read_then_race))
     assert f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL) is True  # answered for the read
     assert r._support_key is None  # the stale memo was dropped
     assert f(r, torch.bfloat16, split_alignment=32, device=BLACKWELL) is False  # E5M2 now
