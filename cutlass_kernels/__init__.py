@@ -7,18 +7,7 @@ tile config per problem shape. Nothing here touches CUDA or runs nvcc at import 
 
 from . import fp8_block
 from .heuristics import CANDIDATES, CONFIGS, choose_config
-from .build import Instance, BuildError, build_instance, build_command, find_cutlass, find_nvcc, load, load_instance
+from .build import Instance, BuildError, build_instance, find_cutlass, find_nvcc, load
 
-__all__ = [
-    "CONFIGS",
-    "CANDIDATES",
-    "choose_config",
-    "Instance",
-    "BuildError",
-    "build_instance",
-    "build_command",
-    "find_cutlass",
-    "find_nvcc",
-    "load",
-    "load_instance",
-]
+__all__ = ["CONFIGS", "CANDIDATES", "choose_config", "Instance", "BuildError", "build_instance", "find_cutlass",
+           "find_nvcc", "load"]

@@ -23,29 +23,10 @@ from typing import List, Optional, Sequence, Tuple
 from .cache import BuildError, build_cached, entry_is_whole, open_cached
 from .heuristics import CONFIGS, TILES
 
-__all__ = [
-    "ARCH_FLAGS",
-    "BASE_FLAGS",
-    "DEVICE_FLAGS",
-    "compile_device_code",
-    "SOURCE",
-    "Instance",
-    "BuildError",
-    "cache_dir",
-    "find_nvcc",
-    "find_cutlass",
-    "build_command",
-    "cache_key",
-    "build_instance",
-    "build_cutlass_source",
-    "open_cutlass_source",
-    "build_plain_source",
-    "open_plain_source",
-    "load",
-    "load_instance",
-    "all_instances",
-    "is_built",
-]
+__all__ = ["ARCH_FLAGS", "BASE_FLAGS", "DEVICE_FLAGS", "KINDS", "SCHEDULES", "SOURCE", "Instance", "BuildError",
+           "GemmLibrary", "Libraries", "cache_dir", "find_nvcc", "find_cutlass", "cache_key", "compile_device_code",
+           "build_instance", "build_cutlass_source", "open_cutlass_source", "build_plain_source", "open_plain_source",
+           "load", "all_instances", "is_built"]
 
 SOURCE = Path(__file__).resolve().parent / "grouped_gemm.cu"
 # included by grouped_gemm.cu and fp8_block_gemm.cu: part of every instance's cache key
@@ -54,8 +35,8 @@ ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 DEVICE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-O3")
 BASE_FLAGS = DEVICE_FLAGS + ("-Xcompiler", "-fPIC", "-shared", "-lineinfo")
 
-KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
-SCHEDULES = {"cooperative": 0, "pingpong": 1}
+KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}  # TE_GG_KIND / TE_FB_KIND of each direction
+SCHEDULES = {"cooperative": 0, "pingpong": 1}  # TE_GG_SCHEDULE / TE_FB_SCHEDULE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +123,6 @@ def _tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def build_command(inst: Instance, out_path: Path) -> List[str]:
-    return _cutlass_entry(SOURCE, inst.name, inst.macros)[1](out_path)
-
-
 def cache_key(inst: Instance, *, flags: Sequence[str] = BASE_FLAGS) -> str:
     """The instance's cache key (built with ``flags``: the tests show a change of them changes it)."""
     target = _cutlass_entry(SOURCE, inst.name, inst.macros, flags)[0]
@@ -159,9 +136,6 @@ def _digest(*parts: bytes) -> str:
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
-
-
-_build_lock = threading.Lock()
 
 
 def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
@@ -209,7 +183,7 @@ def build_cutlass_source(source: Path, name: str, macros, *, verbose: bool = Fal
     this package, compiling it first if needed. The cache key covers the source, the CUTLASS
     headers, the macros, arch, flags and the nvcc version."""
     target, command = _cutlass_entry(source, name, macros)
-    return _compile_cached(target, command, name, verbose)
+    return build_cached(target, command, name, verbose)
 
 
 def open_cutlass_source(source: Path, name: str, macros, open_fn, *, verbose: bool = False):
@@ -240,7 +214,7 @@ def _plain_command(source: Path):
 
 def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
     """Path of the cached .so of a plain CUDA source (te_dist's peer_rows.cu), compiling it first if needed."""
-    return _compile_cached(_plain_target(source), _plain_command(source), source.stem, verbose)
+    return build_cached(_plain_target(source), _plain_command(source), source.stem, verbose)
 
 
 def open_plain_source(source: Path, open_fn, *, verbose: bool = False):
@@ -249,23 +223,26 @@ def open_plain_source(source: Path, open_fn, *, verbose: bool = False):
     return open_cached(_plain_target(source), _plain_command(source), source.stem, open_fn, verbose)
 
 
-def _compile_cached(target: Path, command, name: str, verbose: bool) -> Path:
-    """Every source's build goes through here: the whole-or-absent, built-once cache (cache.py)."""
-    return build_cached(target, command, name, verbose)
-
-
 class GemmLibrary:
-    """What every grouped-GEMM library of this package exports beside its run function:
-    ``<prefix>_workspace_bytes`` (cached per group count and SM count) and ``<prefix>_last_error``."""
+    """ctypes view of one grouped-GEMM instance's C ABI, the same in every source of this package:
+    ``<prefix>_run`` (its ``run_argtypes``), ``<prefix>_workspace_bytes`` (cached per group count and
+    SM count), ``<prefix>_last_error``. ``reported(lib)`` is what the library says it is; a library
+    that reports other than ``expected`` is not the instance asked for (BuildError)."""
 
-    def __init__(self, lib, prefix: str, path: Path):
+    def __init__(self, path: Path, prefix: str, run_argtypes, reported, expected):
         c = ctypes
+        lib = ctypes.CDLL(str(path))
         self._workspace = getattr(lib, f"{prefix}_workspace_bytes")
         self._workspace.restype = c.c_int
         self._workspace.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_size_t)]
         self._last_error = getattr(lib, f"{prefix}_last_error")
         self._last_error.restype = c.c_char_p
-        self._lib = lib
+        got = reported(lib)
+        if got != expected:
+            raise BuildError(f"{path} is not the instance asked for: it reports {got}, expected {expected}")
+        self.run = getattr(lib, f"{prefix}_run")
+        self.run.restype = c.c_int
+        self.run.argtypes = run_argtypes
         self._ws_cache = {}
         self.path = path
 
@@ -282,48 +259,58 @@ class GemmLibrary:
         return self._last_error().decode(errors="replace")
 
 
-class _Library(GemmLibrary):
-    """ctypes view of one instance's C ABI."""
+class Libraries:
+    """The opened libraries of one source by a plain key tuple (launches look them up on every call,
+    and building the frozen instance first costs more than the lookup); ``open(key)`` opens one
+    (building it first if needed). One build at a time per process; a key whose build failed raises
+    its error again, so a broken instance is not rebuilt on every call."""
 
-    def __init__(self, path: Path, inst: Instance):
-        lib = ctypes.CDLL(str(path))
-        super().__init__(lib, "te_gg", path)
-        c = ctypes
-        lib.te_gg_run.restype = c.c_int
-        lib.te_gg_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int,
-                                  c.c_void_p, c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
-        got = (lib.te_gg_kind(), lib.te_gg_config(), bool(lib.te_gg_out_f32()))
-        if got != (KINDS[inst.direction], inst.config, inst.out_f32):
-            raise BuildError(f"{path} is not {inst}: it reports (kind, config, out_f32) = {got}")
-        self.run = lib.te_gg_run
+    def __init__(self, open_key):
+        self._open, self._lock = open_key, threading.Lock()
+        self.loaded: dict = {}
+        self._failed: dict = {}
 
-
-_loaded: dict = {}  # (direction, config, out_f32) -> _Library
-
-
-def load(direction: str, config: int, out_f32: bool = False) -> _Library:
-    """The library of one instance, built on first use. Keyed by a plain tuple: launches look it
-    up on every call, and building the frozen ``Instance`` first costs more than the lookup."""
-    key = (direction, config, out_f32)
-    lib = _loaded.get(key)
-    if lib is None:
-        with _build_lock:
-            lib = _loaded.get(key)
-            if lib is None:
-                inst = Instance(direction, config, out_f32)
-                lib = _loaded[key] = open_cutlass_source(SOURCE, inst.name, inst.macros,
-                                                         lambda path: _Library(path, inst))
-    return lib
+    def get(self, key):
+        lib = self.loaded.get(key)
+        if lib is None:
+            with self._lock:
+                lib = self.loaded.get(key)
+                if lib is None:
+                    if key in self._failed:
+                        raise BuildError(self._failed[key])
+                    try:
+                        lib = self.loaded[key] = self._open(key)
+                    except BuildError as exc:
+                        self._failed[key] = str(exc)
+                        raise
+        return lib
 
 
-def load_instance(inst: Instance) -> _Library:
-    return load(inst.direction, inst.config, inst.out_f32)
+# te_gg_run(a, b, d, offsets, num_groups, n, k, row_scale, bias, workspace, workspace_bytes, sm_count, device_id, stream)
+_RUN_ARGTYPES = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
+                 + [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+
+
+def _open_instance(key) -> GemmLibrary:
+    """The library of one instance; a library that fails to open is rebuilt once, then BuildError."""
+    inst = Instance(*key)
+    return open_cutlass_source(SOURCE, inst.name, inst.macros, lambda path: GemmLibrary(
+        path, "te_gg", _RUN_ARGTYPES, lambda lib: (lib.te_gg_kind(), lib.te_gg_config(), bool(lib.te_gg_out_f32())),
+        (KINDS[inst.direction], inst.config, inst.out_f32)))
+
+
+_LIBRARIES = Libraries(_open_instance)
+
+
+def load(direction: str, config: int, out_f32: bool = False) -> GemmLibrary:
+    """The library of one instance, built on first use (``Libraries`` says how it is kept)."""
+    return _LIBRARIES.get((direction, config, out_f32))
 
 
 def is_built(direction: str, config: int, out_f32: bool = False) -> bool:
     """Whether an instance is loaded or whole in the disk cache, so using it costs no compile (the
     autotuner times only such tiles; compiling one takes minutes). False without nvcc or headers."""
-    if (direction, config, out_f32) in _loaded:
+    if (direction, config, out_f32) in _LIBRARIES.loaded:
         return True
     inst = Instance(direction, config, out_f32)
     try:

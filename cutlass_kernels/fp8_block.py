@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .build import BuildError, GemmLibrary, build_cutlass_source, open_cutlass_source
+from .build import KINDS, SCHEDULES, GemmLibrary, Libraries, build_cutlass_source, open_cutlass_source
 from .heuristics import FP8_CONFIGS, config_fits, fp8_config
 
 __all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config_fits", "load_fp8",
            "build_fp8_instance"]
 
 SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
-KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
-SCHEDULES = {"cooperative": 0, "pingpong": 1}
 FORMATS = ("e4m3", "e5m2")
 
 
@@ -80,52 +77,33 @@ def build_fp8_instance(inst: Fp8Instance, *, verbose: bool = False) -> Path:
     return build_cutlass_source(SOURCE, inst.name, inst.macros, verbose=verbose)
 
 
-class _Fp8Library(GemmLibrary):
-    """ctypes view of one instance's C ABI (``te_fb_*``)."""
+# te_fb_run(a, b, d, a_scale, b_scale, a_scale_scratch, offsets, num_groups, n, k, num_rows, row_scale, bias,
+#           workspace, workspace_bytes, sm_count, device_id, stream)
+_RUN_ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+                 + [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
 
-    def __init__(self, path: Path, inst: Fp8Instance):
-        lib = ctypes.CDLL(str(path))
-        super().__init__(lib, "te_fb", path)
-        c = ctypes
-        lib.te_fb_run.restype = c.c_int
-        lib.te_fb_run.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
-                                  c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
-                                  c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_void_p]
-        formats = lib.te_fb_formats()
-        got = (lib.te_fb_kind(), lib.te_fb_config(), formats & 1, (formats >> 1) & 1, (formats >> 2) & 1,
-               (formats >> 3) & 1)
-        want = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
+
+def _reported(lib) -> tuple:
+    formats = lib.te_fb_formats()
+    return (lib.te_fb_kind(), lib.te_fb_config(), *((formats >> bit) & 1 for bit in range(4)))
+
+
+def _open_instance(key) -> GemmLibrary:
+    """The library of one instance; a library that fails to open is rebuilt once, then BuildError."""
+    inst = Fp8Instance(*key)
+    expected = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
                 int(inst.out_f32), int(inst.tensor_scales))
-        if got != want:
-            raise BuildError(f"{path} is not {inst}: the library reports {got}")
-        self.run = lib.te_fb_run
+    return open_cutlass_source(SOURCE, inst.name, inst.macros,
+                               lambda path: GemmLibrary(path, "te_fb", _RUN_ARGTYPES, _reported, expected))
 
 
-_loaded: dict = {}
-_failed: dict = {}  # instance key -> the build error, so a broken instance is not rebuilt on every call
-_lock = threading.Lock()
+_LIBRARIES = Libraries(_open_instance)
 
 
 def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32: bool = False,
-             tensor_scales: bool = False) -> _Fp8Library:
-    """The library of one instance, built on first use (keyed by a plain tuple: looked up per call)."""
-    key = (direction, config, a_format, b_format, out_f32, tensor_scales)
-    lib = _loaded.get(key)
-    if lib is None:
-        with _lock:
-            lib = _loaded.get(key)
-            if lib is None:
-                if key in _failed:
-                    raise BuildError(_failed[key])
-                inst = Fp8Instance(direction, config, a_format, b_format, out_f32, tensor_scales)
-                try:
-                    # a library that fails to open is rebuilt once, then BuildError (the cache's rule)
-                    lib = _loaded[key] = open_cutlass_source(SOURCE, inst.name, inst.macros,
-                                                             lambda path: _Fp8Library(path, inst))
-                except BuildError as exc:
-                    _failed[key] = f"{inst.name}: {exc}"
-                    raise
-    return lib
+             tensor_scales: bool = False) -> GemmLibrary:
+    """The library of one instance, built on first use (``build.Libraries`` says how it is kept)."""
+    return _LIBRARIES.get((direction, config, a_format, b_format, out_f32, tensor_scales))
 
 
 def fp8_candidate_instances():

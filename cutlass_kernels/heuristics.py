@@ -91,7 +91,7 @@ RULES = (
 )
 
 
-def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int, sm_count: int = 132,
+def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int,
                   group_sizes: Optional[Sequence[int]] = None) -> int:
     """bf16 tile for one call. ``n``/``k``: the user-level out/in features; ``group_sizes``: the rows
     of each group when the caller has them on the host, else None. No rows at all: nothing runs, and

@@ -13,10 +13,7 @@ predicates then answer False) and ``te-dist env`` shows why.
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -32,18 +29,10 @@ _state = {"disabled": False}
 
 
 def kernels_module():
-    """The top-level ``cutlass_kernels`` package (beside te_dist in a source checkout)."""
-    ck = _state.get("module")
-    if ck is None:
-        try:
-            ck = importlib.import_module("cutlass_kernels")
-        except ImportError:
-            root = str(Path(__file__).resolve().parents[2])
-            if root not in sys.path:
-                sys.path.append(root)
-            ck = importlib.import_module("cutlass_kernels")
-        _state["module"] = ck
-    return ck
+    """The top-level ``cutlass_kernels`` package (installed beside te_dist), imported on first use."""
+    import cutlass_kernels
+
+    return cutlass_kernels
 
 
 def is_available(device: torch.device) -> bool:
@@ -91,18 +80,23 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
+def _run_library(lib, what: str, device, num_groups: int, *args) -> None:
+    """``lib.run(*args, workspace, its bytes, SMs, device index, stream)`` with a fresh workspace on the
+    current stream; a failed launch raises naming ``what`` and the library's error."""
+    index = _index(device)
+    sms = _sm_count(index)
+    ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=device)
+    if lib.run(*args, ws.data_ptr(), ws.numel(), sms, index, _raw_stream(index)) != 0:
+        raise RuntimeError(f"cutlass_kernels {what} failed: {lib.last_error()}")
+
+
 def _launch(direction: str, a, b, d, offsets_E, num_groups, n, k, scale, bias, num_rows, config=None, group_sizes=None):
     ck = kernels_module()
-    index = _index(a.device)
-    sms = _sm_count(index)
     if config is None:
-        config = ck.choose_config(direction, num_rows, n, k, num_groups, sms, group_sizes)
-    lib = ck.load(direction, config, d.dtype == torch.float32)
-    ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=a.device)
-    rc = lib.run(a.data_ptr(), b.data_ptr(), d.data_ptr(), offsets_E.data_ptr(), num_groups, n, k, _ptr(scale),
-                 _ptr(bias), ws.data_ptr(), ws.numel(), sms, index, _raw_stream(index))
-    if rc != 0:
-        raise RuntimeError(f"cutlass_kernels {direction} (config {config}) failed: {lib.last_error()}")
+        config = ck.choose_config(direction, num_rows, n, k, num_groups, group_sizes)
+    _run_library(ck.load(direction, config, d.dtype == torch.float32), f"{direction} (config {config})", a.device,
+                 num_groups, a.data_ptr(), b.data_ptr(), d.data_ptr(), offsets_E.data_ptr(), num_groups, n, k,
+                 _ptr(scale), _ptr(bias))
 
 
 def _guard(fallback):
@@ -179,20 +173,15 @@ def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, 
                 group_sizes, per_tensor: bool):
     """One FP8 kernel call; ``per_tensor``: a_scale and b_scale are one float each (the
     tensor-scaled instances), else block-scale tables."""
-    index = _index(a.device)
-    sms = _sm_count(index)
     fb = kernels_module().fp8_block
     config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, forced=_forced_fp8_tile(fb))
     lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
-    ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=a.device)
     scratch = None
     if direction != "wgrad" and not per_tensor:
         scratch = torch.empty(a_scale.numel(), dtype=torch.float32, device=a.device)
-    rc = lib.run(a.data_ptr(), b.data_ptr(), d.data_ptr(), a_scale.data_ptr(), b_scale.data_ptr(), _ptr(scratch),
-                 offsets_E.data_ptr(), num_groups, n, k, num_rows, _ptr(row_scale), _ptr(bias), ws.data_ptr(),
-                 ws.numel(), sms, index, _raw_stream(index))
-    if rc != 0:
-        raise RuntimeError(f"cutlass_kernels FP8 {direction} (config {config}) failed: {lib.last_error()}")
+    _run_library(lib, f"FP8 {direction} (config {config})", a.device, num_groups, a.data_ptr(), b.data_ptr(),
+                 d.data_ptr(), a_scale.data_ptr(), b_scale.data_ptr(), _ptr(scratch), offsets_E.data_ptr(),
+                 num_groups, n, k, num_rows, _ptr(row_scale), _ptr(bias))
 
 
 def fp8_forward(xq, wq, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=torch.bfloat16, group_sizes=None):

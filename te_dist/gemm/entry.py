@@ -212,7 +212,7 @@ def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=
         ck = cutlass_backend.kernels_module()
         config = ck.choose_config(direction, p.num_rows, p.n if direction != "dgrad" else p.k,
                                   p.k if direction != "dgrad" else p.n, p.num_groups,
-                                  cutlass_backend._sm_count(x_TK.device.index), None if direction == "wgrad" else group_sizes)
+                                  None if direction == "wgrad" else group_sizes)
         return f"cutlass:{config} static"
     return f"{name} static"
 
