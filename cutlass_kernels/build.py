@@ -1,9 +1,11 @@
-"""Just-in-time build of grouped_gemm.cu instances, cached on disk, loaded with ctypes.
+"""Just-in-time build of the CUDA sources (grouped_gemm.cu instances and plain sources), cached on
+disk, loaded with ctypes.
 
-Cache key (sha256): the source, the headers our sources share (``SHARED_HEADERS``), every CUTLASS
-header (the whole include tree, hashed once per process), the instance macros, arch and flags, the CUTLASS version and the nvcc version. The
-disk cache itself (whole-or-absent entries, one build per key across processes, a broken entry
-rebuilt once) is ``cache.py``. Cache dir: ``$TE_DIST_CACHE`` or ``~/.cache/te_dist/kernels``.
+Cache key (sha256, ``_entry``): the source, arch, flags and the nvcc version; for an instance of a
+CUTLASS source also the headers our sources share (``SHARED_HEADERS``), every CUTLASS header (the
+whole include tree, hashed once per process), the instance macros and the CUTLASS version. The disk
+cache itself (whole-or-absent entries, one build per key across processes, a broken entry rebuilt
+once) is ``cache.py``. Cache dir: ``$TE_DIST_CACHE`` or ``~/.cache/te_dist/kernels``.
 """
 
 from __future__ import annotations
@@ -125,8 +127,12 @@ def _tree_digest(root: Path) -> str:
 
 def cache_key(inst: Instance, *, flags: Sequence[str] = BASE_FLAGS) -> str:
     """The instance's cache key (built with ``flags``: the tests show a change of them changes it)."""
-    target = _cutlass_entry(SOURCE, inst.name, inst.macros, flags)[0]
-    return target.stem[len(inst.name) + 1:]
+    return _entry(SOURCE, inst.name, inst.macros, flags)[0].stem[len(inst.name) + 1:]
+
+
+def plain_source_key(source: Path, *, flags: Sequence[str] = BASE_FLAGS) -> str:
+    """Cache key of a plain CUDA source (no CUTLASS headers): source, flags, nvcc version."""
+    return _entry(source, source.stem, None, flags)[0].stem[len(source.stem) + 1:]
 
 
 def _digest(*parts: bytes) -> str:
@@ -158,69 +164,52 @@ def compile_device_code(inst: Instance, out: Path) -> Path:
     return out
 
 
-def _cutlass_entry(source: Path, name: str, macros, flags: Sequence[str] = BASE_FLAGS):
-    """(cache target, compile command) of one instance (``macros``: its -D flags) of a CUTLASS source."""
+def _entry(source: Path, name: str, macros=None, flags: Sequence[str] = BASE_FLAGS):
+    """(cache target, compile command) of one library: an instance of a CUTLASS source (``macros``: its
+    -D flags; its key also covers the shared headers, every CUTLASS header and the CUTLASS version) or,
+    with ``macros`` None, a plain CUDA source. Both keys cover the source, arch, flags and nvcc version."""
     nvcc = find_nvcc()
-    cut = find_cutlass()
     if nvcc is None:
         raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    if cut is None:
-        raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
-    include, util, version = cut
-    macros, flags = tuple(macros), tuple(flags)
-    key = _digest(source.read_bytes(), *(h.read_bytes() for h in SHARED_HEADERS), _tree_digest(include).encode(),
-                  _tree_digest(util).encode(),
-                  " ".join(macros + ARCH_FLAGS + flags).encode(), version.encode(), nvcc_version(nvcc).encode())
+    headers, includes, version = [], [], []
+    if macros is not None:
+        cut = find_cutlass()
+        if cut is None:
+            raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
+        include, util, cutlass_version = cut
+        headers = [h.read_bytes() for h in SHARED_HEADERS] + [_tree_digest(include).encode(), _tree_digest(util).encode()]
+        includes, version = [f"-I{include}", f"-I{util}"], [cutlass_version.encode()]
+    macros, flags = tuple(macros or ()), tuple(flags)
+    key = _digest(source.read_bytes(), *headers, " ".join(macros + ARCH_FLAGS + flags).encode(), *version,
+                  nvcc_version(nvcc).encode())
 
     def command(out: Path) -> List[str]:
-        return [nvcc, *ARCH_FLAGS, *flags, *macros, f"-I{include}", f"-I{util}", "-o", str(out), str(source)]
+        return [nvcc, *ARCH_FLAGS, *flags, *macros, *includes, "-o", str(out), str(source)]
 
     return cache_dir() / f"{name}-{key}.so", command
 
 
 def build_cutlass_source(source: Path, name: str, macros, *, verbose: bool = False) -> Path:
     """Path of the cached .so of one instance (``macros``: its -D flags) of a CUTLASS source of
-    this package, compiling it first if needed. The cache key covers the source, the CUTLASS
-    headers, the macros, arch, flags and the nvcc version."""
-    target, command = _cutlass_entry(source, name, macros)
-    return build_cached(target, command, name, verbose)
+    this package, compiling it first if needed (the whole-or-absent, built-once cache: cache.py)."""
+    return build_cached(*_entry(source, name, macros), name, verbose)
 
 
 def open_cutlass_source(source: Path, name: str, macros, open_fn, *, verbose: bool = False):
     """``open_fn(path)`` of one instance's cached library; a library that fails to open is rebuilt
     once, then ``BuildError`` (cache.open_cached), which the backends turn into their fallback."""
-    target, command = _cutlass_entry(source, name, macros)
-    return open_cached(target, command, name, open_fn, verbose)
-
-
-def plain_source_key(source: Path, *, flags: Sequence[str] = BASE_FLAGS) -> str:
-    """Cache key of a plain CUDA source (no CUTLASS headers): source, flags, nvcc version."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    return _digest(source.read_bytes(), " ".join(ARCH_FLAGS + tuple(flags)).encode(), nvcc_version(nvcc).encode())
-
-
-def _plain_target(source: Path) -> Path:
-    return cache_dir() / f"{source.stem}-{plain_source_key(source)}.so"
-
-
-def _plain_command(source: Path):
-    def command(out: Path) -> List[str]:
-        return [find_nvcc(), *ARCH_FLAGS, *BASE_FLAGS, "-o", str(out), str(source)]
-
-    return command
+    return open_cached(*_entry(source, name, macros), name, open_fn, verbose)
 
 
 def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
     """Path of the cached .so of a plain CUDA source (te_dist's peer_rows.cu), compiling it first if needed."""
-    return build_cached(_plain_target(source), _plain_command(source), source.stem, verbose)
+    return build_cached(*_entry(source, source.stem), source.stem, verbose)
 
 
 def open_plain_source(source: Path, open_fn, *, verbose: bool = False):
     """``open_fn(path)`` of a plain source's cached library; a library that fails to open is
     rebuilt once, then ``BuildError`` (cache.open_cached)."""
-    return open_cached(_plain_target(source), _plain_command(source), source.stem, open_fn, verbose)
+    return open_cached(*_entry(source, source.stem), source.stem, open_fn, verbose)
 
 
 class GemmLibrary:
@@ -314,7 +303,7 @@ def is_built(direction: str, config: int, out_f32: bool = False) -> bool:
         return True
     inst = Instance(direction, config, out_f32)
     try:
-        target = _cutlass_entry(SOURCE, inst.name, inst.macros)[0]
+        target = _entry(SOURCE, inst.name, inst.macros)[0]
     except BuildError:
         return False
     return entry_is_whole(target)

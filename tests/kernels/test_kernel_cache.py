@@ -108,7 +108,7 @@ def test_a_process_waiting_for_another_build_says_so(fake_nvcc, source):
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     script = "import sys; from pathlib import Path; from cutlass_kernels import build; " \
              "print(build.build_plain_source(Path(sys.argv[1])))"
-    with cache.try_locked(build._plain_target(source)) as held:  # this test is the other process's build
+    with cache.try_locked(build._entry(source, source.stem)[0]) as held:  # this test is the other process's build
         assert held
         proc = subprocess.Popen([sys.executable, "-c", script, str(source)], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
