@@ -371,22 +371,17 @@ def _make_predicate(name: str, rule: Callable, doc: str):
             with resolved_lock:
                 num_resolved += 1
             dev = resolve_device(device)
-            hit = lookup(key, dtype, split_alignment, dev) if key is not _NONE_KEY else lookup_none(dtype, dev)
-            raise _Answer(hit)
+            raise _Answer(lookup(key, dtype, split_alignment, dev))
         return rule(key.tag, key.settings, dtype, split_alignment, _lookups["capability"](_as_device(device))) is None
 
     lookup = functools.lru_cache(maxsize=None)(compute)  # (settings key, dtype, alignment, device)
-
-    @functools.lru_cache(maxsize=None)
-    def lookup_none(dtype, device) -> bool:  # recipe None reads no setting nor the alignment
-        return compute(_NONE_KEY, dtype, None, device)
 
     def predicate(recipe, dtype, *, split_alignment=None, device=None) -> bool:
         if _filled_under[0] != _settings.generation:  # the settings changed since the answers were cached
             _follow_settings()
         try:
-            if recipe is None:
-                return lookup_none(dtype, device)
+            if recipe is None:  # reads no setting nor the alignment: one entry per dtype and device
+                return lookup(_NONE_KEY, dtype, None, device)
             key = recipe._support_key
             if key is None:  # first call, or a setting was written since
                 key = _memoised_key(recipe)
@@ -407,14 +402,13 @@ def _make_predicate(name: str, rule: Callable, doc: str):
     def cache_info() -> CacheInfo:
         """Hits and misses count each call once; currsize counts (settings, dtype, alignment, device) entries."""
         with resolved_lock:
-            a, b = lookup.cache_info(), lookup_none.cache_info()
-            return CacheInfo(a.hits + b.hits, a.misses + b.misses - num_resolved, None, a.currsize + b.currsize)
+            info = lookup.cache_info()
+            return CacheInfo(info.hits, info.misses - num_resolved, None, info.currsize)
 
     def cache_clear() -> None:
         nonlocal num_resolved
         with resolved_lock:
             lookup.cache_clear()
-            lookup_none.cache_clear()
             num_resolved = 0
 
     predicate.__name__ = predicate.__qualname__ = name

@@ -63,10 +63,6 @@ def _raw_stream(index: int) -> int:
     return _CURRENT_RAW_STREAM(index)
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
@@ -83,7 +79,7 @@ def _ptr(t):
 def _run_library(lib, what: str, device, num_groups: int, *args) -> None:
     """``lib.run(*args, workspace, its bytes, SMs, device index, stream)`` with a fresh workspace on the
     current stream; a failed launch raises naming ``what`` and the library's error."""
-    index = _index(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _sm_count(index)
     ws = torch.empty(lib.workspace_bytes(num_groups, sms), dtype=torch.uint8, device=device)
     if lib.run(*args, ws.data_ptr(), ws.numel(), sms, index, _raw_stream(index)) != 0:

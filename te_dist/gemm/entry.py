@@ -31,11 +31,10 @@ _TORCH_GROUPED = torch_backend.is_available()
 def _problem(direction, a, k, n, num_groups, out_dtype, k_major, group_sizes, epilogue) -> decide.Problem:
     """The call as the rule sees it, decided as if no CUDA graph were being captured: asking costs a
     CUDA call, and only a loop choice or a measurement depends on it (``_choose`` asks then)."""
-    if a.is_cuda:
-        return decide.Problem(direction, "cuda", device_capability(a.device), a.dtype, out_dtype, a.shape[0], k, n,
-                              num_groups, k_major, False, group_sizes is not None, epilogue)
-    return decide.Problem(direction, a.device.type, None, a.dtype, out_dtype, a.shape[0], k, n, num_groups, k_major,
-                          False, group_sizes is not None, epilogue)
+    cuda = a.is_cuda  # (a CUDA device's type is not read: a string built per call)
+    return decide.Problem(direction, "cuda" if cuda else a.device.type, device_capability(a.device) if cuda else None,
+                          a.dtype, out_dtype, a.shape[0], k, n, num_groups, k_major, False, group_sizes is not None,
+                          epilogue)
 
 
 def _weight_k_major(w_EKN: torch.Tensor, E: int, K: int, N: int) -> bool:
@@ -91,37 +90,32 @@ def _run(direction: str, choice, args: tuple, group_sizes):
     return getattr(cutlass_backend, _FUNCTION[direction])(*args, config=config, group_sizes=group_sizes)
 
 
-def _decide_and_run(p: decide.Problem, device, backend, args: tuple, group_sizes):
-    call = lambda c: _run(p.direction, c, args, group_sizes)  # noqa: E731
-    return call(_choose(p, device, backend, group_sizes, call))
+def _dispatch(direction, args: tuple, a, k, n, num_groups, k_major, epilogue, backend, group_sizes):
+    """Decide and run one call; ``args``: the direction's arguments up to the output dtype, ``a`` its
+    row operand; k, n as in ``decide.Problem``."""
+    if backend is None and a.is_cpu:  # the rule's CPU row, without building a Problem
+        return getattr(loop_backend, _FUNCTION[direction])(*args, group_sizes)
+    p = _problem(direction, a, k, n, num_groups, args[-1], k_major, group_sizes, epilogue)
+    call = lambda c: _run(direction, c, args, group_sizes)  # noqa: E731
+    return call(_choose(p, a.device, backend, group_sizes, call))
 
 
 def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
-    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype)
-    if backend is None and x_TK.is_cpu:  # the rule's CPU row, without building a Problem
-        return loop_backend.forward(*args, group_sizes)
     E, K, N = w_EKN.shape
-    p = _problem("fwd", x_TK, K, N, E, args[-1], _weight_k_major(w_EKN, E, K, N), group_sizes,
-                 bias_EN is not None or row_scale_T is not None)
-    return _decide_and_run(p, x_TK.device, backend, args, group_sizes)
+    return _dispatch("fwd", (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype), x_TK, K, N, E,
+                     _weight_k_major(w_EKN, E, K, N), bias_EN is not None or row_scale_T is not None, backend,
+                     group_sizes)
 
 
 def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
-    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dy_TN.dtype)
-    if backend is None and dy_TN.is_cpu:
-        return loop_backend.dgrad(*args, group_sizes)
     E, K, N = w_EKN.shape  # dgrad contracts over N and writes K columns
-    p = _problem("dgrad", dy_TN, N, K, E, args[-1], _weight_k_major(w_EKN, E, K, N), group_sizes,
-                 row_scale_T is not None)
-    return _decide_and_run(p, dy_TN.device, backend, args, group_sizes)
+    return _dispatch("dgrad", (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dy_TN.dtype), dy_TN, N, K, E,
+                     _weight_k_major(w_EKN, E, K, N), row_scale_T is not None, backend, group_sizes)
 
 
 def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
-    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype or x_TK.dtype)
-    if backend is None and x_TK.is_cpu:
-        return loop_backend.wgrad(*args, group_sizes)
-    p = _problem("wgrad", x_TK, x_TK.shape[1], dy_TN.shape[1], num_groups, args[-1], True, group_sizes, False)
-    return _decide_and_run(p, x_TK.device, backend, args, group_sizes)
+    return _dispatch("wgrad", (x_TK, dy_TN, offsets_E, num_groups, out_dtype or x_TK.dtype), x_TK, x_TK.shape[1],
+                     dy_TN.shape[1], num_groups, True, False, backend, group_sizes)
 
 
 class _Dispatch:
@@ -207,7 +201,7 @@ def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=
     choice = decide.pick_measured(ms, p) if ms else None
     if choice is not None:
         return f"{measure.choice_name(choice)} measured"
-    name = select_backend(direction, x_TK, w_EKN, out_dtype=out_dtype, group_sizes=group_sizes, epilogue=epilogue)
+    name = _choose(p, x_TK.device, None, group_sizes, None)[0]
     if name == "cutlass":
         ck = cutlass_backend.kernels_module()
         config = ck.choose_config(direction, p.num_rows, p.n if direction != "dgrad" else p.k,

@@ -364,22 +364,20 @@ def configure(*, enabled: Optional[bool] = None, deterministic: Optional[bool] =
               directory=None) -> TunerSettings:
     """Change the process's tuner settings; returns them. ``enabled`` sets ``te_dist.settings.tune``
     for the rest of the process (``te_dist.settings.override(tune=...)`` sets it for a while)."""
-    for name, value in (("enabled", enabled), ("deterministic", deterministic), ("persist", persist)):
+    flags, budgets = dict(deterministic=deterministic, persist=persist), dict(bucket_ms=bucket_ms, total_ms=total_ms)
+    for name, value in dict(enabled=enabled, **flags).items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, received {value!r}")
-    for name, value in (("bucket_ms", bucket_ms), ("total_ms", total_ms)):
+    for name, value in budgets.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name} must be a non-negative number of milliseconds, received {value!r}")
     t = tuner()
     s = t.settings
     if enabled is not None:
         _settings.set_for_process(tune=enabled)
-    for name, value in (("deterministic", deterministic), ("persist", persist)):
+    for name, value in {**flags, **budgets}.items():
         if value is not None:
-            setattr(s, name, value)
-    for name, value in (("bucket_ms", bucket_ms), ("total_ms", total_ms)):
-        if value is not None:
-            setattr(s, name, float(value))
+            setattr(s, name, float(value) if name in budgets else value)
     if directory is not None:
         s.directory = Path(directory)
         t._by_index.clear()
