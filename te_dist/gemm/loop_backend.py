@@ -5,10 +5,11 @@ grouped launch for a few large experts. Without host group sizes it reads the of
 so on CUDA it syncs and is never picked while capturing a CUDA graph. On CPU it computes in float32;
 on CUDA it runs ``torch.mm`` in the input dtype and the epilogue in float32.
 
-On CPU the loop runs in C++ where the layout allows: ``torch._grouped_mm``'s CPU kernel is the same
+On CPU the loop runs in C++ where the shapes allow: ``torch._grouped_mm``'s CPU kernel is the same
 loop (``at::mm_out`` per expert into one output, zeros for experts without rows), without a Python
-round trip per expert. It needs 16-byte row strides; other layouts, and torches without a CPU
-``_grouped_mm``, take the Python loop.
+round trip per expert. It needs rows of whole 16 bytes (K and N multiples of 4 float32s; a layout
+torch refuses is copied, by the torch backend's one statement of that rule); other shapes, and
+torches without a CPU ``_grouped_mm``, take the Python loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 
 import torch
 
+from . import torch_backend
 from .epilogue import apply_epilogue
 
 __all__ = ["forward", "dgrad", "wgrad"]
@@ -50,29 +52,10 @@ def _cpu_grouped_mm_available() -> bool:
     return tuple(got.shape) == (3, 4) and bool(torch.equal(got, want))
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    """torch._grouped_mm's layout rule on CPU (last two dims): one unit stride, the other a
-    multiple of 4 float32 elements (16 bytes) and at least the extent it steps over."""
-    if t.shape[-1] % 4 == 0 and t.shape[-2] > 1 and t.is_contiguous():
-        return True  # strides (cols, 1): the usual activation / gradient, decided by one C call
-    row, col = t.stride()[-2:]
-    if col == 1:
-        return row % 4 == 0 and row >= max(1, t.shape[-1])
-    return row == 1 and col % 4 == 0 and col >= max(1, t.shape[-2])
-
-
-def _native(t: torch.Tensor):
-    """``t`` in a layout the C++ loop accepts (a copy for e.g. expanded gradients), else None."""
-    if _rows_ok(t):
-        return t
-    if t.shape[-1] % 4 == 0:
-        return t.contiguous()  # last dim a multiple of 4: the contiguous copy qualifies
-    return None
-
-
 def _use_native(a: torch.Tensor, out_cols: int) -> bool:
-    # CPU float32 operands only (the loop's compute dtype there); out_cols % 4 keeps the output dense.
-    return a.is_cpu and out_cols % 4 == 0 and _cpu_grouped_mm_available()
+    """CPU float32 operands (the loop's compute dtype there) whose contraction rows and output rows
+    are whole 16 bytes, so that every operand torch refuses as laid out takes a dense copy."""
+    return a.is_cpu and a.shape[-1] % 4 == 0 and out_cols % 4 == 0 and _cpu_grouped_mm_available()
 
 
 def _mm_rows(a_TX, b_EXY, offsets_E, cdt, group_sizes=None) -> torch.Tensor:
@@ -82,9 +65,7 @@ def _mm_rows(a_TX, b_EXY, offsets_E, cdt, group_sizes=None) -> torch.Tensor:
     a = a_TX if a_TX.dtype == cdt else a_TX.to(cdt)
     b = b_EXY if b_EXY.dtype == cdt else b_EXY.to(cdt)
     if _use_native(a, b.shape[2]):
-        a_n, b_n = _native(a), _native(b)
-        if a_n is not None and b_n is not None:
-            return torch._grouped_mm(a_n, b_n, offs=offsets_E)
+        return torch_backend.grouped_mm(a, b, offsets_E)
     acc = torch.empty(a.shape[0], b.shape[2], device=a.device, dtype=cdt)
     for e, (s, t) in enumerate(_bounds(offsets_E, group_sizes)):
         if t > s:
@@ -119,10 +100,8 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=N
     dy = dy_TN if dy_TN.dtype == cdt else dy_TN.to(cdt)
     if x.shape[0] and num_groups and N % 4 == 0 and _use_native(x, K):
         # dy^T per expert: the C++ loop writes [E, N, K] and zero-fills experts without rows.
-        x_n, dy_n = _native(x), _native(dy)
-        if x_n is not None and dy_n is not None:
-            dw_ENK = torch._grouped_mm(dy_n.t(), x_n, offs=offsets_E)
-            return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)
+        dw_ENK = torch_backend.grouped_mm(dy.t(), x, offsets_E)
+        return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)
     # Every expert's slice is written below (zeros for those without rows): no full zero pass first.
     dw_ENK = torch.empty(num_groups, N, K, device=x.device, dtype=out_dtype)
     direct = out_dtype == cdt

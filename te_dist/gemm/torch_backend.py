@@ -14,7 +14,7 @@ import torch
 
 from .epilogue import apply_epilogue
 
-__all__ = ["is_available", "forward", "dgrad", "wgrad"]
+__all__ = ["is_available", "grouped_mm", "forward", "dgrad", "wgrad"]
 
 
 def is_available() -> bool:
@@ -22,19 +22,23 @@ def is_available() -> bool:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when torch._grouped_mm accepts its layout, else a contiguous copy: a 16-byte
-    aligned base and, of the last two dims, one of unit stride and the other a multiple of 16 bytes."""
+    """``t`` itself when torch._grouped_mm accepts its layout (a 16-byte aligned base and, of the last
+    two dims, one of unit stride and the other a multiple of 16 bytes), else a dense copy: row-major,
+    or column-major where only the columns span whole 16 bytes (a transposed view keeps its order)."""
     step = 16 // t.element_size()
     row, col = t.stride()[-2:]
     if t.data_ptr() % 16 == 0 and ((col == 1 and row % step == 0 and row >= t.shape[-1])
                                    or (row == 1 and col % step == 0 and col >= t.shape[-2])):
         return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
+    if t.shape[-1] % step and not t.shape[-2] % step:
+        return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)
+    return t.clone(memory_format=torch.contiguous_format)
 
 
-def _grouped_mm(a, b, offsets_E) -> torch.Tensor:
+def grouped_mm(a, b, offsets_E) -> torch.Tensor:
     """torch._grouped_mm of the operands as given; where torch rejects a layout that a copy mends,
-    the copy, then the call again (an error of anything else is torch's own)."""
+    the copy, then the call again (an error of anything else is torch's own). The CPU loop backend
+    runs its C++ loop through here too: one statement of torch's layout rule (``_aligned``)."""
     try:
         return torch._grouped_mm(a, b, offs=offsets_E)
     except RuntimeError:
@@ -45,17 +49,17 @@ def _grouped_mm(a, b, offsets_E) -> torch.Tensor:
 
 
 def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:
-    acc_TN = _grouped_mm(x_TK, w_EKN, offsets_E)
+    acc_TN = grouped_mm(x_TK, w_EKN, offsets_E)
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype)
 
 
 def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Tensor:
-    acc_TK = _grouped_mm(dy_TN, w_EKN.transpose(1, 2), offsets_E)
+    acc_TK = grouped_mm(dy_TN, w_EKN.transpose(1, 2), offsets_E)
     return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype or dy_TN.dtype)
 
 
 def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tensor:
     """dw[e] = (dy_e^T @ x_e) as [E, N, K]; returned transposed as [E, K, N]."""
     out_dtype = out_dtype or x_TK.dtype
-    dw_ENK = _grouped_mm(dy_TN.t(), x_TK, offsets_E)
+    dw_ENK = grouped_mm(dy_TN.t(), x_TK, offsets_E)
     return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)

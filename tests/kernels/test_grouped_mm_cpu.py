@@ -221,15 +221,17 @@ def test_autograd_through_the_torch_path_copies_no_weight(monkeypatch):
     assert len(ptrs) == 3 and w_ENK.grad.shape == w_ENK.shape
 
 
-def test_torch_backend_accepts_expanded_gradients():
+@pytest.mark.parametrize("ends", [[16, 16, 40, 64], [3, 3, 9, 13]])
+def test_torch_backend_accepts_expanded_gradients(ends):
     """``y.sum().backward()`` hands dgrad/wgrad a zero-stride gradient; torch._grouped_mm rejects
-    that layout, so the backend must copy it (seen as a failure on H200 before the fix)."""
+    that layout, so the backend must copy it (seen as a failure on H200 before the fix), in an order
+    torch takes also where the rows (13 of them) do not span whole 16 bytes."""
     import te_dist.kernels as K
 
     torch.manual_seed(0)
-    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(ends[-1], 64, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
-    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)
+    offs = torch.tensor(ends, dtype=torch.int32)
     grads = {}
     for backend in ("torch", "loop"):
         x.grad = w.grad = None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from te_dist import kernels
-from te_dist.gemm import epilogue, loop_backend, validation
+from te_dist.gemm import epilogue, loop_backend, torch_backend, validation
 
 NATIVE = loop_backend._cpu_grouped_mm_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason="this torch has no CPU torch._grouped_mm")
@@ -89,8 +89,9 @@ def test_expanded_and_strided_operands(monkeypatch):
 
 @needs_native
 def test_layout_rule_matches_what_torch_accepts():
-    """``_rows_ok`` must accept exactly the layouts torch._grouped_mm takes: a refused layout would
-    raise inside the kernel, a missed one would take the slow Python loop."""
+    """The torch backend's layout rule (``_aligned``, which the C++ loop runs through too) must
+    accept exactly the layouts torch._grouped_mm takes, and its copy of a refused one must be taken:
+    a refused layout would raise inside the kernel, a missed one would cost a copy per call."""
     import itertools
 
     checked = 0
@@ -104,7 +105,10 @@ def test_layout_rule_matches_what_torch_accepts():
                 accepted = True
             except RuntimeError:
                 accepted = False
-            assert loop_backend._rows_ok(a) == accepted, (tuple(a.shape), a.stride())
+            copy = torch_backend._aligned(a)
+            assert (copy is a) == accepted, (tuple(a.shape), a.stride())
+            if K % 4 == 0 or T % 4 == 0:  # rows or columns of whole 16 bytes: a dense copy that torch takes
+                torch._grouped_mm(copy, torch.randn(1, K, 4), offs=torch.tensor([T], dtype=torch.int32))
             checked += 1
     assert checked == 252
 
