@@ -175,9 +175,10 @@ def _entry(source: Path, name: str, macros=None, flags: Sequence[str] = BASE_FLA
     if macros is not None:
         cut = find_cutlass()
         if cut is None:
-            raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set TE_DIST_CUTLASS_DIR)")
+            raise BuildError("CUTLASS headers not found (pip install --no-deps nvidia-cutlass, or set "
+                             "TE_DIST_CUTLASS_DIR)")
         include, util, cutlass_version = cut
-        headers = [h.read_bytes() for h in SHARED_HEADERS] + [_tree_digest(include).encode(), _tree_digest(util).encode()]
+        headers = [h.read_bytes() for h in SHARED_HEADERS] + [_tree_digest(d).encode() for d in (include, util)]
         includes, version = [f"-I{include}", f"-I{util}"], [cutlass_version.encode()]
     macros, flags = tuple(macros or ()), tuple(flags)
     key = _digest(source.read_bytes(), *headers, " ".join(macros + ARCH_FLAGS + flags).encode(), *version,
@@ -275,7 +276,8 @@ class Libraries:
         return lib
 
 
-# te_gg_run(a, b, d, offsets, num_groups, n, k, row_scale, bias, workspace, workspace_bytes, sm_count, device_id, stream)
+# te_gg_run(a, b, d, offsets, num_groups, n, k, row_scale, bias, workspace, workspace_bytes, sm_count, device_id,
+#           stream)
 _RUN_ARGTYPES = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
                  + [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
 

@@ -97,15 +97,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _open_lock(target: Path) -> int:
+    """The descriptor of ``target``'s lock file (closing it releases a flock on it)."""
+    path = lock_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
 @contextmanager
 def _locked(target: Path, timeout_s: float) -> Iterator[None]:
     """Hold the per-key lock of ``target`` (waits for another process's build)."""
     if fcntl is None:  # pragma: no cover
         yield
         return
-    path = lock_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(target)
     try:
         deadline, announced = time.monotonic() + timeout_s, False
         while True:
@@ -117,8 +122,8 @@ def _locked(target: Path, timeout_s: float) -> Iterator[None]:
                     announced = True
                     _notice(f"waiting for another process building kernel {target.name}")
                 if time.monotonic() > deadline:
-                    raise BuildError(f"waited {timeout_s:.0f} s for another process building {target.name} "
-                                     f"(lock {path}); remove the lock file if no build is running") from None
+                    raise BuildError(f"waited {timeout_s:.0f} s for another process building {target.name} (lock "
+                                     f"{lock_path(target)}); remove the lock file if no build is running") from None
                 time.sleep(0.05)
         yield
     finally:
@@ -149,9 +154,7 @@ def try_locked(target: Path) -> Iterator[bool]:
     if fcntl is None:  # pragma: no cover
         yield True
         return
-    path = lock_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(target)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -176,13 +179,9 @@ def _build(target: Path, command: Command, name: str, verbose: bool) -> None:
             raise BuildError(f"nvcc failed for {name} (rc={proc.returncode}):\n{tail}")
         _fsync(out)
         digest = f"{_file_digest(out)} {out.stat().st_size}\n"
-        stamp = Path(tmp) / "digest"
-        stamp.write_text(digest)
-        _fsync(stamp)
         _digest_path(target).unlink(missing_ok=True)  # uncommit whatever was there before replacing it
         os.replace(out, target)
-        os.replace(stamp, _digest_path(target))
-    _fsync(target.parent)
+    write_atomic(_digest_path(target), digest.encode())  # the commit (it fsyncs the directory too)
 
 
 def _notice(message: str) -> None:

@@ -74,12 +74,8 @@ class _Spec(NamedTuple):
     read: Callable  # recipe -> the settings this check reads (hashable; enums as their string value)
 
 
-def _no_settings(_recipe_obj):
-    return ()
-
-
 _SPECS = {
-    type(None): _Spec("none", _no_settings),
+    type(None): _Spec("none", lambda _no_recipe: ()),
     _recipe.DelayedScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_")),
     _recipe.Float8CurrentScaling: _Spec("fp8_tensor", operator.attrgetter("fp8_format._value_")),
     _recipe.Float8BlockScaling: _Spec("fp8_block", operator.attrgetter(
@@ -120,16 +116,12 @@ _KEYS: dict = {}
 _NONE_KEY = _SettingsKey("none", ())
 
 
-def _settings_key(recipe_obj) -> _SettingsKey:
-    """The interned key of the settings ``recipe_obj``'s rule reads (no memo involved)."""
+def _memoised_key(recipe_obj) -> _SettingsKey:
+    """The interned key of the settings ``recipe_obj``'s rule reads, memoised on the recipe (which
+    resets it on any write)."""
     spec = _spec_for(recipe_obj)
     settings = spec.read(recipe_obj)
-    return _KEYS.setdefault((spec.tag, settings), _SettingsKey(spec.tag, settings))  # atomic
-
-
-def _memoised_key(recipe_obj) -> _SettingsKey:
-    """Compute the settings key and memoise it on the recipe (which resets it on any write)."""
-    key = _settings_key(recipe_obj)
+    key = _KEYS.setdefault((spec.tag, settings), _SettingsKey(spec.tag, settings))  # atomic
     object.__setattr__(recipe_obj, "_support_key", key)
     # A write racing with us lands its value before it resets the memo; if it landed between our
     # read and our store, the settings differ now and we drop the stale memo ourselves.

@@ -119,26 +119,25 @@ def _k_major(w_EKN):
     return _aligned(w_ENK)
 
 
+def _rows(direction, a, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, config, group_sizes):
+    """fwd (a = x, out [T, N]) or dgrad (a = dy, out [T, K]) against the K-major weight."""
+    E, K, N = w_EKN.shape
+    T = a.shape[0]
+    out = torch.empty(T, N if direction == "fwd" else K, device=a.device, dtype=out_dtype or a.dtype)
+    if T and E:
+        _launch(direction, _aligned(a), _k_major(w_EKN), out, offsets_E, E, N, K, _f32(row_scale_T), _f32(bias_EN), T,
+                config, group_sizes)
+    return out
+
+
 @_guard(torch_backend.forward)
 def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
-    E, K, N = w_EKN.shape
-    T = x_TK.shape[0]
-    y_TN = torch.empty(T, N, device=x_TK.device, dtype=out_dtype or x_TK.dtype)
-    if T and E:
-        _launch("fwd", _aligned(x_TK), _k_major(w_EKN), y_TN, offsets_E, E, N, K, _f32(row_scale_T), _f32(bias_EN),
-                T, config, group_sizes)
-    return y_TN
+    return _rows("fwd", x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, config, group_sizes)
 
 
 @_guard(torch_backend.dgrad)
 def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
-    E, K, N = w_EKN.shape
-    T = dy_TN.shape[0]
-    dx_TK = torch.empty(T, K, device=dy_TN.device, dtype=out_dtype or dy_TN.dtype)
-    if T and E:
-        _launch("dgrad", _aligned(dy_TN), _k_major(w_EKN), dx_TK, offsets_E, E, N, K, _f32(row_scale_T), None, T,
-                config, group_sizes)
-    return dx_TK
+    return _rows("dgrad", dy_TN, w_EKN, offsets_E, None, row_scale_T, out_dtype, config, group_sizes)
 
 
 @_guard(torch_backend.wgrad)
@@ -180,28 +179,27 @@ def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, 
                  num_groups, n, k, num_rows, _ptr(row_scale), _ptr(bias))
 
 
+def _fp8_rows(direction, aq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes):
+    """fwd or dgrad: the rowwise operand ``aq`` against the QuantizedWeight's copy for ``direction``."""
+    E, N, K = wq.shape
+    per_tensor = tensor_scales(aq, wq)
+    a, a_scale = rowwise_operand(aq, scale_tables=not per_tensor)
+    b, b_scale = (wq.fwd_data, wq.fwd_scale) if direction == "fwd" else (wq.dgrad_data, wq.dgrad_scale)
+    out = torch.empty(a.shape[0], N if direction == "fwd" else K, device=a.device, dtype=out_dtype)
+    if a.shape[0] and E:
+        _launch_fp8(direction, a, a_scale, b, one_scale(wq) if per_tensor else b_scale, out, offsets_E, E, N, K,
+                    a.shape[0], _f32(bias_EN), _f32(row_scale_T), group_sizes, per_tensor)
+    return out
+
+
 def fp8_forward(xq, wq, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=torch.bfloat16, group_sizes=None):
     """y[T, N] = row_scale * (x @ w[e]^T) + bias[e] from a quantized x [T, K] and a QuantizedWeight."""
-    E, N, K = wq.shape
-    per_tensor = tensor_scales(xq, wq)
-    x, x_scale = rowwise_operand(xq, scale_tables=not per_tensor)
-    y = torch.empty(x.shape[0], N, device=x.device, dtype=out_dtype)
-    if x.shape[0] and E:
-        _launch_fp8("fwd", x, x_scale, wq.fwd_data, one_scale(wq) if per_tensor else wq.fwd_scale, y, offsets_E, E,
-                    N, K, x.shape[0], _f32(bias_EN), _f32(row_scale_T), group_sizes, per_tensor)
-    return y
+    return _fp8_rows("fwd", xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
 
 
 def fp8_dgrad(dyq, wq, offsets_E, out_dtype=torch.bfloat16, group_sizes=None):
     """dx[T, K] = dy @ w[e] from a quantized dy [T, N] and a QuantizedWeight."""
-    E, N, K = wq.shape
-    per_tensor = tensor_scales(dyq, wq)
-    dy, dy_scale = rowwise_operand(dyq, scale_tables=not per_tensor)
-    dx = torch.empty(dy.shape[0], K, device=dy.device, dtype=out_dtype)
-    if dy.shape[0] and E:
-        _launch_fp8("dgrad", dy, dy_scale, wq.dgrad_data, one_scale(wq) if per_tensor else wq.dgrad_scale, dx,
-                    offsets_E, E, N, K, dy.shape[0], None, None, group_sizes, per_tensor)
-    return dx
+    return _fp8_rows("dgrad", dyq, wq, offsets_E, None, None, out_dtype, group_sizes)
 
 
 def fp8_wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_sizes=None):

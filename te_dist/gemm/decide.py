@@ -212,8 +212,6 @@ def fp8_loop_why_not(*, device: torch.device, group_sizes: Optional[Sequence[int
         return "the per-expert loop needs the group sizes on the host (group_sizes=)"
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "the per-expert loop's launches follow host sizes, so it is not captured in a CUDA graph"
-    if not hasattr(torch, "_scaled_mm"):
-        return "this torch has no torch._scaled_mm"
     if out_dtype != torch.bfloat16:
         return f"the per-expert loop writes bfloat16, received out_dtype={out_dtype}"
     if epilogue:

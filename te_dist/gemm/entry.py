@@ -140,7 +140,8 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
     layer does): the decision sees them and the per-expert loop reads no offsets; they must agree
     with the offsets (checked against the row count, never read from the device)."""
     _check_backend_arg(backend)
-    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets, group_sizes)
+    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
+                                     group_sizes)
     return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch, sizes)
 
 
@@ -148,7 +149,8 @@ def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None
                        check_offsets=None, group_sizes=None) -> torch.Tensor:
     """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
     _check_backend_arg(backend)
-    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets, group_sizes)
+    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
+                                     group_sizes)
     return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes)
 
 

@@ -30,18 +30,16 @@ def _bounds(group_sizes):
         start += rows
 
 
-def _m_major(scales):
-    """[rows, C/128] scales as cuBLAS reads 1x128 ones: the same shape, strides (1, rows)."""
-    return scales.t().contiguous().t()
-
-
 def _row_gemms(a, a_scale, b_data, b_scales, b_one_scale, out_cols, out_dtype, group_sizes):
     """out[rows of e] = a[rows of e] @ b_data[e]^T; per-tensor when ``b_one_scale`` is given, else
-    1x128 scales of a by the 128x128 tables ``b_scales[e]`` laid [out/128, contraction/128]."""
+    1x128 scales of a (made M-major, as cuBLAS reads 1x128 ones: the same shape, strides (1, rows)) by
+    the 128x128 tables ``b_scales[e]`` laid [out/128, contraction/128]."""
     out = torch.empty(a.shape[0], out_cols, device=a.device, dtype=out_dtype)
     for e, s, t in _bounds(group_sizes):
         if t > s:
-            sa, sb = (a_scale, b_one_scale) if b_one_scale is not None else (_m_major(a_scale[s:t]), b_scales[e].t())
+            sa, sb = a_scale, b_one_scale
+            if b_one_scale is None:
+                sa, sb = a_scale[s:t].t().contiguous().t(), b_scales[e].t()
             torch._scaled_mm(a[s:t], b_data[e].t(), sa, sb, out_dtype=out_dtype, out=out[s:t])
     return out
 

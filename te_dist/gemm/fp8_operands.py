@@ -68,11 +68,9 @@ def _is_block(q) -> bool:
 def _check_block_copy(copy, what: str, block_rows: int) -> None:
     if copy is None:
         raise ValueError(f"{what} copy missing: quantize with that usage for the FP8 grouped GEMM")
-    if not block_rows:
-        return
-    if copy.block_cols != BLOCK or copy.block_rows not in (1, BLOCK) or (block_rows and copy.block_rows != block_rows):
+    if block_rows and (copy.block_cols != BLOCK or copy.block_rows != block_rows):
         raise ValueError(f"{what} copy has {copy.block_rows}x{copy.block_cols} blocks; the FP8 grouped GEMM "
-                         f"takes {block_rows or '1 or 128'}x{BLOCK}")
+                         f"takes {block_rows}x{BLOCK}")
 
 
 def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
