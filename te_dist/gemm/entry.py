@@ -214,14 +214,11 @@ def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=
 
 
 def available_backends(device) -> list:
-    """Backends that can run a bf16 call on ``device`` (ignoring shape constraints)."""
+    """Backends that can run a bf16 call on ``device`` (ignoring shape constraints): the rule's own
+    answer for a bf16 call of 16-byte rows there (on CPU the loop, the rule's choice)."""
     device = torch.device(device)
-    out = []
-    if device.type == "cuda":
-        cap = device_capability(device)
-        if cap == (9, 0) and cutlass_backend.is_available(device):
-            out.append("cutlass")
-        if cap >= (9, 0) and _TORCH_GROUPED:
-            out.append("torch")
-    out.append("loop")
-    return out
+    cuda = device.type == "cuda"
+    p = decide.Problem("fwd", device.type, device_capability(device) if cuda else None, torch.bfloat16, torch.bfloat16,
+                       0, 8, 8, 1)
+    return [b for b in decide.BACKENDS if (cuda or b == "loop") and decide.why_not(
+        b, p, cutlass_built=lambda: cutlass_backend.is_available(device), torch_grouped=_TORCH_GROUPED) is None]
