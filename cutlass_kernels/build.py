@@ -26,7 +26,7 @@ from .cache import BuildError, build_cached, entry_is_whole, open_cached
 from .heuristics import CONFIGS, TILES
 
 __all__ = ["ARCH_FLAGS", "BASE_FLAGS", "DEVICE_FLAGS", "KINDS", "SCHEDULES", "SOURCE", "Instance", "BuildError",
-           "GemmLibrary", "Libraries", "cache_dir", "find_nvcc", "find_cutlass", "cache_key", "compile_device_code",
+           "GemmLibrary", "Libraries", "cache_dir", "find_nvcc", "find_cutlass", "cache_key",
            "build_instance", "build_cutlass_source", "open_cutlass_source", "build_plain_source", "open_plain_source",
            "load", "all_instances", "is_built"]
 
@@ -147,21 +147,6 @@ def _digest(*parts: bytes) -> str:
 def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
     """Path of the cached .so for ``inst``, compiling it first if needed."""
     return build_cutlass_source(SOURCE, inst.name, inst.macros, verbose=verbose)
-
-
-def compile_device_code(inst: Instance, out: Path) -> Path:
-    """``inst``'s device code compiled to PTX only (no ptxas, no host code, no cache): a check that an
-    instance's templates instantiate, in about half the time of a full build (the CPU build check)."""
-    nvcc, cut = find_nvcc(), find_cutlass()
-    if nvcc is None or cut is None:
-        raise BuildError("the device-code check needs nvcc and the CUTLASS headers")
-    include, util, _ = cut
-    cmd = [nvcc, "-arch=compute_90a", "--ptx", *DEVICE_FLAGS, *inst.macros, f"-I{include}", f"-I{util}",
-           "-o", str(out), str(SOURCE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise BuildError(f"nvcc failed on the device code of {inst.name}:\n{proc.stderr[-4000:]}")
-    return out
 
 
 def _entry(source: Path, name: str, macros=None, flags: Sequence[str] = BASE_FLAGS):

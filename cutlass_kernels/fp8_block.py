@@ -117,13 +117,5 @@ def fp8_candidate_instances():
 def all_fp8_instances():
     """The instances the three recipes' formats need, block and tensor scales: E4M3 everywhere, and
     HYBRID's e5m2 gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output."""
-    out = []
-    for tensor_scales in (False, True):
-        for config in (0, 1):
-            for direction in KINDS:
-                if direction == "wgrad" and config != 0:
-                    continue
-                out.append(Fp8Instance(direction, config, tensor_scales=tensor_scales))
-                if direction != "fwd":
-                    out.append(Fp8Instance(direction, config, a_format="e5m2", tensor_scales=tensor_scales))
-    return out
+    return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for c in (0, 1) for d in KINDS
+            if d != "wgrad" or c == 0 for a_format in (("e4m3",) if d == "fwd" else FORMATS)]

@@ -47,24 +47,11 @@ import torch
 from . import recipe as _recipe
 from . import settings as _settings
 
-__all__ = [
-    "is_module_grouped_tensor_supported",
-    "is_op_fuser_grouped_tensor_supported",
-    "CacheInfo",
-    "set_capability_lookup",
-    "set_fp8_kernels_lookup",
-    "device_capability",
-    "fp8_kernels_available",
-    "cutlass_tools_present",
-    "cutlass_disabled",
-    "fp8_kernels_unavailable_reason",
-    "fp8_kernels_why_not",
-    "mark_fp8_kernels_unavailable",
-    "clear_caches",
-    "resolve_device",
-    "native_split_alignment",
-    "explain_path",
-]
+__all__ = ["is_module_grouped_tensor_supported", "is_op_fuser_grouped_tensor_supported", "CacheInfo",
+           "set_capability_lookup", "set_fp8_kernels_lookup", "device_capability", "fp8_kernels_available",
+           "cutlass_tools_present", "cutlass_disabled", "fp8_kernels_unavailable_reason", "fp8_kernels_why_not",
+           "mark_fp8_kernels_unavailable", "clear_caches", "resolve_device", "native_split_alignment",
+           "explain_path"]
 
 CacheInfo = collections.namedtuple("CacheInfo", ["hits", "misses", "maxsize", "currsize"])
 

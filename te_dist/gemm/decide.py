@@ -35,7 +35,7 @@ from .. import support
 
 __all__ = ["BACKENDS", "QUANTIZED_BACKENDS", "MARGIN", "LOOP_MAX_GROUPS", "LOOP_MIN_ROWS_PER_GROUP",
            "LOOP_MIN_CONTRACTION", "LOOP_MIN_FLOP_PER_EXPERT", "LOOP_MIN_FLOP_PER_EXPERT_BLOCK", "Choice", "Problem",
-           "capture_underway", "why_not", "static_choice", "allowed", "pick_measured", "choose", "candidates", "quantized_why_not",
+           "capture_underway", "why_not", "static_choice", "pick_measured", "choose", "candidates", "quantized_why_not",
            "fp8_loop_why_not", "fp8_loop_wins", "choose_quantized"]
 
 BACKENDS = ("cutlass", "torch", "loop")
@@ -135,17 +135,13 @@ def static_choice(p: Problem, *, cutlass_built: Callable[[], bool], torch_groupe
     return "loop"
 
 
-def allowed(choice: Choice, p: Problem) -> bool:
-    """Whether this call may run a measured choice: not the loop while capturing or without host sizes."""
-    return not (choice[0] == "loop" and (p.capturing or not p.sizes_on_host))
-
-
 def pick_measured(ms: Dict[Choice, float], p: Problem) -> Optional[Choice]:
-    """The fastest allowed measured choice, but torch wherever torch is within MARGIN of it; None
-    where nothing measured may run this call."""
+    """The fastest measured choice this call may run (the loop only with host sizes and not while
+    capturing), but torch wherever torch is within MARGIN of it; None where nothing measured may run."""
+    loop_ok = p.sizes_on_host and not p.capturing
     best, best_ms = None, float("inf")
     for choice, t in ms.items():
-        if t < best_ms and allowed(choice, p):
+        if t < best_ms and (loop_ok or choice[0] != "loop"):
             best, best_ms = choice, t
     torch_ms = ms.get(TORCH)
     if best is not None and torch_ms is not None and best_ms * (1.0 + MARGIN) > torch_ms:

@@ -15,12 +15,14 @@ inside a miss could hang, since ranks of an EP group miss different buckets.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median_low
 from time import perf_counter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -135,18 +137,14 @@ def time_runs(runs: Sequence[Tuple[Choice, Callable[[], object]]], clock, budget
     samples: Dict[Choice, List[float]] = {c: [] for c, _ in live}
     samples[live[0][0]].append(probe)
     for rnd in range(ROUNDS):
-        planned = sum(calls * (_median(s) if s else probe) for s in samples.values())
+        planned = sum(calls * (median_low(s) if s else probe) for s in samples.values())
         if (perf_counter() - t0) * 1e3 + planned > budget_ms:
             break
         order = live[rnd % len(live):] + live[:rnd % len(live)]
         handles = [(c, clock.sample(fn, calls)) for c, fn in order]
         for c, h in handles:
             samples[c].append(clock.read(h))
-    return {c: _median(s) for c, s in samples.items() if s}
-
-
-def _median(values: List[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2]
+    return {c: median_low(s) for c, s in samples.items() if s}
 
 
 class _Table:
@@ -334,19 +332,15 @@ def _cuda_identity(index: int) -> Tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
-_TAG: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _versions_tag() -> str:
     """torch version + a digest of the kernel sources and tiles (a change of either starts a new file)."""
-    if "tag" not in _TAG:
-        ck = _kernels()
-        cut = ck.find_cutlass()
-        h = hashlib.sha256(ck.build.SOURCE.read_bytes())
-        h.update(repr(sorted(ck.heuristics.TILES.items())).encode())
-        h.update(str(cut[2] if cut else "no-cutlass").encode())
-        _TAG["tag"] = f"torch {torch.__version__} kernels {h.hexdigest()[:16]}"
-    return _TAG["tag"]
+    ck = _kernels()
+    cut = ck.find_cutlass()
+    h = hashlib.sha256(ck.build.SOURCE.read_bytes())
+    h.update(repr(sorted(ck.heuristics.TILES.items())).encode())
+    h.update(str(cut[2] if cut else "no-cutlass").encode())
+    return f"torch {torch.__version__} kernels {h.hexdigest()[:16]}"
 
 
 _TUNER: Dict[str, Tuner] = {}

@@ -49,12 +49,10 @@ def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int, offsets_E) -> t
     """The row operand ``a`` (2-D floats), ``b`` (``b_ndim``-D, a's dtype and device) and the offsets
     (1-D int32 on that device; their count is the caller's to check); returns the device. Written out
     flat, each attribute read once and no helper called unless a check fails: it runs on every call."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(offsets_E, torch.Tensor)):
+    if (not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(offsets_E, torch.Tensor))
+            or a.dim() != 2 or b.dim() != b_ndim or offsets_E.dim() != 1):
         for name, t, ndim in ((a_name, a, 2), (b_name, b, b_ndim), ("offsets_E", offsets_E, 1)):
-            _check_tensor(name, t, ndim)
-    if a.dim() != 2 or b.dim() != b_ndim or offsets_E.dim() != 1:
-        for name, t, ndim in ((a_name, a, 2), (b_name, b, b_ndim), ("offsets_E", offsets_E, 1)):
-            _check_tensor(name, t, ndim)
+            _check_tensor(name, t, ndim)  # raises for the first operand that is not what it should be
     dtype = a.dtype
     if dtype not in _FLOATS:
         raise TypeError(f"{a_name}.dtype must be one of {SUPPORTED_DTYPES}, received {dtype}")

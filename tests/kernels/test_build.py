@@ -101,6 +101,17 @@ def _fp8_build(tmp_path):
     return path
 
 
+def _compile_device_code(inst, out):
+    """``inst``'s device code compiled to PTX only (no ptxas, no host code, no cache): a check that an
+    instance's templates instantiate, in about half the time of a full build."""
+    nvcc, (include, util, _) = build.find_nvcc(), build.find_cutlass()
+    cmd = [nvcc, "-arch=compute_90a", "--ptx", *build.DEVICE_FLAGS, *inst.macros, f"-I{include}", f"-I{util}",
+           "-o", str(out), str(build.SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"nvcc failed on the device code of {inst.name}:\n{proc.stderr[-4000:]}"
+    return out
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and build.find_nvcc() is None,
                     reason="nvcc is absent on this machine (the .cu build check needs the CUDA compiler)")
 @pytest.mark.timeout(1800)
@@ -110,7 +121,7 @@ def test_nvcc_compiles_every_cutlass_source_and_direction(tmp_path, monkeypatch)
     monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
     jobs = {BUILT.name: lambda: _full_build(BUILT, tmp_path), "fp8 wgrad e5m2": lambda: _fp8_build(tmp_path)}
     for inst in DEVICE_CODE:
-        jobs[f"{inst.name} (device code)"] = lambda inst=inst: build.compile_device_code(inst, tmp_path / f"{inst.name}.ptx")
+        jobs[f"{inst.name} (device code)"] = lambda inst=inst: _compile_device_code(inst, tmp_path / f"{inst.name}.ptx")
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each nvcc is one process: they overlap
         futures = {name: pool.submit(job) for name, job in jobs.items()}
     failed = {name: f.exception() for name, f in futures.items() if f.exception() is not None}
