@@ -54,27 +54,12 @@
 
 #include "grouped_launch.cuh"
 
-#ifndef TE_FB_KIND
-#define TE_FB_KIND 0
-#endif
-#ifndef TE_FB_A_E5M2
-#define TE_FB_A_E5M2 0
-#endif
-#ifndef TE_FB_B_E5M2
-#define TE_FB_B_E5M2 0
-#endif
-#ifndef TE_FB_OUT_F32
-#define TE_FB_OUT_F32 0
-#endif
-#ifndef TE_FB_TENSOR_SCALES
-#define TE_FB_TENSOR_SCALES 0
-#endif
-#ifndef TE_FB_CONFIG
-#define TE_FB_CONFIG 0
-#endif
-#if !defined(TE_FB_SCHEDULE) || !defined(TE_FB_TILE_M) || !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || \
-    !defined(TE_FB_CLUSTER_N)
-#error "define TE_FB_SCHEDULE, TE_FB_TILE_{M,N} and TE_FB_CLUSTER_{M,N} (cutlass_kernels/build.py does)"
+// Every instance macro comes from cutlass_kernels/fp8_block.py (Fp8Instance.macros): none has a default,
+// so a library is never built as an instance other than the one its name and cache key say.
+#if !defined(TE_FB_KIND) || !defined(TE_FB_A_E5M2) || !defined(TE_FB_B_E5M2) || !defined(TE_FB_OUT_F32) || \
+    !defined(TE_FB_TENSOR_SCALES) || !defined(TE_FB_CONFIG) || !defined(TE_FB_SCHEDULE) || !defined(TE_FB_TILE_M) || \
+    !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || !defined(TE_FB_CLUSTER_N)
+#error "define TE_FB_{KIND,A_E5M2,B_E5M2,OUT_F32,TENSOR_SCALES,CONFIG,SCHEDULE}, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}"
 #endif
 
 using namespace cute;

@@ -33,14 +33,12 @@
 
 #include "grouped_launch.cuh"
 
-#ifndef TE_GG_KIND
-#define TE_GG_KIND 0
-#endif
-#ifndef TE_GG_CONFIG
-#define TE_GG_CONFIG 0
-#endif
-#ifndef TE_GG_OUT_F32
-#define TE_GG_OUT_F32 0
+// Every instance macro comes from cutlass_kernels/build.py (Instance.macros): none has a default, so a
+// library is never built as an instance other than the one its name and cache key say.
+#if !defined(TE_GG_KIND) || !defined(TE_GG_CONFIG) || !defined(TE_GG_OUT_F32) || !defined(TE_GG_SCHEDULE) || \
+    !defined(TE_GG_TILE_M) || !defined(TE_GG_TILE_N) || !defined(TE_GG_TILE_K) || !defined(TE_GG_CLUSTER_M) || \
+    !defined(TE_GG_CLUSTER_N)
+#error "define TE_GG_{KIND,CONFIG,OUT_F32,SCHEDULE}, TE_GG_TILE_{M,N,K} and TE_GG_CLUSTER_{M,N} (build.py does)"
 #endif
 
 using namespace cute;
@@ -67,10 +65,6 @@ constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 // cutlass_kernels/heuristics.py (CONFIGS) writes for config TE_GG_CONFIG, so the table lives in one
 // place and a new configuration needs no edit here.
 //   TE_GG_SCHEDULE 0 cooperative (two consumer warpgroups share one tile), 1 ping-pong (alternate tiles)
-#if !defined(TE_GG_SCHEDULE) || !defined(TE_GG_TILE_M) || !defined(TE_GG_TILE_N) || !defined(TE_GG_TILE_K) || \
-    !defined(TE_GG_CLUSTER_M) || !defined(TE_GG_CLUSTER_N)
-#error "define TE_GG_SCHEDULE, TE_GG_TILE_{M,N,K} and TE_GG_CLUSTER_{M,N} (cutlass_kernels/build.py does)"
-#endif
 using TileShape = Shape<Int<TE_GG_TILE_M>, Int<TE_GG_TILE_N>, Int<TE_GG_TILE_K>>;
 using ClusterShape = Shape<Int<TE_GG_CLUSTER_M>, Int<TE_GG_CLUSTER_N>, _1>;
 #if TE_GG_SCHEDULE == 0
@@ -196,6 +190,14 @@ static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l
 // Kernel Params per launch key, per host thread (te_grouped::LaunchKey says why they can be reused).
 static thread_local te_grouped::PreparedLaunches<WsLayout, typename GemmKernel::Params> t_prepared;
 
+// The workspace layout of a call: CUTLASS sizes its own part from Arguments that point into the layout,
+// so a probe layout without that part comes first.
+static WsLayout layout_for(int num_groups, int sm_count, int device_id) {
+  WsLayout probe = make_layout_for(num_groups, 0);
+  auto args = make_arguments(num_groups, probe, reinterpret_cast<char*>(256), true, true, sm_count, device_id);
+  return make_layout_for(num_groups, Gemm::get_workspace_size(args));
+}
+
 }  // namespace te_gg
 
 extern "C" {
@@ -209,11 +211,7 @@ const char* te_gg_last_error() { return te_grouped::g_error; }
 
 // Bytes of device workspace te_gg_run needs for `num_groups` groups on a GPU with `sm_count` SMs.
 int te_gg_workspace_bytes(int num_groups, int sm_count, size_t* bytes) {
-  using namespace te_gg;
-  WsLayout probe = make_layout_for(num_groups, 0);
-  auto args = make_arguments(num_groups, probe, reinterpret_cast<char*>(256), true, true, sm_count, 0);
-  size_t cutlass_bytes = Gemm::get_workspace_size(args);
-  *bytes = make_layout_for(num_groups, cutlass_bytes).total;
+  *bytes = te_gg::layout_for(num_groups, sm_count, 0).total;
   return 0;
 }
 
@@ -229,14 +227,7 @@ int te_gg_run(const void* a, const void* b, void* d, const int32_t* offsets, int
   bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
   te_grouped::LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
   auto* prepared = t_prepared.find(key);
-  WsLayout l;
-  if (prepared != nullptr) {
-    l = prepared->layout;
-  } else {
-    WsLayout probe = make_layout_for(num_groups, 0);
-    auto probe_args = make_arguments(num_groups, probe, reinterpret_cast<char*>(256), true, true, sm_count, device_id);
-    l = make_layout_for(num_groups, Gemm::get_workspace_size(probe_args));
-  }
+  WsLayout l = prepared != nullptr ? prepared->layout : layout_for(num_groups, sm_count, device_id);
   if (workspace_bytes < l.total) return fail("te_gg_run", "workspace too small");
 
   int threads = 128, blocks = (num_groups + threads - 1) / threads;

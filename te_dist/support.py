@@ -158,10 +158,6 @@ def cutlass_disabled() -> bool:
     return not _settings.current().cutlass
 
 
-def _default_fp8_kernels() -> bool:
-    return not cutlass_disabled() and not _fp8_unavailable and cutlass_tools_present()
-
-
 def fp8_kernels_unavailable_reason() -> str:
     """Why the FP8 grouped kernels cannot run here ("" when they can)."""
     if _fp8_unavailable:
@@ -180,7 +176,7 @@ def mark_fp8_kernels_unavailable(reason: str) -> None:
 
 # What tests may replace (set_capability_lookup, set_fp8_kernels_lookup): the compute capability of
 # a device, and whether the FP8 kernels can be built and loaded here.
-_lookups = {"capability": _default_capability, "fp8_kernels": _default_fp8_kernels}
+_lookups = {"capability": _default_capability, "fp8_kernels": lambda: not fp8_kernels_unavailable_reason()}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from .autograd import GroupedMM
 __all__ = ["grouped_mm", "grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_wgrad", "select_backend",
            "describe_choice", "available_backends"]
 
-_TORCH_GROUPED = torch_backend.is_available()
+_TORCH_GROUPED = hasattr(torch, "_grouped_mm")  # torch's own grouped kernel (torch >= 2.8)
 
 
 def _problem(direction, a, k, n, num_groups, out_dtype, k_major, group_sizes, epilogue) -> decide.Problem:

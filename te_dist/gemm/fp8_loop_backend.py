@@ -16,18 +16,9 @@ from __future__ import annotations
 import torch
 
 from .fp8_operands import columnwise_operand, one_scale, rowwise_operand, tensor_scales
+from .loop_backend import expert_rows
 
 __all__ = ["forward", "dgrad", "wgrad"]
-
-
-def _bounds(group_sizes):
-    """(expert, first row, end row) from the host sizes (ints, or a CPU tensor of them)."""
-    if isinstance(group_sizes, torch.Tensor):
-        group_sizes = group_sizes.tolist()
-    start = 0
-    for e, rows in enumerate(group_sizes):
-        yield e, start, start + rows
-        start += rows
 
 
 def _row_gemms(a, a_scale, b_data, b_scales, b_one_scale, out_cols, out_dtype, group_sizes):
@@ -35,7 +26,7 @@ def _row_gemms(a, a_scale, b_data, b_scales, b_one_scale, out_cols, out_dtype, g
     1x128 scales of a (made M-major, as cuBLAS reads 1x128 ones: the same shape, strides (1, rows)) by
     the 128x128 tables ``b_scales[e]`` laid [out/128, contraction/128]."""
     out = torch.empty(a.shape[0], out_cols, device=a.device, dtype=out_dtype)
-    for e, s, t in _bounds(group_sizes):
+    for e, (s, t) in enumerate(expert_rows(None, group_sizes)):
         if t > s:
             sa, sb = a_scale, b_one_scale
             if b_one_scale is None:
@@ -70,7 +61,7 @@ def wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_s
     dyT, dyT_scale = columnwise_operand(dyq, scale_tables=not per_tensor)  # [N, T]
     xT, xT_scale = columnwise_operand(xq, scale_tables=not per_tensor)  # [K, T]
     dw = torch.empty(num_groups, N, K, device=dyT.device, dtype=out_dtype)
-    for e, s, t in _bounds(group_sizes):
+    for e, (s, t) in enumerate(expert_rows(None, group_sizes)):
         if t == s:
             dw[e].zero_()
             continue

@@ -22,16 +22,18 @@ import torch
 from . import torch_backend
 from .epilogue import apply_epilogue
 
-__all__ = ["forward", "dgrad", "wgrad"]
+__all__ = ["expert_rows", "forward", "dgrad", "wgrad"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.is_cpu else t.dtype
 
 
-def _bounds(offsets_E: torch.Tensor, group_sizes=None):
-    """(start, end) rows of each expert: from ``group_sizes`` (host ints) when the caller has them,
-    else read from the offsets on the host (the loop's one sync)."""
+def expert_rows(offsets_E: torch.Tensor, group_sizes=None):
+    """(start, end) rows of each expert: from ``group_sizes`` (host ints, or a CPU tensor of them)
+    when the caller has them, else read from the offsets on the host (the loop's one sync)."""
+    if isinstance(group_sizes, torch.Tensor):
+        group_sizes = group_sizes.tolist()
     ends = offsets_E.tolist() if group_sizes is None else list(itertools.accumulate(group_sizes))
     return list(zip([0] + ends[:-1], ends))
 
@@ -67,7 +69,7 @@ def _mm_rows(a_TX, b_EXY, offsets_E, cdt, group_sizes=None) -> torch.Tensor:
     if _use_native(a, b.shape[2]):
         return torch_backend.grouped_mm(a, b, offsets_E)
     acc = torch.empty(a.shape[0], b.shape[2], device=a.device, dtype=cdt)
-    for e, (s, t) in enumerate(_bounds(offsets_E, group_sizes)):
+    for e, (s, t) in enumerate(expert_rows(offsets_E, group_sizes)):
         if t > s:
             torch.mm(a[s:t], b[e], out=acc[s:t])
     return acc
@@ -105,7 +107,7 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=N
     # Every expert's slice is written below (zeros for those without rows): no full zero pass first.
     dw_ENK = torch.empty(num_groups, N, K, device=x.device, dtype=out_dtype)
     direct = out_dtype == cdt
-    for e, (s, t) in enumerate(_bounds(offsets_E, group_sizes)):
+    for e, (s, t) in enumerate(expert_rows(offsets_E, group_sizes)):
         if t == s:
             dw_ENK[e].zero_()
             continue

@@ -14,11 +14,7 @@ import torch
 
 from .epilogue import apply_epilogue
 
-__all__ = ["is_available", "grouped_mm", "forward", "dgrad", "wgrad"]
-
-
-def is_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
+__all__ = ["grouped_mm", "forward", "dgrad", "wgrad"]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -36,34 +36,35 @@ def _check_same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {device}; they must share a device")
 
 
+# The two checks below run on every call: written out flat, each attribute read once and no helper
+# called unless a check fails (the helpers above then word the error).
+
+
 def check_offsets_tensor(offsets_E, num_groups: int, ref_name: str, device: torch.device) -> None:
     """int32 cumulative end rows, one per expert, on the operands' device (values: see module doc)."""
-    _check_tensor("offsets_E", offsets_E, 1)
+    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1:
+        _check_tensor("offsets_E", offsets_E, 1)
     if offsets_E.dtype != torch.int32:
         raise TypeError(f"offsets_E.dtype must be torch.int32 (cumulative end rows), received {offsets_E.dtype}")
-    _check_same_device("offsets_E", offsets_E, ref_name, device)
-    _check_count(offsets_E, num_groups)
+    if offsets_E.device != device:
+        _check_same_device("offsets_E", offsets_E, ref_name, device)
+    if offsets_E.shape[0] != num_groups:
+        raise ValueError(f"offsets_E has {offsets_E.shape[0]} entries but there are {num_groups} experts")
 
 
-def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int, offsets_E) -> torch.device:
-    """The row operand ``a`` (2-D floats), ``b`` (``b_ndim``-D, a's dtype and device) and the offsets
-    (1-D int32 on that device; their count is the caller's to check); returns the device. Written out
-    flat, each attribute read once and no helper called unless a check fails: it runs on every call."""
-    if (not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(offsets_E, torch.Tensor))
-            or a.dim() != 2 or b.dim() != b_ndim or offsets_E.dim() != 1):
-        for name, t, ndim in ((a_name, a, 2), (b_name, b, b_ndim), ("offsets_E", offsets_E, 1)):
-            _check_tensor(name, t, ndim)  # raises for the first operand that is not what it should be
+def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> torch.device:
+    """The row operand ``a`` (2-D floats) and ``b`` (``b_ndim``-D, a's dtype and device); returns the device."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != b_ndim:
+        _check_tensor(a_name, a, 2)
+        _check_tensor(b_name, b, b_ndim)
     dtype = a.dtype
     if dtype not in _FLOATS:
         raise TypeError(f"{a_name}.dtype must be one of {SUPPORTED_DTYPES}, received {dtype}")
     if b.dtype != dtype:
         raise TypeError(f"{b_name}.dtype must equal {a_name}.dtype={dtype}, received {b.dtype}")
-    if offsets_E.dtype != torch.int32:
-        raise TypeError(f"offsets_E.dtype must be torch.int32 (cumulative end rows), received {offsets_E.dtype}")
     device = a.device
-    if b.device != device or offsets_E.device != device:
+    if b.device != device:
         _check_same_device(b_name, b, a_name, device)
-        _check_same_device("offsets_E", offsets_E, a_name, device)
     return device
 
 
@@ -133,18 +134,13 @@ def _check_row_scale_and_out_dtype(row_scale_T, rows_name, rows, device, out_dty
         raise TypeError(f"out_dtype must be None or one of {SUPPORTED_DTYPES}, received {out_dtype}")
 
 
-def _check_count(offsets_E, num_groups: int) -> None:
-    if offsets_E.shape[0] != num_groups:
-        raise ValueError(f"offsets_E has {offsets_E.shape[0]} entries but there are {num_groups} experts")
-
-
 def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
     """Every check of a forward call; returns the host sizes as a tuple (or None)."""
-    device = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3, offsets_E)
+    device = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3)
     E, K, N = w_EKN.shape
     if x_TK.shape[1] != K:
         raise ValueError(f"x_TK has K={x_TK.shape[1]} columns but w_EKN expects K={K} (w_EKN shape {tuple(w_EKN.shape)})")
-    _check_count(offsets_E, E)
+    check_offsets_tensor(offsets_E, E, "x_TK", device)
     if bias_EN is not None:
         _check_tensor("bias_EN", bias_EN, 2, floats=True)
         _check_same_device("bias_EN", bias_EN, "x_TK", device)
@@ -157,11 +153,11 @@ def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check
 
 def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
     """Every check of a dgrad call; returns the host sizes as a tuple (or None)."""
-    device = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3, offsets_E)
+    device = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3)
     E, _, N = w_EKN.shape
     if dy_TN.shape[1] != N:
         raise ValueError(f"dy_TN has N={dy_TN.shape[1]} columns but w_EKN expects N={N}")
-    _check_count(offsets_E, E)
+    check_offsets_tensor(offsets_E, E, "dy_TN", device)
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", dy_TN, device, out_dtype)
     return _rows(offsets_E, E, dy_TN.shape[0], check_offsets, group_sizes)
@@ -169,12 +165,12 @@ def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=N
 
 def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=None, group_sizes=None):
     """Every check of a wgrad call; returns the host sizes as a tuple (or None)."""
-    device = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2, offsets_E)
+    device = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2)
     if dy_TN.shape[0] != x_TK.shape[0]:
         raise ValueError(f"dy_TN has {dy_TN.shape[0]} rows but x_TK has {x_TK.shape[0]}")
     if not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be a non-negative int, received {num_groups!r}")
-    _check_count(offsets_E, num_groups)
+    check_offsets_tensor(offsets_E, num_groups, "x_TK", device)
     if out_dtype is not None:
         _check_row_scale_and_out_dtype(None, "x_TK", x_TK, device, out_dtype)
     return _rows(offsets_E, num_groups, x_TK.shape[0], check_offsets, group_sizes)

@@ -264,10 +264,11 @@ def test_group_sizes_give_the_same_results_forward_and_backward(monkeypatch):
 
 
 def test_loop_bounds_come_from_group_sizes_without_reading_offsets():
-    from te_dist.gemm.loop_backend import _bounds
+    from te_dist.gemm.loop_backend import expert_rows
 
-    assert _bounds(None, (2, 0, 3)) == [(0, 2), (2, 2), (2, 5)]
-    assert _bounds(_offsets([2, 0, 3])) == [(0, 2), (2, 2), (2, 5)]
+    assert expert_rows(None, (2, 0, 3)) == [(0, 2), (2, 2), (2, 5)]
+    assert expert_rows(None, torch.tensor([2, 0, 3])) == [(0, 2), (2, 2), (2, 5)]
+    assert expert_rows(_offsets([2, 0, 3])) == [(0, 2), (2, 2), (2, 5)]
 
 
 def test_loop_wgrad_zeroes_experts_without_rows(monkeypatch):
