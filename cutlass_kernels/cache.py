@@ -97,39 +97,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _open_lock(target: Path) -> int:
-    """The descriptor of ``target``'s lock file (closing it releases a flock on it)."""
-    path = lock_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-
-
-@contextmanager
-def _locked(target: Path, timeout_s: float) -> Iterator[None]:
-    """Hold the per-key lock of ``target`` (waits for another process's build)."""
-    if fcntl is None:  # pragma: no cover
-        yield
-        return
-    fd = _open_lock(target)
-    try:
-        deadline, announced = time.monotonic() + timeout_s, False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not announced:
-                    announced = True
-                    _notice(f"waiting for another process building kernel {target.name}")
-                if time.monotonic() > deadline:
-                    raise BuildError(f"waited {timeout_s:.0f} s for another process building {target.name} (lock "
-                                     f"{lock_path(target)}); remove the lock file if no build is running") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
-
-
 def write_atomic(target: Path, data: bytes) -> None:
     """Replace ``target`` with ``data`` whole or not at all: temp file beside it, fsync, rename,
     fsync the directory. Readers see the old file or the new one, never a torn one."""
@@ -154,7 +121,9 @@ def try_locked(target: Path) -> Iterator[bool]:
     if fcntl is None:  # pragma: no cover
         yield True
         return
-    fd = _open_lock(target)
+    path = lock_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -163,7 +132,26 @@ def try_locked(target: Path) -> Iterator[bool]:
             return
         yield True
     finally:
-        os.close(fd)
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+@contextmanager
+def _locked(target: Path, timeout_s: float) -> Iterator[None]:
+    """Hold the per-key lock of ``target``, waiting for another process's build (asking again
+    every 50 ms; the kernel drops a dead holder's lock)."""
+    deadline, announced = time.monotonic() + timeout_s, False
+    while True:
+        with try_locked(target) as mine:
+            if mine:
+                yield
+                return
+        if not announced:
+            announced = True
+            _notice(f"waiting for another process building kernel {target.name}")
+        if time.monotonic() > deadline:
+            raise BuildError(f"waited {timeout_s:.0f} s for another process building {target.name} (lock "
+                             f"{lock_path(target)}); remove the lock file if no build is running")
+        time.sleep(0.05)
 
 
 def _build(target: Path, command: Command, name: str, verbose: bool) -> None:
