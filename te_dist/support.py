@@ -251,11 +251,7 @@ def _names_current_device(device) -> bool:
 
 def resolve_device(device) -> torch.device:
     """Normalise ``device`` to an indexed torch.device; None means the current device (a lookup)."""
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    device = _as_device(device)
+    device = _as_device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

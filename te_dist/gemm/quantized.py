@@ -50,39 +50,36 @@ _RUN = {  # direction -> {backend: function}, every one taking the direction's a
 }
 
 
-def _checked_with_weight(name: str, aq, wq, offsets_E, dim: int, which: str):
-    """The row operand ``aq`` against the prepared weight [E, N, K] (``dim``: the weight dim its
-    features meet); returns (device, E, N, K)."""
+def _decide_rows(direction: str, name: str, aq, wq, offsets_E, out_dtype, backend, group_sizes, epilogue) -> str:
+    """The checks and the decision of fwd (``aq`` = x against the prepared weight's K) or dgrad (dy
+    against its N)."""
     check_quantized(name, aq, 2)
     check_quantized("wq", wq, 3)
     E, N, K = wq.shape
-    features = wq.shape[dim]
-    if aq.shape[1] != features:
-        raise ValueError(f"{name} has {aq.shape[1]} features but the weight [E={E}, N={N}, K={K}] {which}={features}")
+    contraction = K if direction == "fwd" else N
+    if aq.shape[1] != contraction:
+        raise ValueError(f"{name} has {aq.shape[1]} features but the weight [E={E}, N={N}, K={K}] "
+                         f"{'takes K' if direction == 'fwd' else 'gives N'}={contraction}")
     device = _device(aq)
     check_offsets_tensor(offsets_E, E, name, device)
-    return device, E, N, K
+    return decide.choose_quantized(
+        device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
+        num_rows=aq.shape[0], num_groups=E, block_scales=not tensor_scales(aq, wq), a_format=copy_format(aq, "rowwise"),
+        epilogue=epilogue, contraction=contraction)
 
 
 def grouped_mm_quantized_forward(xq, wq: QuantizedWeight, offsets_E, *, bias_EN=None, row_scale_T=None,
                                  out_dtype=torch.bfloat16, backend=None, group_sizes=None) -> torch.Tensor:
     """y[T, N] = row_scale * (x @ w[e]^T) + bias[e] from quantized x [T, K] and a prepared weight [E, N, K]."""
-    device, E, N, K = _checked_with_weight("xq", xq, wq, offsets_E, 2, "takes K")
-    name = decide.choose_quantized(
-        device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
-        num_rows=xq.shape[0], num_groups=E, block_scales=not tensor_scales(xq, wq), a_format=copy_format(xq, "rowwise"),
-        epilogue=bias_EN is not None or row_scale_T is not None, contraction=K)
+    name = _decide_rows("fwd", "xq", xq, wq, offsets_E, out_dtype, backend, group_sizes,
+                        bias_EN is not None or row_scale_T is not None)
     return _RUN["fwd"][name](xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
 
 
 def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype=torch.bfloat16, backend=None,
                                group_sizes=None) -> torch.Tensor:
     """dx[T, K] = dy @ w[e] from quantized dy [T, N] and a prepared weight [E, N, K]."""
-    device, E, N, K = _checked_with_weight("dyq", dyq, wq, offsets_E, 1, "gives N")
-    name = decide.choose_quantized(
-        device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
-        num_rows=dyq.shape[0], num_groups=E, block_scales=not tensor_scales(dyq, wq),
-        a_format=copy_format(dyq, "rowwise"), contraction=N)
+    name = _decide_rows("dgrad", "dyq", dyq, wq, offsets_E, out_dtype, backend, group_sizes, False)
     return _RUN["dgrad"][name](dyq, wq, offsets_E, out_dtype, group_sizes)
 
 
