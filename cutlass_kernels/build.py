@@ -26,7 +26,7 @@ from .cache import BuildError, build_cached, entry_is_whole, open_cached
 from .heuristics import CONFIGS, TILES
 
 __all__ = ["ARCH_FLAGS", "BASE_FLAGS", "DEVICE_FLAGS", "KINDS", "SCHEDULES", "SOURCE", "Instance", "BuildError",
-           "GemmLibrary", "Libraries", "cache_dir", "find_nvcc", "find_cutlass", "cache_key",
+           "GemmLibrary", "Libraries", "cache_dir", "find_nvcc", "find_cutlass",
            "build_instance", "build_cutlass_source", "open_cutlass_source", "build_plain_source", "open_plain_source",
            "load", "all_instances", "is_built"]
 
@@ -123,16 +123,6 @@ def _tree_digest(root: Path) -> str:
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
-
-
-def cache_key(inst: Instance, *, flags: Sequence[str] = BASE_FLAGS) -> str:
-    """The instance's cache key (built with ``flags``: the tests show a change of them changes it)."""
-    return _entry(SOURCE, inst.name, inst.macros, flags)[0].stem[len(inst.name) + 1:]
-
-
-def plain_source_key(source: Path, *, flags: Sequence[str] = BASE_FLAGS) -> str:
-    """Cache key of a plain CUDA source (no CUTLASS headers): source, flags, nvcc version."""
-    return _entry(source, source.stem, None, flags)[0].stem[len(source.stem) + 1:]
 
 
 def _digest(*parts: bytes) -> str:

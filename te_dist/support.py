@@ -322,12 +322,8 @@ def _check_args(dtype, split_alignment) -> None:
 
 
 class _Answer(Exception):
-    """Raised by a cache miss whose device form names the current device: carries the answer
-    out of the lru_cache without storing the raw form (lru_cache never stores exceptions)."""
-
-    def __init__(self, answer: bool):
-        super().__init__(answer)
-        self.answer = answer
+    """Raised by a cache miss whose device form names the current device: carries the answer (its
+    one argument) out of the lru_cache without storing the raw form (lru_cache never stores exceptions)."""
 
 
 def _make_predicate(name: str, rule: Callable, doc: str):
@@ -358,7 +354,7 @@ def _make_predicate(name: str, rule: Callable, doc: str):
                 key = _memoised_key(recipe)
             return lookup(key, dtype, split_alignment, device)
         except _Answer as current_device_answer:
-            return current_device_answer.answer
+            return current_device_answer.args[0]
         except (AttributeError, TypeError):
             # not a recipe, or an unhashable argument: the uncached path raises the precise error
             return uncached(recipe, dtype, split_alignment=split_alignment, device=device)

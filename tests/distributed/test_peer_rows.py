@@ -74,8 +74,8 @@ def test_nvcc_compiles_peer_rows(tmp_path, monkeypatch):
         assert f" T {name}" in symbols, f"{name} is not exported by {path.name}"
     mtime = path.stat().st_mtime_ns
     assert build.build_plain_source(library.SOURCE) == path and path.stat().st_mtime_ns == mtime
-    assert build.plain_source_key(library.SOURCE) in path.name
-    assert build.plain_source_key(library.SOURCE, flags=build.BASE_FLAGS + ("-DEXTRA",)) not in path.name
+    assert build._entry(library.SOURCE, "peer_rows")[0] == path  # the key: source, arch, flags, nvcc version
+    assert build._entry(library.SOURCE, "peer_rows", None, build.BASE_FLAGS + ("-DEXTRA",))[0] != path
 
 
 def test_local_support_names_the_reason_on_cpu():
