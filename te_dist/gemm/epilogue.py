@@ -20,13 +20,8 @@ def group_ids(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets_E, rows, right=True)
 
 
-def apply_epilogue(
-    acc_TN: torch.Tensor,
-    offsets_E: torch.Tensor,
-    bias_EN: Optional[torch.Tensor],
-    row_scale_T: Optional[torch.Tensor],
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+def apply_epilogue(acc_TN: torch.Tensor, offsets_E: torch.Tensor, bias_EN: Optional[torch.Tensor],
+                   row_scale_T: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """out = row_scale[:, None] * acc + bias[expert(row)], computed in fp32, cast to out_dtype.
 
     ``acc_TN`` is the caller's fresh GEMM accumulator and is consumed: a float32 one is updated in

@@ -157,8 +157,5 @@ def copy_format(q: QuantizedTensor, usage: str) -> str:
 def dequantized(q, usage: str, dtype: torch.dtype) -> torch.Tensor:
     """The operand's values in ``dtype`` from the copy a GEMM of that ``usage`` reads (the
     emulated path: exactly what the native kernels multiply, in high precision)."""
-    if isinstance(q, QuantizedWeight):
-        q = q.source
-    if _is_block(q):
-        return q.dequantize(dtype, usage=usage)
-    return q.dequantize(dtype)
+    q = q.source if isinstance(q, QuantizedWeight) else q
+    return q.dequantize(dtype, usage=usage) if _is_block(q) else q.dequantize(dtype)

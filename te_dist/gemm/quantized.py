@@ -19,10 +19,6 @@ from .validation import check_offsets_tensor, check_quantized
 __all__ = ["grouped_mm_quantized_forward", "grouped_mm_quantized_dgrad", "grouped_mm_quantized_wgrad"]
 
 
-def _device(q) -> torch.device:
-    return q.fwd_data.device if isinstance(q, QuantizedWeight) else q.device
-
-
 def _emulated_forward(xq, wq, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes):
     w = dequantized(wq, "rowwise", out_dtype)
     return grouped_mm_forward(dequantized(xq, "rowwise", out_dtype), w.transpose(1, 2), offsets_E, bias_EN=bias_EN,
@@ -60,7 +56,7 @@ def _decide_rows(direction: str, name: str, aq, wq, offsets_E, out_dtype, backen
     if aq.shape[1] != contraction:
         raise ValueError(f"{name} has {aq.shape[1]} features but the weight [E={E}, N={N}, K={K}] "
                          f"{'takes K' if direction == 'fwd' else 'gives N'}={contraction}")
-    device = _device(aq)
+    device = aq.device  # a 2-D quantized tensor (a prepared weight is 3-D)
     check_offsets_tensor(offsets_E, E, name, device)
     return decide.choose_quantized(
         device, K, N, out_dtype=out_dtype, b_format=fp8_format(wq.fwd_data), backend=backend, group_sizes=group_sizes,
@@ -94,7 +90,7 @@ def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype
         raise ValueError(f"xq has {xq.shape[0]} rows but dyq has {dyq.shape[0]}")
     T, K = xq.shape
     N = dyq.shape[1]
-    device = _device(xq)
+    device = xq.device
     check_offsets_tensor(offsets_E, num_groups, "xq", device)
     name = decide.choose_quantized(
         device, K, N, out_dtype=out_dtype, b_format=copy_format(xq, "columnwise"), backend=backend,

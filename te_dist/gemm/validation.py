@@ -71,17 +71,13 @@ def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> torch.device
 def check_offsets_values(offsets_E: torch.Tensor, num_rows: int) -> None:
     """Offsets are cumulative END rows: non-decreasing, non-negative, last == num_rows (host read)."""
     ends = offsets_E.tolist()
-    if not ends:
-        if num_rows != 0:
-            raise ValueError(f"no experts (offsets_E is empty) but {num_rows=} rows were given")
-        return
-    prev = 0
-    for e, end in enumerate(ends):
+    for e, (prev, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end < prev:
             raise ValueError(f"offsets_E must be non-decreasing cumulative end rows starting at >= 0; "
                              f"offsets_E[{e}]={end} < previous end {prev} (split size {end - prev} < 0)")
-        prev = end
-    if ends[-1] != num_rows:
+    if not ends and num_rows != 0:
+        raise ValueError(f"no experts (offsets_E is empty) but {num_rows=} rows were given")
+    if ends and ends[-1] != num_rows:
         raise ValueError(f"offsets_E must end at the number of rows: offsets_E[-1]={ends[-1]} != {num_rows=}")
 
 
