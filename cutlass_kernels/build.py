@@ -178,7 +178,7 @@ def open_cutlass_source(source: Path, name: str, macros, open_fn, *, verbose: bo
 
 
 def build_plain_source(source: Path, *, verbose: bool = False) -> Path:
-    """Path of the cached .so of a plain CUDA source (te_dist's peer_rows.cu), compiling it first if needed."""
+    """Path of the cached .so of a plain CUDA source (no CUTLASS headers), compiling it first if needed."""
     return build_cached(*_entry(source, source.stem), source.stem, verbose)
 
 
