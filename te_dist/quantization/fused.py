@@ -59,10 +59,12 @@ def fused_casts_enabled() -> Optional[bool]:
 @functools.lru_cache(maxsize=None)
 def _load(family: str = "fp8"):
     """(module or None, import error text) of a kernel family ("fp8": ``triton_casts``, "nvfp4":
-    ``triton_nvfp4``); imported once, on first use, never at package import."""
+    ``triton_nvfp4``, "rowcol": ``triton_rowcol``); imported once, on first use, never at package import."""
     try:
         if family == "nvfp4":
             from . import triton_nvfp4 as module
+        elif family == "rowcol":
+            from . import triton_rowcol as module
         else:
             from . import triton_casts as module
     except Exception as exc:  # ImportError without triton; anything else is a broken triton install
@@ -83,8 +85,8 @@ def _device_ok(device: torch.device) -> bool:
 
 
 def fused_casts_for(x: torch.Tensor, family: str = "fp8"):
-    """The kernel module of ``family`` ("fp8": ``triton_casts``, "nvfp4": ``triton_nvfp4``) when x
-    should take the fused path, else None."""
+    """The kernel module of ``family`` ("fp8": ``triton_casts``, "nvfp4": ``triton_nvfp4``, "rowcol":
+    ``triton_rowcol``) when x should take the fused path, else None."""
     enabled = settings.current().fused_casts
     if enabled is False or x.dtype not in FUSED_DTYPES:
         return None
@@ -132,7 +134,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     transpose on CUDA where the fused casts run (torch's transpose copy moves one byte per access), else
     torch's."""
     if settings.current().fused_casts is not False and data.is_cuda and _device_ok(data.device):
-        module = _load()[0]
+        module = _load("rowcol")[0]
         if module is not None:
             out = run_fused(("transpose_fp8",), module.transpose_fp8, data)
             if out is not None:

@@ -95,7 +95,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             args = (x, self.scale, self.amax_history, self.fp8_dtype, self.fmt_max, self.margin, self.amax_compute_algo)
             if kernels is not None and columnwise and x.dim() >= 2:  # the transposed data from the same pass
                 key = ("delayed_scaling_step_rowcol", x.dtype, self.fp8_dtype, self.amax_compute_algo)
-                result = run_fused(key, kernels.delayed_scaling_step_rowcol, *args)
+                result = run_fused(key, fused_casts_for(x, "rowcol").delayed_scaling_step_rowcol, *args)
                 if result is not None:
                     data, data_t, history, scale, scale_inv = result
                     out = Float8Tensor(data, self.scale_inv, self.fmt, x.dtype, data_t=data_t)
@@ -175,11 +175,12 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
     def _quantize(self, x, rowwise, columnwise, hadamard):
         kernels = fused_casts_for(x)
         key = (x.dtype, self.fp8_dtype, self.use_power_2_scales)
-        rowcol = kernels is not None and columnwise and x.dim() >= 2  # the transposed data from the cast pass
+        # the casts that also write the transposed data (te_dist.quantization.triton_rowcol)
+        rowcol = fused_casts_for(x, "rowcol") if kernels is not None and columnwise and x.dim() >= 2 else None
         if self.group is None:
             result = None
-            if rowcol:
-                result = run_fused(("current_scaling_quantize_rowcol", *key), kernels.current_scaling_quantize_rowcol,
+            if rowcol is not None:
+                result = run_fused(("current_scaling_quantize_rowcol", *key), rowcol.current_scaling_quantize_rowcol,
                                    x, self.fp8_dtype, self.fmt_max, self.use_power_2_scales)
                 if result is not None:
                     data, data_t, scale_inv = result
@@ -196,8 +197,8 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         amax = None if kernels is None else run_fused(("compute_amax", x.dtype), kernels.compute_amax, x)
         amax = reduce_amax(compute_amax(x) if amax is None else amax, self.group)
         result = None
-        if rowcol:
-            result = run_fused(("cast_from_amax_rowcol", *key), kernels.cast_from_amax_rowcol, x, amax, self.fp8_dtype,
+        if rowcol is not None:
+            result = run_fused(("cast_from_amax_rowcol", *key), rowcol.cast_from_amax_rowcol, x, amax, self.fp8_dtype,
                                self.fmt_max, self.use_power_2_scales)
             if result is not None:
                 data, data_t, scale_inv = result

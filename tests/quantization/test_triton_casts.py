@@ -76,6 +76,13 @@ def kernels():
 
 
 @pytest.fixture
+def rowcol():
+    from te_dist.quantization import triton_rowcol
+
+    return triton_rowcol
+
+
+@pytest.fixture
 def nvfp4_kernels():
     from te_dist.quantization import triton_nvfp4
 
@@ -252,19 +259,19 @@ def _rowcol_shapes(request, path):
 @pytest.mark.parametrize("path", ["two_pass", "one_pass"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("power_2", [False, True])
-def test_per_tensor_casts_with_transposed_data(request, device, kernels, dtype, power_2, path):
+def test_per_tensor_casts_with_transposed_data(request, device, rowcol, dtype, power_2, path):
     """The per-tensor casts that also write the transposed data: the same bytes as the plain cast,
     transposed, for current scaling (amax from x or given) and delayed scaling (amax recorded); by the
     Triton cast and transpose, and by the one-pass CUDA cast (``settings.cuda_rowcol_cast``)."""
     for seed, shape in enumerate(_rowcol_shapes(request, path)):
         x = _data(shape, dtype, device, seed=seed, specials=seed == 0)
-        data, data_t, scale_inv = kernels.current_scaling_quantize_rowcol(x, *E4M3, power_2)
+        data, data_t, scale_inv = rowcol.current_scaling_quantize_rowcol(x, *E4M3, power_2)
         ref_data, ref_scale_inv = cast.current_scaling_quantize(x, *E4M3, power_2)
         _assert_same(data, ref_data, f"{shape} data")
         _assert_same(data_t, _t(ref_data), f"{shape} data_t")
         _assert_same(scale_inv, ref_scale_inv, f"{shape} scale_inv")
         amax = torch.tensor(5.5, device=device)
-        data, data_t, scale_inv = kernels.cast_from_amax_rowcol(x, amax, *E5M2, power_2)
+        data, data_t, scale_inv = rowcol.cast_from_amax_rowcol(x, amax, *E5M2, power_2)
         scale = cast.per_tensor_scale(amax, E5M2[1], power_2=power_2)
         ref_data = cast.cast_fp8_per_tensor(x, scale, *E5M2)
         _assert_same(data, ref_data, f"{shape} data from amax")
@@ -274,11 +281,11 @@ def test_per_tensor_casts_with_transposed_data(request, device, kernels, dtype, 
 
 @pytest.mark.parametrize("path", ["two_pass", "one_pass"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_delayed_scaling_with_transposed_data(request, device, kernels, dtype, path):
+def test_delayed_scaling_with_transposed_data(request, device, rowcol, dtype, path):
     history, scale = torch.zeros(4, device=device), torch.full((), 3.0, device=device)
     for step, shape in enumerate(_rowcol_shapes(request, path)):
         x = _data(shape, dtype, device, seed=step, specials=step == 1)
-        out = kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 1, "max")
+        out = rowcol.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 1, "max")
         ref = cast.delayed_scaling_step(x, scale, history, *E4M3, 1, "max")
         _assert_same(out[1], _t(ref[0]), f"step {step} data_t")
         for name, a, b in zip(("data", "history", "scale", "scale_inv"), (out[0], *out[2:]), ref):
@@ -289,7 +296,7 @@ def test_delayed_scaling_with_transposed_data(request, device, kernels, dtype, p
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_delayed_scaling_rolls_the_history_after_every_program(kernels, algo):
+def test_delayed_scaling_rolls_the_history_after_every_program(rowcol, algo):
     """The cast's last program to finish rolls the history: with hundreds of programs per cast (and one
     whose largest value sits in a random program each step), 40 steps stay bit-identical to the
     eager reference, data, history, scale and scale_inv."""
@@ -301,7 +308,7 @@ def test_delayed_scaling_rolls_the_history_after_every_program(kernels, algo):
         rows = int(torch.randint(64, 4096, (), generator=gen)) * 4
         x = torch.randn(rows, 1024, generator=gen).to(device, torch.bfloat16)
         x.view(-1)[int(torch.randint(0, x.numel(), (), generator=gen))] = 50.0 * (1 + step % 7)
-        out = kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 0, algo)
+        out = rowcol.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 0, algo)
         ref = cast.delayed_scaling_step(x, ref_scale, ref_history, *E4M3, 0, algo)
         for name, a, b in zip(("data", "history", "scale", "scale_inv"), (out[0], *out[2:]), ref):
             _assert_same(a, b, f"step {step} ({rows} rows) {name}")
@@ -309,12 +316,12 @@ def test_delayed_scaling_rolls_the_history_after_every_program(kernels, algo):
         _, ref_history, ref_scale, _ = ref
 
 
-def test_per_tensor_transposed_data_needs_rows_in_words(device, kernels):
+def test_per_tensor_transposed_data_needs_rows_in_words(device, rowcol):
     """Rows not a multiple of 4 (one word of four FP8 bytes), a 1-D or an empty x: UnsupportedLayout, so
     the quantizer takes the plain cast and transposes."""
     for shape in ((6, 64), (2, 6, 64), (64,), (0, 64)):
-        with pytest.raises(kernels.UnsupportedLayout):
-            kernels.current_scaling_quantize_rowcol(torch.ones(shape, device=device), *E4M3, False)
+        with pytest.raises(rowcol.UnsupportedLayout):
+            rowcol.current_scaling_quantize_rowcol(torch.ones(shape, device=device), *E4M3, False)
 
 
 def test_one_pass_cast_is_off_by_default_and_checks_its_input():
@@ -366,7 +373,7 @@ def test_nvcc_compiles_the_one_pass_cast_and_its_phases_run_on_the_host(tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
-def test_one_pass_cast_matches_the_two_pass_cast_on_large_stacks(kernels):
+def test_one_pass_cast_matches_the_two_pass_cast_on_large_stacks(rowcol):
     """The CUDA kernel itself on many blocks: a grouped weight stack [E, N, K] (bf16), current and delayed
     scaling, byte for byte the two-pass path's output, and the quantizer's weight copy alike."""
     from te_dist.quantization import cuda_rowcol
@@ -379,8 +386,8 @@ def test_one_pass_cast_matches_the_two_pass_cast_on_large_stacks(kernels):
     for on in (False, True):
         with settings.override(cuda_rowcol_cast=on):
             assert cuda_rowcol.enabled_for(x, E4M3[0]) == on
-            runs[on] = (kernels.current_scaling_quantize_rowcol(x, *E4M3, False)
-                        + kernels.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 0, "max"))
+            runs[on] = (rowcol.current_scaling_quantize_rowcol(x, *E4M3, False)
+                        + rowcol.delayed_scaling_step_rowcol(x, scale, history, *E4M3, 0, "max"))
     for i, (a, b) in enumerate(zip(runs[True], runs[False])):
         _assert_same(a, b, f"output {i}")
 
@@ -710,7 +717,18 @@ def _compile_configs(tc):
                     yield tc._cast_tile_kernel, sig, dict(NG=ng, SUB=sub, ROW=row, COL=True, SQUARE=False, COL_T=col_t,
                                                           GATHER=gather, **consts), warps
         from te_dist.quantization import triton_nvfp4 as nv
+        from te_dist.quantization import triton_rowcol as rc
 
+        for power_2 in (False, True):  # the one-pass cast's scale, and its delayed history roll
+            yield rc._scale_kernel, {"amax_ptr": "*i32", "scale_ptr": "*fp32", "scale_inv_ptr": "*fp32"}, dict(
+                FMT_MAX=fmax, POWER_2=power_2), 1
+        for algo_max in (False, True):
+            sig = {"amax_ptr": "*i32", "hist_ptr": "*fp32", "scale_ptr": "*fp32", "new_hist_ptr": "*fp32",
+                   "new_scale_ptr": "*fp32", "new_scale_inv_ptr": "*fp32", "hist_len": "i32", "margin_mul": "fp32"}
+            yield rc._roll_history_kernel, sig, dict(FMT_MAX=fmax, ALGO_MAX=algo_max, BLOCK=1024, ITERS=1), 1
+        tr, tcols, warps = tc._PT_TILE
+        yield rc._transpose_bytes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32"}, dict(
+            TR=tr, TC=tcols), warps
         for sr in (False, True):
             nb, iters, warps = nv._NVFP4_ROWS
             sig = {"x_ptr": inp, "out_ptr": "*i32", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
