@@ -12,6 +12,7 @@ the callers keep the Triton two-pass path. Nothing here runs at import.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import warnings
@@ -119,9 +120,10 @@ def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fm
     matrices = x.numel() // (rows * cols)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     data_t = torch.empty((*x.shape[:-2], cols, rows), dtype=fp8_dtype, device=x.device)
-    with torch.cuda.device(x.device):
-        stream = torch.cuda.current_stream(x.device).cuda_stream
+    # the launch goes to the current device: switch only where x lives elsewhere (the callers already run there)
+    on_x = x.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if on_x else torch.cuda.device(x.device):
         lib.cast(x.data_ptr(), data.data_ptr(), data_t.data_ptr(), scale.data_ptr(),
                  None if amax_bits is None else amax_bits.data_ptr(), matrices, rows, cols, _DTYPES[x.dtype],
-                 _FORMATS[fp8_dtype], float(fmt_max), stream)
+                 _FORMATS[fp8_dtype], float(fmt_max), torch.cuda.current_stream(x.device).cuda_stream)
     return data, data_t

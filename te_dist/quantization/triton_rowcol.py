@@ -133,10 +133,11 @@ def _delayed_step_one_pass(x, scale, history, fp8_dtype, fmt_max: float, margin:
     x = x.contiguous()
     history, new_history, new_scale, new_scale_inv = _delayed_outputs(history, algo, x.device)
     bits = _zero_bits(x.device)
-    data, data_t = cuda_rowcol.cast_rowcol(x, _scalar_f32(scale), fp8_dtype, fmt_max, amax_bits=bits)
+    scale = _scalar_f32(scale)
+    data, data_t = cuda_rowcol.cast_rowcol(x, scale, fp8_dtype, fmt_max, amax_bits=bits)
     hist_len = history.numel()
     hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
-    launch(_roll_history_kernel, (1,), bits, history, _scalar_f32(scale), new_history, new_scale, new_scale_inv,
+    launch(_roll_history_kernel, (1,), bits, history, scale, new_history, new_scale, new_scale_inv,
            hist_len, math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=hist_block,
            ITERS=cdiv(hist_len, hist_block), num_warps=1)
     return data, data_t, new_history, new_scale, new_scale_inv
