@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The FP8 work's device calls (one H100 or H200). Logs and JSON go to $OUT.
 #   bash benchmarks/run_fp8_gpu.sh build   # build the kernels the FP8 layer runs; $OUT/kcache_*.tgz bring
-#                                          # them back (unpack into .kcache/ and carry it next time)
+#                                          # them back (put them in .kcache/ and carry it: device_env.sh unpacks)
 #   bash benchmarks/run_fp8_gpu.sh tests   # the FP8 GPU tests (casts, weight copy, layer, off-grid)
 #   bash benchmarks/run_fp8_gpu.sh bench   # the weight cast and the training-step benchmarks
 #   bash benchmarks/run_fp8_gpu.sh switches  # the paths landed off by default (docs/settings.md): their GPU

@@ -8,3 +8,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
+# Kernels travel packed (the .so files are over the carry limit unpacked): unpack .kcache/*.tgz in place.
+for packed in .kcache/*.tgz; do if [ -e "$packed" ]; then tar xzf "$packed" -C .kcache; fi; done
