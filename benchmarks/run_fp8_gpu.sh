@@ -50,7 +50,7 @@ switches)
   tail -n 15 "$OUT/switch_tests.txt"
   timeout ${CAST_LIMIT:-100} python3 benchmarks/quantize.py weights --recipes current,delayed > "$OUT/weight_cast.txt" 2>&1
   tail -n 12 "$OUT/weight_cast.txt"
-  TE_DIST_CUDA_ROWCOL_CAST=1 timeout ${LAYER_LIMIT:-240} python3 benchmarks/fp8_layer.py --pad-off-grid \
+  TE_DIST_CUDA_ROWCOL_CAST=1 timeout ${LAYER_LIMIT:-240} python3 benchmarks/fp8_layer.py --pad-off-grid ${LAYER_ARGS:-} \
     --json "$OUT/fp8_layer_switches.json" > "$OUT/fp8_layer_switches.txt" 2>&1
   tail -n 45 "$OUT/fp8_layer_switches.txt"
   ;;

@@ -226,7 +226,9 @@ def test_layer_keeps_the_swiglu_input_in_fp8(cuda_device, name):
     held_fp8, grads_fp8 = step(fp8_kept)
     held_bf16, grads_bf16 = step(bf16_kept)
     rows_by_width = 1000 * 2 * 384 * 2  # at least T * top-k rows of h [*, 2F]
-    assert held_bf16 - held_fp8 >= 0.9 * rows_by_width, (held_fp8, held_bf16)
+    # one byte saved per element, less what the FP8 form holds beside its bytes (block: a float32 scale
+    # per 128 elements) and the allocator's rounding; a bf16 h would save nothing
+    assert held_bf16 - held_fp8 >= 0.85 * rows_by_width, (held_fp8, held_bf16)
     for got, kept_bf16, ref in zip(grads_fp8, grads_bf16, grads_ref):
         assert torch.isfinite(got).all() and _rel(got, kept_bf16) < 0.1
         assert _rel(got, ref) <= 1.5 * _rel(kept_bf16, ref) + 0.02, (_rel(got, ref), _rel(kept_bf16, ref))
