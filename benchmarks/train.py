@@ -80,7 +80,22 @@ def throughput(args) -> list:
         r["ratio"] = r["tokens_per_s"] / base
         print(f"{r['recipe']:<10}{r['ep']:>4}{r['tokens_per_s']:>14,.0f}{r['median_tokens_per_s']:>12,.0f}"
               f"{r['ratio']:>8.2f}{r['first_loss']:>11.4f} -> {r['last_loss']:<7.4f}{r['job_wall_s']:>12.1f}")
+    print(expert_ceiling(args.config))
     return results
+
+
+def expert_ceiling(config) -> str:
+    """What an FP8 recipe can give this model's tokens/s: only the expert MLPs are quantized, so by
+    their share of the FLOPs (Amdahl) the step's speed-up stays under the experts' own."""
+    from te_dist.train.config import load_config
+    from te_dist.train.estimate import expert_flops_share, speedup_ceiling
+
+    cfg = load_config(config)
+    share = expert_flops_share(cfg.model, cfg.data.seq_len)
+    caps = ", ".join(f"{r}x -> {speedup_ceiling(share, r):.2f}x" for r in (1.2, 1.3, 1.5, 2.0))
+    need = share / (1 / 1.25 - (1 - share)) if 1 / 1.25 > 1 - share else float("inf")
+    return (f"expert MLPs: {share:.1%} of the FLOPs per token; tokens/s ceiling at an expert-MLP speed-up of "
+            f"{caps}; 1.25x tokens/s needs the expert MLPs at {need:.2f}x")
 
 
 def resume_drift(args) -> list:

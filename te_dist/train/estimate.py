@@ -22,7 +22,7 @@ from typing import Optional
 
 from .config import ConfigError, JobConfig, ModelConfig, model_dtype
 
-__all__ = ["ModelSize", "model_size", "flops_per_token", "MemoryEstimate", "memory_estimate", "available_memory",
+__all__ = ["ModelSize", "model_size", "flops_per_token", "expert_flops_share", "speedup_ceiling", "MemoryEstimate", "memory_estimate", "available_memory",
            "check_fits", "peak_flops", "GiB"]
 
 GiB = 1024**3
@@ -74,6 +74,19 @@ def model_size(m: ModelConfig) -> ModelSize:
 def flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token."""
     return 6 * model_size(m).active + 12 * m.num_layers * m.hidden_size * seq_len
+
+
+def expert_flops_share(m: ModelConfig, seq_len: int) -> float:
+    """The expert MLPs' part of a token's training FLOPs: the part an FP8 recipe speeds up (the
+    attention, router and LM head GEMMs stay in the model dtype)."""
+    expert = 6 * m.num_layers * m.top_k * (m.hidden_size * _fc1_out(m) + m.ffn_hidden_size * m.hidden_size)
+    return expert / flops_per_token(m, seq_len)
+
+
+def speedup_ceiling(share: float, part_speedup: float) -> float:
+    """Amdahl: the whole step's speed-up when a part holding ``share`` of its time runs
+    ``part_speedup`` times faster and the rest does not change."""
+    return 1.0 / ((1.0 - share) + share / part_speedup)
 
 
 @dataclass(frozen=True)

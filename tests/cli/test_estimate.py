@@ -3,7 +3,8 @@
 import pytest
 
 from te_dist.train.config import ConfigError, JobConfig, ModelConfig, config_from_dict, load_config
-from te_dist.train.estimate import GiB, flops_per_token, memory_estimate, model_size
+from te_dist.train.estimate import (GiB, expert_flops_share, flops_per_token, memory_estimate, model_size,
+                                     speedup_ceiling)
 from te_dist.train.preflight import LaunchPlan, memory_report
 
 from conftest import REPO_ROOT
@@ -30,6 +31,16 @@ def test_flops_per_token_by_hand():
     per_layer = 4 * 128 * 128 + 4 * 128 + 2 * (128 * 256 + 128 * 128)
     active = 2 * per_layer + 64 * 128
     assert flops_per_token(m, 32) == 6 * active + 12 * 2 * 128 * 32
+
+
+def test_expert_share_by_hand_and_its_ceiling():
+    m = ModelConfig()  # V=64 H=128 F=128 E=4 k=2 L=2, swiglu
+    expert = 6 * 2 * 2 * (128 * 256 + 128 * 128)
+    assert expert_flops_share(m, 32) == pytest.approx(expert / flops_per_token(m, 32))
+    share = expert_flops_share(m, 32)
+    assert speedup_ceiling(share, 1.0) == pytest.approx(1.0)
+    assert 1.0 < speedup_ceiling(share, 1.5) < 1.5  # the rest of the step does not speed up
+    assert speedup_ceiling(1.0, 1.5) == pytest.approx(1.5)
 
 
 def test_estimate_grows_with_the_job_and_shrinks_with_ep():
