@@ -7,7 +7,8 @@
 #   bash benchmarks/run_fp8_gpu.sh switches  # the paths landed off by default (docs/settings.md): their GPU
 #                                          # tests with the switch on, then the benchmarks on against off
 #   CONFIG=mixtral_like STEPS=30 bash benchmarks/run_fp8_gpu.sh train  # te-dist train tokens/s on this GPU,
-#                                          # bf16 against block and current (STEPS=300: the loss check)
+#                                          # bf16 against block and current (STEPS=300: the loss check;
+#                                          # TRAIN_ARGS=--fp8-dense: attention and LM head quantized too)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -37,7 +38,7 @@ bench|all)
   ;;
 train)
   timeout ${TRAIN_LIMIT:-560} python3 benchmarks/train.py throughput --nproc 1 --device cuda --seed 1 \
-    --config launchers/configs/${CONFIG:-mixtral_like}.yaml --steps ${STEPS:-30} --variants none:1 block:1 current:1 \
+    --config launchers/configs/${CONFIG:-mixtral_like}.yaml --steps ${STEPS:-30} --variants none:1 block:1 current:1 ${TRAIN_ARGS:-} \
     --json "$OUT/train_${CONFIG:-mixtral_like}.json" > "$OUT/train_${CONFIG:-mixtral_like}.txt" 2>&1
   tail -n 12 "$OUT/train_${CONFIG:-mixtral_like}.txt"
   ;;

@@ -4,6 +4,8 @@
     python benchmarks/train.py throughput --nproc 2 --config launchers/configs/mixtral_like.yaml \
         --steps 12 --variants none:2 none:1                        # 2 GPUs
     python benchmarks/train.py throughput --nproc 1 --device cuda --steps 300 --seed 1 --variants none block
+    python benchmarks/train.py throughput --nproc 1 --device cuda --config launchers/configs/mixtral_like.yaml \
+        --variants none:1 block:1 --fp8-dense     # FP8 arms quantize attention and LM head too
     python benchmarks/train.py resume-drift [--recipe none] [--reshard 1 4]
     python benchmarks/train.py text [--work DIR] [--steps 300] [--recipes current none] [--plot-to DIR]
     python benchmarks/train.py token-memory [--gib 1] [--steps 200] [--nproc 2]
@@ -64,6 +66,7 @@ def throughput(args) -> list:
         extra += ["--config", args.config] if args.config else []
         extra += ["--device", args.device] if args.device else []
         extra += ["--seed", args.seed] if args.seed is not None else []
+        extra += ["--model.fp8_dense", "true"] if args.fp8_dense and recipe != "none" else []
         with tempfile.TemporaryDirectory(prefix="te_dist_bench_") as out:
             t0 = time.perf_counter()
             rows = te_dist_train(Path(out), args.nproc, *extra)
@@ -80,22 +83,24 @@ def throughput(args) -> list:
         r["ratio"] = r["tokens_per_s"] / base
         print(f"{r['recipe']:<10}{r['ep']:>4}{r['tokens_per_s']:>14,.0f}{r['median_tokens_per_s']:>12,.0f}"
               f"{r['ratio']:>8.2f}{r['first_loss']:>11.4f} -> {r['last_loss']:<7.4f}{r['job_wall_s']:>12.1f}")
-    print(expert_ceiling(args.config))
+    print(fp8_ceiling(args.config, {"model.fp8_dense": True} if args.fp8_dense else None))
     return results
 
 
-def expert_ceiling(config) -> str:
-    """What an FP8 recipe can give this model's tokens/s: only the expert MLPs are quantized, so by
-    their share of the FLOPs (Amdahl) the step's speed-up stays under the experts' own."""
+def fp8_ceiling(config, overrides=None) -> str:
+    """What an FP8 recipe can give this model's tokens/s: only the quantized GEMMs speed up (the expert
+    MLPs, and with model.fp8_dense the attention projections and LM head), so by their share of the
+    FLOPs (Amdahl) the step's speed-up stays under theirs."""
     from te_dist.train.config import load_config
-    from te_dist.train.estimate import expert_flops_share, speedup_ceiling
+    from te_dist.train.estimate import fp8_flops_share, speedup_ceiling
 
-    cfg = load_config(config)
-    share = expert_flops_share(cfg.model, cfg.data.seq_len)
+    cfg = load_config(config, overrides=overrides)
+    share = fp8_flops_share(cfg.model, cfg.data.seq_len)
+    what = "expert MLPs" + (", attention projections and LM head" if cfg.model.fp8_dense else "")
     caps = ", ".join(f"{r}x -> {speedup_ceiling(share, r):.2f}x" for r in (1.2, 1.3, 1.5, 2.0))
     need = share / (1 / 1.25 - (1 - share)) if 1 / 1.25 > 1 - share else float("inf")
-    return (f"expert MLPs: {share:.1%} of the FLOPs per token; tokens/s ceiling at an expert-MLP speed-up of "
-            f"{caps}; 1.25x tokens/s needs the expert MLPs at {need:.2f}x")
+    return (f"quantized GEMMs ({what}): {share:.1%} of the FLOPs per token; tokens/s ceiling at their speed-up of "
+            f"{caps}; 1.25x tokens/s needs them at {need:.2f}x")
 
 
 def resume_drift(args) -> list:
@@ -230,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None)
     p.add_argument("--device", default=None, help="te-dist train --device (default: its own choice)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--fp8-dense", action="store_true",
+                   help="FP8 variants also quantize the attention projections and LM head (model.fp8_dense)")
     p.add_argument("--variants", nargs="+", default=["none:2", "none:1", "current:2", "delayed:2"],
                    help="recipe:ep pairs (ep defaults to --nproc); the first is the baseline")
     p = sub.add_parser("resume-drift", help="loss drift of a run resumed on other rank counts")

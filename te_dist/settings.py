@@ -157,6 +157,11 @@ class Settings:
         doc="expert features off the FP8 kernels' 128 grid (gpt-oss's 2880) take the native FP8 path, zero "
             "padded to the grid inside GroupedLinear. False (default until measured on a GPU): such layers run "
             "the emulated path (fake-quantize, then the bf16 GEMM).")
+    fp8_dense_native: bool = _field(
+        False, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
+        doc="te_dist.ops.BasicLinear under an FP8 recipe runs its three GEMMs on the quantized grouped kernels "
+            "as one group (te_dist.ops.basic.dense_fp8) where they run. Off (default, until measured on a GPU): "
+            "the emulated path (fake-quantize, then the GEMM in the input's dtype).")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

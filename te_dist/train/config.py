@@ -96,6 +96,9 @@ class ModelConfig:
     aux_loss_coeff: float = _f(0.01, "router load-balancing loss weight")
     dtype: str = _f("auto", f"parameter and activation dtype, one of {list(DTYPES)}; auto: bfloat16 on GPUs "
                             "(what the native FP8 expert kernels take), float32 on CPU")
+    fp8_dense: bool = _f(False, "the attention projections and the LM head run under the recipe too (te_dist "
+                                "BasicLinear: native FP8 kernels where te_dist.settings.fp8_dense_native is on, "
+                                "else emulated); false: they stay in the model dtype, only the experts are quantized")
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,7 @@ from typing import Optional
 
 from .config import ConfigError, JobConfig, ModelConfig, model_dtype
 
-__all__ = ["ModelSize", "model_size", "flops_per_token", "expert_flops_share", "speedup_ceiling", "MemoryEstimate", "memory_estimate", "available_memory",
+__all__ = ["ModelSize", "model_size", "flops_per_token", "fp8_flops_share", "speedup_ceiling", "MemoryEstimate", "memory_estimate", "available_memory",
            "check_fits", "peak_flops", "GiB"]
 
 GiB = 1024**3
@@ -76,11 +76,15 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> int:
     return 6 * model_size(m).active + 12 * m.num_layers * m.hidden_size * seq_len
 
 
-def expert_flops_share(m: ModelConfig, seq_len: int) -> float:
-    """The expert MLPs' part of a token's training FLOPs: the part an FP8 recipe speeds up (the
-    attention, router and LM head GEMMs stay in the model dtype)."""
-    expert = 6 * m.num_layers * m.top_k * (m.hidden_size * _fc1_out(m) + m.ffn_hidden_size * m.hidden_size)
-    return expert / flops_per_token(m, seq_len)
+def fp8_flops_share(m: ModelConfig, seq_len: int) -> float:
+    """The part of a token's training FLOPs in GEMMs an FP8 recipe quantizes, the part it can speed up:
+    the expert MLPs, and with ``model.fp8_dense`` the attention projections and the LM head (the router
+    and the attention scores stay in the model dtype)."""
+    H, L = m.hidden_size, m.num_layers
+    quantized = L * m.top_k * (H * _fc1_out(m) + m.ffn_hidden_size * H)
+    if m.fp8_dense:
+        quantized += L * 4 * H * H + m.vocab_size * H
+    return 6 * quantized / flops_per_token(m, seq_len)
 
 
 def speedup_ceiling(share: float, part_speedup: float) -> float:

@@ -118,6 +118,22 @@ def _expert_path_report(model, recipe) -> str:
     return f"[te-dist] expert MLPs: {path} ({why})"
 
 
+def _dense_path_report(model, recipe) -> Optional[str]:
+    """With ``model.fp8_dense``: the path the attention projections and the LM head took in the first
+    step (te_dist.ops.basic.dense_fp8 says when the native one runs); None when they are not quantized."""
+    from ..ops import BasicLinear
+
+    dense = [m for m in model.modules() if isinstance(m, BasicLinear)]
+    if recipe is None or not dense:
+        return None
+    if all(m.has_native_weight_copy for m in dense):
+        return "[te-dist] dense linears (attention, LM head): native (FP8 grouped kernels as one group)"
+    native = sum(m.has_native_weight_copy for m in dense)
+    why = ("te_dist.settings.fp8_dense_native is off" if not settings.current().fp8_dense_native else
+           "a CPU run, features off the 128 grid or rows off the recipe's alignment (te_dist.ops.basic.dense_fp8)")
+    return f"[te-dist] dense linears (attention, LM head): emulated in {len(dense) - native} of {len(dense)} ({why})"
+
+
 @dataclass
 class _Job:
     """Everything one rank builds before its first step."""
@@ -322,6 +338,9 @@ def _train(cfg: JobConfig, *, resume, fault, stop, overwrite, skip_invalid, anno
         if step == start_step + 1:  # the plans of the training step, before an evaluation runs its own
             _say(rt, _fuser_report(job.model))
             _say(rt, _expert_path_report(job.model, job.recipe))
+            dense_report = _dense_path_report(job.model, job.recipe)
+            if dense_report:
+                _say(rt, dense_report)
         evaluated = t.evaluates_at(step, has_val=job.data.has_val)
         val_loss = _evaluate(job, cfg) if evaluated else None
         if evaluated:

@@ -31,16 +31,27 @@ def _seeded(seed: int):
         yield
 
 
+def _dense(in_features: int, out_features: int, quantized: bool, *, dtype=None, device=None) -> nn.Module:
+    """A bias-free linear layer: te_dist's BasicLinear where the recipe should quantize it
+    (``model.fp8_dense``), else nn.Linear. Both hold ``weight`` [out, in] drawn alike (uniform in
+    +-1/sqrt(in)), so a checkpoint and a seed mean the same weights either way."""
+    if quantized:
+        from ..ops import BasicLinear
+
+        return BasicLinear(in_features, out_features, dtype=dtype, device=device)
+    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention (the token-mixing layer); replicated on every rank."""
 
-    def __init__(self, hidden_size: int, num_heads: int, *, dtype=None, device=None):
+    def __init__(self, hidden_size: int, num_heads: int, *, dtype=None, device=None, quantized: bool = False):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"{hidden_size=} is not divisible by {num_heads=}")
         self.num_heads = num_heads
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False, dtype=dtype, device=device)
-        self.proj = nn.Linear(hidden_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.qkv = _dense(hidden_size, 3 * hidden_size, quantized, dtype=dtype, device=device)
+        self.proj = _dense(hidden_size, hidden_size, quantized, dtype=dtype, device=device)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         B, S, H = x_BSH.shape
@@ -58,7 +69,8 @@ class MoEBlock(nn.Module):
 
         with _seeded(seed):
             self.attn_norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
-            self.attn = CausalSelfAttention(cfg.hidden_size, cfg.num_heads, dtype=dtype, device=device)
+            self.attn = CausalSelfAttention(cfg.hidden_size, cfg.num_heads, dtype=dtype, device=device,
+                                            quantized=cfg.fp8_dense)
             self.moe_norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
         with _seeded(seed + 1):  # MoELayer's own contract: global expert e is EP-size invariant
             self.moe = MoELayer(
@@ -96,7 +108,7 @@ class MoETransformer(nn.Module):
         )
         with _seeded(seed + 1):
             self.norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
-            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            self.head = _dense(cfg.hidden_size, cfg.vocab_size, cfg.fp8_dense, dtype=dtype, device=device)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         x_BSH = self.embed(tokens_BS)

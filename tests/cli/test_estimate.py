@@ -3,7 +3,7 @@
 import pytest
 
 from te_dist.train.config import ConfigError, JobConfig, ModelConfig, config_from_dict, load_config
-from te_dist.train.estimate import (GiB, expert_flops_share, flops_per_token, memory_estimate, model_size,
+from te_dist.train.estimate import (GiB, fp8_flops_share, flops_per_token, memory_estimate, model_size,
                                      speedup_ceiling)
 from te_dist.train.preflight import LaunchPlan, memory_report
 
@@ -33,11 +33,13 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(m, 32) == 6 * active + 12 * 2 * 128 * 32
 
 
-def test_expert_share_by_hand_and_its_ceiling():
+def test_fp8_share_by_hand_and_its_ceiling():
     m = ModelConfig()  # V=64 H=128 F=128 E=4 k=2 L=2, swiglu
     expert = 6 * 2 * 2 * (128 * 256 + 128 * 128)
-    assert expert_flops_share(m, 32) == pytest.approx(expert / flops_per_token(m, 32))
-    share = expert_flops_share(m, 32)
+    dense = 6 * (2 * 4 * 128 * 128 + 64 * 128)  # attention projections and the LM head
+    assert fp8_flops_share(m, 32) == pytest.approx(expert / flops_per_token(m, 32))
+    assert fp8_flops_share(ModelConfig(fp8_dense=True), 32) == pytest.approx((expert + dense) / flops_per_token(m, 32))
+    share = fp8_flops_share(m, 32)
     assert speedup_ceiling(share, 1.0) == pytest.approx(1.0)
     assert 1.0 < speedup_ceiling(share, 1.5) < 1.5  # the rest of the step does not speed up
     assert speedup_ceiling(1.0, 1.5) == pytest.approx(1.5)

@@ -40,6 +40,19 @@ def test_loss_goes_down_with_a_recipe(run_cli, tmp_path):
     assert last < first - 1.5, losses  # real learning: from ~ln(64)=4.16 towards the chain entropy 0.68
 
 
+def test_dense_linears_under_the_recipe(run_cli, tmp_path):
+    """model.fp8_dense: the attention projections and the LM head are quantized too (emulated on CPU,
+    the native switch off), they load the same checkpoint keys, and training still lowers the loss."""
+    result = run_cli("train", "--steps", 8, "--recipe", "current", "--model.fp8_dense", "true").check()
+    assert ("[te-dist] dense linears (attention, LM head): emulated in 5 of 5 "
+            "(te_dist.settings.fp8_dense_native is off)") in result.output
+    losses = _losses(tmp_path / "te_dist_out" / "latest")
+    assert losses[8] < losses[1], losses
+    plain = run_cli("train", "--steps", 8, "--recipe", "current", "--out", "plain").check()
+    assert "dense linears" not in plain.output
+    assert _losses(tmp_path / "plain")[8] != losses[8]  # the dense layers' quantization changed the run
+
+
 def test_resume_is_bit_exact_after_a_crash(run_cli, tmp_path):
     """A job killed at step 5 (rank 1 fails) and resumed from its step-3 checkpoint reproduces the
     uninterrupted job's losses exactly. DelayedScaling is the stateful recipe: its amax histories

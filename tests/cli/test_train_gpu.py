@@ -31,6 +31,20 @@ def test_fp8_recipes_run_the_native_expert_path(run_cli, tmp_path, recipe):
     assert losses[5] < losses[1]
 
 
+@pytest.mark.parametrize("recipe", ["block", "current"])
+def test_fp8_dense_linears_run_native_with_the_switch_on(run_cli, tmp_path, monkeypatch, recipe):
+    """model.fp8_dense with te_dist.settings.fp8_dense_native on: the attention projections and the
+    LM head take the FP8 grouped kernels as one group, and training still lowers the loss."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the native FP8 grouped kernels are sm_90a only")
+    monkeypatch.setenv("TE_DIST_FP8_DENSE_NATIVE", "1")
+    result = run_cli("train", "--nproc", 1, "--steps", 5, "--log-every", 1, "--recipe", recipe,
+                     "--model.fp8_dense", "true", "--model.vocab_size", 128).check()  # the head on the grid
+    assert "[te-dist] dense linears (attention, LM head): native" in result.output
+    losses = _losses(tmp_path / "te_dist_out" / "latest")
+    assert losses[5] < losses[1]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpu_ranks_resume(run_cli, tmp_path):
     # Unquantized, as the CPU test of resuming at another EP size: per-tensor FP8 scales are taken

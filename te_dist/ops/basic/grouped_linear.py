@@ -45,7 +45,7 @@ from .row_gather import RowGather
 from .weight_copy import WeightCopy, check_microbatch_flag
 
 __all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
-           "remember_split_alignment", "split_rows", "check_rows_out"]
+           "remember_split_alignment", "split_rows", "check_rows_out", "wgrad_copy"]
 
 _kernels = None
 _support = None
@@ -379,7 +379,7 @@ class GroupedLinear(BasicOperation):
         wq = self.quantized_weight()
         y = kernels().grouped_mm_quantized_forward(xq, wq, offsets, bias_EN=bias, out_dtype=x.dtype,
                                                    group_sizes=group_sizes)
-        self._save(ctx, _wgrad_copy(xq) if need_wgrad else None, None, wq, groups, rows)
+        self._save(ctx, wgrad_copy(xq) if need_wgrad else None, None, wq, groups, rows)
         return y if pad is None else pad.output(y)
 
     @property
@@ -511,7 +511,7 @@ def bias_grad(dy, offsets, num_groups, dtype):
     return _bias_grad(dy, offsets, num_groups, dtype)
 
 
-def _wgrad_copy(xq):
+def wgrad_copy(xq):
     """What wgrad reads of a quantized input: a block tensor's columnwise copy alone (the rowwise
     copy served fprop and is freed); a per-tensor tensor's transposed data where the cast wrote it."""
     if hasattr(xq, "wgrad_copy"):

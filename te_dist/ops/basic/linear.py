@@ -7,6 +7,11 @@ Tensor-parallel modes (Megatron style, no sequence parallelism):
   is all-reduced (a following bias is added after the reduction by the fused op).
 
 ``linear_forward`` / ``linear_backward`` are the functional core the fused ops call.
+
+Under an FP8 recipe the GEMMs run emulated (fake-quantize, then the GEMM in x's dtype), or natively on
+the quantized grouped kernels as one group where :mod:`.dense_fp8` says they can (its switch,
+``te_dist.settings.fp8_dense_native``, is off by default). The native path keeps its weight copy by the
+grouped layers' rule: ``is_first_microbatch`` as in TransformerEngine (:mod:`.weight_copy`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from ..op import BasicOperation, OpContext
 from . import _comm
 from ._quant import GemmQuantizers, fake_quantize_or_identity
+from .dense_fp8 import DenseFP8, DenseFP8Saved
 
 __all__ = ["BasicLinear"]
 
@@ -60,9 +66,18 @@ class BasicLinear(BasicOperation):
         with torch.no_grad():
             self.weight.uniform_(-bound, bound)
         self._quantizers = GemmQuantizers(None)
+        self._native = DenseFP8()  # the native FP8 path's weight copy
+        # None: cast the weight copy at every native forward; True / False: the micro-batch protocol
+        self.is_first_microbatch = None
 
     def reset_recipe_state(self, recipe) -> None:
         self._quantizers = GemmQuantizers(recipe)
+        self._native = DenseFP8()
+
+    @property
+    def has_native_weight_copy(self) -> bool:
+        """True once the native FP8 path cast this weight under the current recipe."""
+        return self._native.weight_copy.casts > 0
 
     @property
     def quantizers(self) -> GemmQuantizers:
@@ -78,6 +93,9 @@ class BasicLinear(BasicOperation):
             raise TypeError(f"BasicLinear input dtype {x.dtype} does not match weight dtype {w.dtype}")
         q = self._quantizers
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if q.active and DenseFP8.applies(self, x2):
+            y = self._native_forward(ctx, x2, bias, x.shape)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         if q.active:
             xq = fake_quantize_or_identity(x2, q.input)
             wq = fake_quantize_or_identity(w, q.weight)
@@ -97,11 +115,32 @@ class BasicLinear(BasicOperation):
             ctx.saved = (saved_x if w.requires_grad else None, saved_w, x.shape, w.requires_grad)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def _native_forward(self, ctx: OpContext, x2: torch.Tensor, bias, x_shape) -> torch.Tensor:
+        """The native FP8 GEMM (bias fused unless the output is all-reduced first)."""
+        row = self._row_parallel
+        y = self._native.forward(self, ctx, x2, None if row else bias, x_shape)
+        if self.is_first_microbatch:  # the later micro-batches of this optimizer step reuse the copy
+            self.is_first_microbatch = False
+        if row:
+            y = _comm.all_reduce_sum(y, self.tensor_parallel_group)
+            if bias is not None:
+                y = y + bias
+        return y
+
     def linear_backward(self, ctx: OpContext, dy: torch.Tensor):
         """Returns ``(dx, dweight)``; dx is None when the input needs no grad."""
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+        if isinstance(ctx.saved, DenseFP8Saved):
+            saved, ctx.saved = ctx.saved, ()
+            dx, dw = DenseFP8.backward(self, saved, dy2.contiguous(), ctx.input_requires_grad)
+            if dx is not None:
+                if self._column_parallel:
+                    dx = _comm.all_reduce_sum(dx, self.tensor_parallel_group)
+                if len(saved.x_shape) != 2:
+                    dx = dx.reshape(saved.x_shape)
+            return dx, dw
         saved_x, saved_w, x_shape, weight_requires_grad = ctx.saved
         ctx.saved = ()
-        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         q = self._quantizers.grad_output
         dyq = dy2 if q is None else fake_quantize_or_identity(dy2, q)
         dx = None

@@ -1,0 +1,120 @@
+"""BasicLinear's native FP8 path: the dense GEMM run as one group of the quantized grouped kernels.
+
+Why one group: the grouped FP8 entry points (``te_dist.kernels.grouped_mm_quantized_*``) already take
+every FP8 recipe's scaling (per-tensor, 1x128 / 128x128 blocks) in all three directions, with a
+prepared weight copy in both GEMM layouts; a dense layer ``y = x @ W.T`` is their E = 1 case
+(offsets ``[T]``), so there is no second FP8 GEMM stack to keep. The weight copy follows the grouped
+layers' rule (:mod:`.weight_copy`: cast at every forward unless ``is_first_microbatch`` says the weights
+did not change since the step's first micro-batch).
+
+Taken when ``te_dist.settings.fp8_dense_native`` is on, the recipe quantizes its backward too (no
+``backward_override``), the support predicate says the grouped kernels run for x's dtype and device
+with T rows as the one group's size, and both local features are multiples of 128 (the kernels' scale
+block); else BasicLinear's emulated path (fake-quantize, then the bf16 GEMM). Off by default until
+measured on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ... import settings
+from .weight_copy import WeightCopy, check_microbatch_flag
+
+__all__ = ["DenseFP8", "DenseFP8Saved"]
+
+GRID = 128  # both features: the FP8 kernels' scale block
+
+
+class DenseFP8Saved(NamedTuple):
+    """What the native forward keeps for backward (BasicLinear tells its two paths apart by this type)."""
+
+    x_wgrad: Optional[object]  # the quantized input as wgrad reads it (None: the weight needs no gradient)
+    weight: object  # the prepared weight copy (both layouts)
+    offsets: torch.Tensor  # int32 [1] = [T] on x's device
+    x_shape: torch.Size  # the op input's (dx is reshaped to it)
+    weight_requires_grad: bool
+
+
+class DenseFP8:
+    """One BasicLinear's native FP8 state: its weight copy and the one-group offsets of the last row count."""
+
+    __slots__ = ("weight_copy", "_offsets")
+
+    def __init__(self):
+        self.weight_copy = WeightCopy()
+        self._offsets = None  # (rows, device, int32 tensor [1]): a step's layers see one row count
+
+    @staticmethod
+    def applies(op, x2: torch.Tensor) -> bool:
+        """Does this forward of ``op`` (a BasicLinear under an active recipe) take the native path?"""
+        q = op.quantizers
+        if not settings.current().fp8_dense_native or q.backward_override is not None or not x2.is_cuda:
+            return False
+        if op.local_in_features % GRID or op.local_out_features % GRID or x2.shape[0] == 0:
+            return False
+        from ... import support
+
+        alignment = min(x2.shape[0] & -x2.shape[0], 128)  # as host_split_alignment: a few cache entries
+        return support.is_module_grouped_tensor_supported(q.recipe, x2.dtype, split_alignment=alignment,
+                                                          device=x2.device)
+
+    def offsets(self, rows: int, device: torch.device) -> torch.Tensor:
+        cached = self._offsets
+        if cached is None or cached[0] != rows or cached[1] != device:
+            cached = self._offsets = (rows, device, torch.full((1,), rows, dtype=torch.int32, device=device))
+        return cached[2]
+
+    def quantized_weight(self, op):
+        """The weight copy for this forward ([1, N, K], both layouts): kept or cast (see the module doc)."""
+        flag = check_microbatch_flag(op.is_first_microbatch)
+        return self.weight_copy.get(op.weight, op.quantizers.settings_key, lambda: _cast(op), flag)
+
+    def forward(self, op, ctx, x2: torch.Tensor, bias: Optional[torch.Tensor], x_shape: torch.Size) -> torch.Tensor:
+        """``x2 @ W.T (+ bias, fused)`` on the quantized kernels; saves a :class:`DenseFP8Saved` into ctx
+        (``x_shape``: the op input's shape, x2 its rows)."""
+        from ... import kernels
+
+        q = op.quantizers
+        rows = x2.shape[0]
+        need_wgrad = ctx.requires_grad and op.weight.requires_grad
+        xq = q.input(x2, rowwise=True, columnwise=need_wgrad)
+        wq = self.quantized_weight(op)
+        offsets = self.offsets(rows, x2.device)
+        y = kernels.grouped_mm_quantized_forward(xq, wq, offsets, bias_EN=None if bias is None else bias.unsqueeze(0),
+                                                 out_dtype=x2.dtype, group_sizes=(rows,))
+        if ctx.requires_grad:
+            from .grouped_linear import wgrad_copy
+
+            ctx.saved = DenseFP8Saved(wgrad_copy(xq) if need_wgrad else None, wq, offsets, x_shape,
+                                      op.weight.requires_grad)
+        return y
+
+    @staticmethod
+    def backward(op, saved: DenseFP8Saved, dy2: torch.Tensor, need_dx: bool):
+        """``(dx, dweight)`` from one quantization of dy (rowwise for dgrad, columnwise for wgrad)."""
+        from ... import kernels
+
+        rows = dy2.shape[0]
+        dyq = op.quantizers.grad_output(dy2, rowwise=need_dx, columnwise=saved.weight_requires_grad)
+        dx = dw = None
+        if need_dx:
+            dx = kernels.grouped_mm_quantized_dgrad(dyq, saved.weight, saved.offsets, out_dtype=dy2.dtype,
+                                                    group_sizes=(rows,))
+        if saved.weight_requires_grad:
+            dw = kernels.grouped_mm_quantized_wgrad(saved.x_wgrad, dyq, saved.offsets, num_groups=1,
+                                                    out_dtype=op.weight.dtype, group_sizes=(rows,))[0]
+        return dx, dw
+
+
+def _cast(op):
+    """The weight quantized as a one-group [1, N, K] stack, prepared for the grouped kernels."""
+    from ... import kernels
+
+    w = op.weight.detach().unsqueeze(0)
+    q = op.quantizers
+    if getattr(q.weight, "num_updates", None) == 0:
+        q.weight.observe(w)  # DelayedScaling: never cast with the initial scale (GroupedLinear._cast_weight)
+    return kernels.prepare_quantized_weight(q.weight(w, rowwise=True, columnwise=True))
