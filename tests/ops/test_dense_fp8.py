@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import te_dist as td
-from te_dist import kernels as K
 from te_dist import recipe as R
 from te_dist.ops import BasicLinear, Bias, GroupedLinear, OperationFuser
 from te_dist.ops.basic.dense_fp8 import DenseFP8
@@ -30,15 +29,6 @@ def _name(recipe_type):
 def forced_native(monkeypatch):
     monkeypatch.setattr(DenseFP8, "applies", staticmethod(lambda op, x2: True))
     monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
-
-
-@pytest.fixture
-def copies(monkeypatch):
-    """The shape of every weight copy cast (prepare_quantized_weight calls), in order."""
-    made = []
-    real = K.prepare_quantized_weight
-    monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: made.append(tuple(q.shape)) or real(q))
-    return made
 
 
 def _pair(k=256, n=384, bias=False, seed=0):

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 import te_dist as td
-from te_dist import kernels as K
 from te_dist import recipe as R
 from te_dist import support as S
 from te_dist.moe import MoELayer
@@ -54,15 +53,6 @@ def forced_native(monkeypatch):
 def pad_on():
     with td.settings.override(fp8_pad_off_grid=True):
         yield
-
-
-@pytest.fixture
-def copies(monkeypatch):
-    """The shape of every weight copy cast (prepare_quantized_weight calls), in order."""
-    made = []
-    real = K.prepare_quantized_weight
-    monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: made.append(tuple(q.shape)) or real(q))
-    return made
 
 
 def _layer(E, K_, N, seed=0, bias=True):
