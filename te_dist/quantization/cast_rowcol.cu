@@ -7,7 +7,8 @@
 //
 // Semantics (those of triton_casts._cast_per_tensor_kernel, bit for bit): y = fp8(clamp(x * scale,
 // -max, max)) with NaN kept (fp32 multiply, round to nearest even), scale read from device memory;
-// optionally amax(x) as the int32 bits of |x| (NaN above Inf) merged into *amax_bits by atomicMax.
+// optionally amax(x) as the int32 bits of |x| (NaN above Inf) merged into *amax_bits by atomicMax
+// (one per block, where the block's amax exceeds the value read).
 //
 // Tiling: a block of 256 threads owns 64 rows x 128 columns of one matrix. Thread t loads a patch
 // of 4 rows x 8 columns (four 16-byte loads of bf16), stores its four 8-byte rowwise pieces, and
@@ -152,13 +153,23 @@ __global__ void __launch_bounds__(kThreads) cast_rowcol_kernel(const T* __restri
                                                                  int* __restrict__ amax_bits, int64_t R, int64_t C,
                                                                  float fmt_max) {
   __shared__ uint32_t tile_t[kTileCols * kSmemStride];  // [column][word of 4 rows]
+  __shared__ int warp_amax[kThreads / 32];
   const Tile tile = tile_of(blockIdx.x, blockIdx.y, R);
   const int amax = cast_patch<T, kFmt>(x, out, tile_t, *scale_ptr, fmt_max, R, C, tile, threadIdx.x);
   if (kAmax) {
-    const unsigned warp_amax = __reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(amax));
-    if ((threadIdx.x & 31) == 0) atomicMax(amax_bits, static_cast<int>(warp_amax));
+    const unsigned w = __reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(amax));
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = static_cast<int>(w);
   }
   __syncthreads();
+  if (kAmax && threadIdx.x == 0) {
+    // One atomic per block at most, and only when it raises the value read: atomics on one address
+    // serialize, reads do not. The value only grows, so a stale read costs an extra atomic, never a
+    // missed one.
+    int block_amax = warp_amax[0];
+#pragma unroll
+    for (int i = 1; i < kThreads / 32; ++i) block_amax = max(block_amax, warp_amax[i]);
+    if (block_amax > __ldcg(amax_bits)) atomicMax(amax_bits, block_amax);
+  }
   store_transposed(out_t, tile_t, R, C, tile, threadIdx.x);
 }
 

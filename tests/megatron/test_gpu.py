@@ -18,8 +18,9 @@ BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
 def _bf16_config(**overrides):
-    return H.make_config(params_dtype=torch.bfloat16, bf16=True, hidden_size=128, moe_ffn_hidden_size=64,
-                         num_moe_experts=8, moe_router_topk=2, moe_router_dtype="fp32", **overrides)
+    fields = dict(params_dtype=torch.bfloat16, bf16=True, hidden_size=128, moe_ffn_hidden_size=64, num_moe_experts=8,
+                  moe_router_topk=2, moe_router_dtype="fp32")
+    return H.make_config(**{**fields, **overrides})  # an override replaces a default (hidden_size, ...)
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
