@@ -18,9 +18,9 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
   * ``diff``: the arm's first output against bf16's on the same weights (relative Frobenius).
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
 every forward (the old fixed-weight figure; not a training step).
-``--pad-off-grid`` (or ``TE_DIST_FP8_PAD_OFF_GRID=1``) turns ``te_dist.settings.fp8_pad_off_grid`` on: the
-gpt-oss-like experts (features of 2880, off the FP8 kernels' 128 grid) take the native path zero padded to
-the grid instead of the emulated one; the header and the JSON rows say which was in force.
+``te_dist.settings.fp8_pad_off_grid`` (on by default; ``TE_DIST_FP8_PAD_OFF_GRID=0`` turns it off, ``--pad-off-grid``
+forces it on): the gpt-oss-like experts (features of 2880, off the FP8 kernels' 128 grid) take the native path
+zero padded to the grid, else the emulated one; the header and the JSON rows say which was in force.
 
 Configs (expert shapes; tokens per micro-batch): Mixtral-like (H 4096, F 14336, E 8, top-2, 4096),
 DeepSeek-like (H 7168, F 2048, E 64, top-8, 4096), Qwen3-235B-like (H 4096, F 1536, E 128, top-8,
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pad-off-grid", action="store_true",
-                   help="te_dist.settings.fp8_pad_off_grid on: off-grid experts (gpt-oss-like) run native, padded")
+                   help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
     timing.add_json_option(p)
     return p
 

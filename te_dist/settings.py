@@ -153,10 +153,10 @@ class Settings:
             "multiple (Megatron's dispatchers do not), so FP8 recipes run the native kernels there. Off "
             "(default, until measured on a GPU): unaligned rows run the emulated path.")
     fp8_pad_off_grid: bool = _field(
-        False, env="TE_DIST_FP8_PAD_OFF_GRID", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_PAD_OFF_GRID", parse=_flag, check=_is_bool,
         doc="expert features off the FP8 kernels' 128 grid (gpt-oss's 2880) take the native FP8 path, zero "
-            "padded to the grid inside GroupedLinear. False (default until measured on a GPU): such layers run "
-            "the emulated path (fake-quantize, then the bf16 GEMM).")
+            "padded to the grid inside GroupedLinear. False: such layers run the emulated path (fake-quantize, "
+            "then the bf16 GEMM), slower on an H100.")
     fp8_dense_native: bool = _field(
         False, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
         doc="te_dist.ops.BasicLinear under an FP8 recipe runs its three GEMMs on the quantized grouped kernels "
