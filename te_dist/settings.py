@@ -160,7 +160,7 @@ class Settings:
     fp8_dense_native: bool = _field(
         False, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
         doc="te_dist.ops.BasicLinear under an FP8 recipe runs its three GEMMs on the quantized grouped kernels "
-            "as one group (te_dist.ops.basic.dense_fp8) where they run. Off (default, until measured on a GPU): "
+            "as one group (te_dist.ops.basic.dense_fp8) where they run. Off (default, until its speed is measured on a GPU): "
             "the emulated path (fake-quantize, then the GEMM in the input's dtype).")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
