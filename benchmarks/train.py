@@ -92,13 +92,13 @@ def fp8_ceiling(config, overrides=None) -> str:
     MLPs, and with model.fp8_dense the attention projections and LM head), so by their share of the
     FLOPs (Amdahl) the step's speed-up stays under theirs."""
     from te_dist.train.config import load_config
-    from te_dist.train.estimate import fp8_flops_share, speedup_ceiling
+    from te_dist.train.estimate import fp8_flops_share, speedup_ceiling, speedup_needed
 
     cfg = load_config(config, overrides=overrides)
     share = fp8_flops_share(cfg.model, cfg.data.seq_len)
     what = "expert MLPs" + (", attention projections and LM head" if cfg.model.fp8_dense else "")
     caps = ", ".join(f"{r}x -> {speedup_ceiling(share, r):.2f}x" for r in (1.2, 1.3, 1.5, 2.0))
-    need = share / (1 / 1.25 - (1 - share)) if 1 / 1.25 > 1 - share else float("inf")
+    need = speedup_needed(share, 1.25)
     return (f"quantized GEMMs ({what}): {share:.1%} of the FLOPs per token; tokens/s ceiling at their speed-up of "
             f"{caps}; 1.25x tokens/s needs them at {need:.2f}x")
 

@@ -32,3 +32,14 @@ def cuda_device():
     import torch
 
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The shape of every weight copy cast (te_dist.kernels.prepare_quantized_weight calls), in order."""
+    from te_dist import kernels
+
+    made = []
+    real = kernels.prepare_quantized_weight
+    monkeypatch.setattr(kernels, "prepare_quantized_weight", lambda q: made.append(tuple(q.shape)) or real(q))
+    return made

@@ -22,7 +22,7 @@ from typing import Optional
 
 from .config import ConfigError, JobConfig, ModelConfig, model_dtype
 
-__all__ = ["ModelSize", "model_size", "flops_per_token", "fp8_flops_share", "speedup_ceiling", "MemoryEstimate", "memory_estimate", "available_memory",
+__all__ = ["ModelSize", "model_size", "flops_per_token", "fp8_flops_share", "speedup_ceiling", "speedup_needed", "MemoryEstimate", "memory_estimate", "available_memory",
            "check_fits", "peak_flops", "GiB"]
 
 GiB = 1024**3
@@ -91,6 +91,13 @@ def speedup_ceiling(share: float, part_speedup: float) -> float:
     """Amdahl: the whole step's speed-up when a part holding ``share`` of its time runs
     ``part_speedup`` times faster and the rest does not change."""
     return 1.0 / ((1.0 - share) + share / part_speedup)
+
+
+def speedup_needed(share: float, target: float) -> float:
+    """The inverse: how much faster the part holding ``share`` must run for the whole step to speed up
+    ``target`` times (inf where even an instant part falls short)."""
+    rest = 1.0 / target - (1.0 - share)
+    return share / rest if rest > 0 else float("inf")
 
 
 @dataclass(frozen=True)

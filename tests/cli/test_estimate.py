@@ -4,7 +4,7 @@ import pytest
 
 from te_dist.train.config import ConfigError, JobConfig, ModelConfig, config_from_dict, load_config
 from te_dist.train.estimate import (GiB, fp8_flops_share, flops_per_token, memory_estimate, model_size,
-                                     speedup_ceiling)
+                                     speedup_ceiling, speedup_needed)
 from te_dist.train.preflight import LaunchPlan, memory_report
 
 from conftest import REPO_ROOT
@@ -43,6 +43,8 @@ def test_fp8_share_by_hand_and_its_ceiling():
     assert speedup_ceiling(share, 1.0) == pytest.approx(1.0)
     assert 1.0 < speedup_ceiling(share, 1.5) < 1.5  # the rest of the step does not speed up
     assert speedup_ceiling(1.0, 1.5) == pytest.approx(1.5)
+    assert speedup_ceiling(share, speedup_needed(share, 1.1)) == pytest.approx(1.1)
+    assert speedup_needed(0.1, 1.25) == float("inf")  # the other 90% alone take longer than 1/1.25
 
 
 def test_estimate_grows_with_the_job_and_shrinks_with_ep():

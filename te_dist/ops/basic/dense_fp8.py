@@ -56,10 +56,10 @@ class DenseFP8:
         if op.local_in_features % GRID or op.local_out_features % GRID or x2.shape[0] == 0:
             return False
         from ... import support
+        from .grouped_linear import host_split_alignment
 
-        alignment = min(x2.shape[0] & -x2.shape[0], 128)  # as host_split_alignment: a few cache entries
-        return support.is_module_grouped_tensor_supported(q.recipe, x2.dtype, split_alignment=alignment,
-                                                          device=x2.device)
+        return support.is_module_grouped_tensor_supported(
+            q.recipe, x2.dtype, split_alignment=host_split_alignment((x2.shape[0],)), device=x2.device)
 
     def offsets(self, rows: int, device: torch.device) -> torch.Tensor:
         cached = self._offsets
@@ -70,7 +70,10 @@ class DenseFP8:
     def quantized_weight(self, op):
         """The weight copy for this forward ([1, N, K], both layouts): kept or cast (see the module doc)."""
         flag = check_microbatch_flag(op.is_first_microbatch)
-        return self.weight_copy.get(op.weight, op.quantizers.settings_key, lambda: _cast(op), flag)
+        from .grouped_linear import cast_weight_copy
+
+        return self.weight_copy.get(op.weight, op.quantizers.settings_key,
+                                    lambda: cast_weight_copy(op.quantizers, op.weight.detach().unsqueeze(0)), flag)
 
     def forward(self, op, ctx, x2: torch.Tensor, bias: Optional[torch.Tensor], x_shape: torch.Size) -> torch.Tensor:
         """``x2 @ W.T (+ bias, fused)`` on the quantized kernels; saves a :class:`DenseFP8Saved` into ctx
@@ -108,13 +111,3 @@ class DenseFP8:
                                                     out_dtype=op.weight.dtype, group_sizes=(rows,))[0]
         return dx, dw
 
-
-def _cast(op):
-    """The weight quantized as a one-group [1, N, K] stack, prepared for the grouped kernels."""
-    from ... import kernels
-
-    w = op.weight.detach().unsqueeze(0)
-    q = op.quantizers
-    if getattr(q.weight, "num_updates", None) == 0:
-        q.weight.observe(w)  # DelayedScaling: never cast with the initial scale (GroupedLinear._cast_weight)
-    return kernels.prepare_quantized_weight(q.weight(w, rowwise=True, columnwise=True))

@@ -45,7 +45,8 @@ from .row_gather import RowGather
 from .weight_copy import WeightCopy, check_microbatch_flag
 
 __all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
-           "remember_split_alignment", "split_rows", "check_rows_out", "wgrad_copy"]
+           "remember_split_alignment", "split_rows", "check_rows_out", "cast_weight_copy",
+           "wgrad_copy"]
 
 _kernels = None
 _support = None
@@ -399,12 +400,7 @@ class GroupedLinear(BasicOperation):
         w = self.weight.detach()
         if self._padding is not None:  # the copy is of the zero-padded [E, Np, Kp] weight
             w = self._padding.weight(w)
-        q = self._quantizers
-        if getattr(q.weight, "num_updates", None) == 0:
-            # DelayedScaling: never cast with the initial scale (1, before any amax was seen): a kept copy
-            # serves every micro-batch of a step, so record this weight's amax first.
-            q.weight.observe(w)
-        return kernels().prepare_quantized_weight(q.weight(w, rowwise=True, columnwise=True))
+        return cast_weight_copy(self._quantizers, w)
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale`` (dy: the op's output gradient)."""
@@ -509,6 +505,16 @@ def bias_grad(dy, offsets, num_groups, dtype):
     from ...gemm.epilogue import bias_grad as _bias_grad
 
     return _bias_grad(dy, offsets, num_groups, dtype)
+
+
+def cast_weight_copy(quantizers, w_ENK: torch.Tensor):
+    """The weight stack quantized in both GEMM layouts and prepared for the quantized grouped kernels."""
+    q = quantizers.weight
+    if getattr(q, "num_updates", None) == 0:
+        # DelayedScaling: never cast with the initial scale (1, before any amax was seen): a kept copy
+        # serves every micro-batch of a step, so record this weight's amax first.
+        q.observe(w_ENK)
+    return kernels().prepare_quantized_weight(q(w_ENK, rowwise=True, columnwise=True))
 
 
 def wgrad_copy(xq):
