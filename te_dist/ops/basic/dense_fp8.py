@@ -11,7 +11,7 @@ Taken when ``te_dist.settings.fp8_dense_native`` is on, the recipe quantizes its
 ``backward_override``), the support predicate says the grouped kernels run for x's dtype and device
 with T rows as the one group's size, and both local features are multiples of 128 (the kernels' scale
 block); else BasicLinear's emulated path (fake-quantize, then the bf16 GEMM). Off by default until
-measured on a GPU.
+its speed is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import settings
+from .feature_padding import GRID  # both features: the FP8 kernels' scale block
 from .weight_copy import WeightCopy, check_microbatch_flag
 
 __all__ = ["DenseFP8", "DenseFP8Saved"]
-
-GRID = 128  # both features: the FP8 kernels' scale block
-
 
 class DenseFP8Saved(NamedTuple):
     """What the native forward keeps for backward (BasicLinear tells its two paths apart by this type)."""
@@ -69,9 +67,9 @@ class DenseFP8:
 
     def quantized_weight(self, op):
         """The weight copy for this forward ([1, N, K], both layouts): kept or cast (see the module doc)."""
-        flag = check_microbatch_flag(op.is_first_microbatch)
         from .grouped_linear import cast_weight_copy
 
+        flag = check_microbatch_flag(op.is_first_microbatch)
         return self.weight_copy.get(op.weight, op.quantizers.settings_key,
                                     lambda: cast_weight_copy(op.quantizers, op.weight.detach().unsqueeze(0)), flag)
 
