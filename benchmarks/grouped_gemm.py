@@ -42,8 +42,9 @@ the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
 ``torch._grouped_mm`` on CPU too, so on tiny bf16 operands ``raw`` (torch's call) and ``torch``
 (``grouped_mm_forward(..., backend="torch", check_offsets=False)``: validation, decision, torch's
 call) differ by our host work; ``decide`` and ``decide sizes`` time the decision of the same call on
-a faked SM 9.0 GPU (the capability hook; measuring on, the bucket already looked up), without and
-with host sizes. Median and best µs per call over ``--rounds`` x 20 interleaved repeats.
+a faked SM 9.0 GPU (the capability hook; measuring on, the bucket already measured, so the remembered
+choice: ``entry._choice``, its operand a stand-in whose attributes read faster than a tensor's),
+without and with host sizes. Median and best µs per call over ``--rounds`` x 20 interleaved repeats.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import json
 import math
 import random
 import tempfile
+from types import SimpleNamespace
 from typing import List, NamedTuple
 
 import torch
@@ -289,21 +291,20 @@ def print_step_sums(results):
 def host_cpu(args) -> dict:
     """--host-cpu (module doc): {column: (median, best) µs per call}, printed with the differences."""
     from te_dist import kernels, support
-    from te_dist.gemm import decide, entry, measure
+    from te_dist.gemm import entry, measure
 
     torch.set_num_threads(1)  # torch's share stays one core's, as the wrapper's is
     sizes = (2, 0, 3, 3)
     E, K, N = len(sizes), 16, 16
     x, w, _, off = operands(E, list(sizes), K, N, dev="cpu")
-    cuda = torch.device("cuda", 0)
-    problem = ("decide.Problem('fwd', 'cuda', support.device_capability(cuda), x.dtype, x.dtype, x.shape[0], K, N, E, "
-               "True, False, {}, False)")
+    # x as the decision sees a CUDA row operand (its attributes read faster than a tensor's)
+    row = SimpleNamespace(device=torch.device("cuda", 0), dtype=x.dtype, shape=x.shape, is_cuda=True)
     stmts = {"raw": "torch._grouped_mm(x, w, offs=off)",
              "torch": "kernels.grouped_mm_forward(x, w, off, backend='torch', check_offsets=False)",
-             "decide": f"entry._choose({problem.format(False)}, cuda, None, None, call)",
-             "decide sizes": f"entry._choose({problem.format(True)}, cuda, None, sizes, call)"}
-    names = dict(torch=torch, kernels=kernels, decide=decide, entry=entry, support=support, cuda=cuda, x=x, w=w,
-                 off=off, K=K, N=N, E=E, sizes=sizes, call=lambda choice: None)
+             "decide": "entry._choice('fwd', row, w.shape, w.stride(), False, None, None, args)",
+             "decide sizes": "entry._choice('fwd', row, w.shape, w.stride(), False, None, sizes, args)"}
+    names = dict(torch=torch, kernels=kernels, entry=entry, row=row, x=x, w=w, off=off, sizes=sizes,
+                 args=(x, w, off, None, None, x.dtype))
     measure.reset(measure.Tuner(measure.TunerSettings(persist=False), identity=lambda index: ("cpu proxy", 132),
                                 timer=lambda fn, calls: 1.0))  # a miss "times" every candidate alike
     with support.set_capability_lookup(lambda d: (9, 0) if d.type == "cuda" else None):

@@ -121,9 +121,7 @@ def _memoised_key(recipe_obj) -> _SettingsKey:
 
 
 def _default_capability(device: torch.device) -> Optional[Tuple[int, int]]:
-    if device.type != "cuda":
-        return None
-    return tuple(torch.cuda.get_device_capability(device))
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,6 +386,7 @@ def _make_predicate(name: str, rule: Callable, doc: str):
 
 
 _ALL: list = []
+generation = 0  # changes whenever the cached answers are dropped: a cache outside this module keys on it
 _filled_under = [-1]  # the settings generation the cached answers were computed under
 
 
@@ -399,6 +398,8 @@ def _follow_settings() -> None:
 
 
 def _clear_all() -> None:
+    global generation
+    generation += 1
     _cached_capability.cache_clear()
     for clear in _ALL:
         clear()

@@ -45,6 +45,7 @@ def disable(reason: str) -> None:
     if not _state["disabled"]:
         warnings.warn(f"te_dist cutlass_kernels disabled, falling back to torch._grouped_mm: {reason}", stacklevel=3)
     _state["disabled"] = True
+    support.clear_caches()  # the call path's remembered choices read this state
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,9 +59,7 @@ _CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _raw_stream(index: int) -> int:
-    if _CURRENT_RAW_STREAM is None:
-        return torch.cuda.current_stream(index).cuda_stream
-    return _CURRENT_RAW_STREAM(index)
+    return _CURRENT_RAW_STREAM(index) if _CURRENT_RAW_STREAM else torch.cuda.current_stream(index).cuda_stream
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

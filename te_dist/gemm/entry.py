@@ -9,15 +9,19 @@ x's device, as ``torch._grouped_mm`` takes them)::
 differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a
 contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Per call: the inputs are checked
 (:mod:`.validation`), the backend is chosen (:mod:`.decide`, with the bucket's measured entry from
-:mod:`.measure` on CUDA) and run. Legend: T rows (tokens), K in-features, N out-features, E experts.
+:mod:`.measure` on CUDA; the tuner remembers the choice, ``_choice``) and run. Legend: T rows
+(tokens), K in-features, N out-features, E experts.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
+from .. import settings as _settings
+from .. import support
 from ..support import device_capability
 from . import cutlass_backend, decide, loop_backend, measure, torch_backend, validation
 from .autograd import GroupedMM
@@ -28,19 +32,17 @@ __all__ = ["grouped_mm", "grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_w
 _TORCH_GROUPED = hasattr(torch, "_grouped_mm")  # torch's own grouped kernel (torch >= 2.8)
 
 
-def _problem(direction, a, k, n, num_groups, out_dtype, k_major, group_sizes, epilogue) -> decide.Problem:
-    """The call as the rule sees it, decided as if no CUDA graph were being captured: asking costs a
-    CUDA call, and only a loop choice or a measurement depends on it (``_choose`` asks then)."""
+def _problem(direction, a, w_shape, w_strides, out_dtype, group_sizes, epilogue) -> decide.Problem:
+    """The call as the rule sees it (``w_shape``, ``w_strides``: the weight's; wgrad: its output's
+    [E, K, N] and None), decided as if no CUDA graph were being captured: asking costs a CUDA call,
+    and only a loop choice or a measurement depends on it (``_choose`` asks then)."""
+    (E, K, N), s = w_shape, w_strides  # k-major: the transposed view of a contiguous [E, N, K] weight (our kernels')
+    k_major = s is None or (s[1] == 1 and s[2] == K and (E <= 1 or s[0] == N * K))
+    if direction == "dgrad":
+        K, N = N, K  # dgrad contracts over N and writes K columns
     cuda = a.is_cuda  # (a CUDA device's type is not read: a string built per call)
     return decide.Problem(direction, "cuda" if cuda else a.device.type, device_capability(a.device) if cuda else None,
-                          a.dtype, out_dtype, a.shape[0], k, n, num_groups, k_major, False, group_sizes is not None,
-                          epilogue)
-
-
-def _weight_k_major(w_EKN: torch.Tensor, E: int, K: int, N: int) -> bool:
-    """``w_EKN`` is the transposed view of a contiguous [E, N, K] weight (what our kernels read)."""
-    s = w_EKN.stride()
-    return s[1] == 1 and s[2] == K and (E <= 1 or s[0] == N * K)
+                          a.dtype, out_dtype, a.shape[0], K, N, E, k_major, False, group_sizes is not None, epilogue)
 
 
 def _choose(p: decide.Problem, device, forced, group_sizes, call) -> decide.Choice:
@@ -48,12 +50,10 @@ def _choose(p: decide.Problem, device, forced, group_sizes, call) -> decide.Choi
     the rule without a measurement). A loop choice on CUDA asks whether a graph is being captured,
     and if so the rule decides again."""
     cutlass_ok = lambda: p.capability == (9, 0) and cutlass_backend.is_available(device)  # noqa: E731
-    measured = None
-    if forced is None and call is not None and p.device_type == "cuda":
-        t = measure.tuner()
-        if t.enabled:
-            measured = t.entry(p, device.index, group_sizes, lambda: [(c, lambda c=c: call(c)) for c in decide.candidates(
-                p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, configs=_built_tiles(p), group_sizes=group_sizes)])
+    measured, t = None, measure.tuner()
+    if forced is None and call is not None and p.device_type == "cuda" and t.enabled:
+        measured = t.entry(p, device.index, group_sizes, lambda: [(c, lambda c=c: call(c)) for c in decide.candidates(
+            p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, configs=_built_tiles(p), group_sizes=group_sizes)])
     choice = decide.choose(p, cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED, forced=forced, measured=measured)
     if choice[0] == "loop" and p.device_type == "cuda" and decide.capture_underway():
         choice = decide.choose(p._replace(capturing=True), cutlass_built=cutlass_ok, torch_grouped=_TORCH_GROUPED,
@@ -90,43 +90,56 @@ def _run(direction: str, choice, args: tuple, group_sizes):
     return getattr(cutlass_backend, _FUNCTION[direction])(*args, config=config, group_sizes=group_sizes)
 
 
-def _dispatch(direction, args: tuple, a, k, n, num_groups, k_major, epilogue, backend, group_sizes):
+def _dispatch(direction, args: tuple, a, w_shape, w_strides, epilogue, backend, group_sizes):
     """Decide and run one call; ``args``: the direction's arguments up to the output dtype, ``a`` its
-    row operand; k, n as in ``decide.Problem``."""
+    row operand; ``w_shape``, ``w_strides``: the weight's (wgrad: its [E, K, N] and None)."""
     if backend is None and a.is_cpu:  # the rule's CPU row, without building a Problem
         return getattr(loop_backend, _FUNCTION[direction])(*args, group_sizes)
-    p = _problem(direction, a, k, n, num_groups, args[-1], k_major, group_sizes, epilogue)
-    call = lambda c: _run(direction, c, args, group_sizes)  # noqa: E731
-    return call(_choose(p, a.device, backend, group_sizes, call))
+    if backend is not None and backend not in decide.BACKENDS:
+        raise ValueError(f"backend must be None or one of {decide.BACKENDS}, received {backend!r}")
+    return _run(direction, _choice(direction, a, w_shape, w_strides, epilogue, backend, group_sizes, args), args,
+                group_sizes)
+
+
+def _choice(direction, a, w_shape, w_strides, epilogue, backend, group_sizes, args) -> decide.Choice:
+    """``_choose``'s answer, remembered by the process tuner under all that decides it: the call's facts (its
+    rows as the bucket and the loop rule read them), the settings' and support's generations. Not kept where
+    a later call may decide otherwise: a loop on CUDA (it asks about graph capture), an unmeasured bucket."""
+    t, rows = measure.tuner(), None
+    if backend is None:  # what the rule and a measurement read of the rows
+        rows, sizes, E = a.shape[0], group_sizes, w_shape[0]
+        rows = (measure.bucket_rows(rows, E), rows >= decide.LOOP_MIN_ROWS_PER_GROUP * E,
+                bool(sizes) and sizes.count(sizes[0]) != len(sizes), t.deterministic())
+    key = (direction, a.device, a.dtype, args[-1], w_shape, w_strides, epilogue, backend, group_sizes is None, rows,
+           _settings.generation, support.generation)
+    choice = t.choices.get(key)
+    if choice is None:
+        p = _problem(direction, a, w_shape, w_strides, args[-1], group_sizes, epilogue)
+        choice = _choose(p, a.device, backend, group_sizes, lambda c: _run(direction, c, args, group_sizes))
+        if p.device_type != "cuda" or (choice[0] != "loop" and (
+                rows is None or not t.enabled or measure.bucket_key(p, group_sizes) in t.table_for(a.device.index).ms)):
+            if len(t.choices) >= 4096:  # bounded: call facts that keep changing start it over
+                t.choices = {}
+            t.choices[key] = choice
+    return choice
 
 
 def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
-    E, K, N = w_EKN.shape
-    return _dispatch("fwd", (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype), x_TK, K, N, E,
-                     _weight_k_major(w_EKN, E, K, N), bias_EN is not None or row_scale_T is not None, backend,
-                     group_sizes)
+    return _dispatch("fwd", (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype), x_TK,
+                     w_EKN.shape, w_EKN.stride(), bias_EN is not None or row_scale_T is not None, backend, group_sizes)
 
 
 def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
-    E, K, N = w_EKN.shape  # dgrad contracts over N and writes K columns
-    return _dispatch("dgrad", (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dy_TN.dtype), dy_TN, N, K, E,
-                     _weight_k_major(w_EKN, E, K, N), row_scale_T is not None, backend, group_sizes)
+    return _dispatch("dgrad", (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dy_TN.dtype), dy_TN, w_EKN.shape,
+                     w_EKN.stride(), row_scale_T is not None, backend, group_sizes)
 
 
 def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
-    return _dispatch("wgrad", (x_TK, dy_TN, offsets_E, num_groups, out_dtype or x_TK.dtype), x_TK, x_TK.shape[1],
-                     dy_TN.shape[1], num_groups, True, False, backend, group_sizes)
+    return _dispatch("wgrad", (x_TK, dy_TN, offsets_E, num_groups, out_dtype or x_TK.dtype), x_TK,
+                     (num_groups, x_TK.shape[1], dy_TN.shape[1]), None, False, backend, group_sizes)
 
 
-class _Dispatch:
-    """The validated-input directions, handed to the autograd function."""
-
-    forward, dgrad, wgrad = staticmethod(_forward), staticmethod(_dgrad), staticmethod(_wgrad)
-
-
-def _check_backend_arg(backend) -> None:
-    if backend is not None and backend not in decide.BACKENDS:
-        raise ValueError(f"backend must be None or one of {decide.BACKENDS}, received {backend!r}")
+_DISPATCH = SimpleNamespace(forward=_forward, dgrad=_dgrad, wgrad=_wgrad)  # handed to the autograd function
 
 
 def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
@@ -139,16 +152,14 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
     each expert as host ints (list, tuple or CPU tensor), when the caller has them anyway (an MoE
     layer does): the decision sees them and the per-expert loop reads no offsets; they must agree
     with the offsets (checked against the row count, never read from the device)."""
-    _check_backend_arg(backend)
     sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
                                      group_sizes)
-    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _Dispatch, sizes)
+    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _DISPATCH, sizes)
 
 
 def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
                        check_offsets=None, group_sizes=None) -> torch.Tensor:
     """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
-    _check_backend_arg(backend)
     sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
                                      group_sizes)
     return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes)
@@ -158,7 +169,6 @@ def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=Non
                      check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
     """dx = row_scale * (dy @ w[e]^T) for the rows of each expert; arguments as grouped_mm.
     ``validate=False`` skips the checks: only for a backward whose forward validated its operands."""
-    _check_backend_arg(backend)
     if validate:
         group_sizes = validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets,
                                              group_sizes)
@@ -169,7 +179,6 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
                      check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
     """dw[e] = x_e^T @ dy_e as [E, K, N], a transposed view of a contiguous [E, N, K] buffer (the
     weight's layout); experts without rows get zeros. Arguments as grouped_mm_dgrad."""
-    _check_backend_arg(backend)
     if num_groups is None:
         num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
     if validate:
@@ -178,11 +187,8 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
 
 
 def _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue) -> decide.Problem:
-    E, K, N = w_EKN.shape
-    k_major = direction == "wgrad" or _weight_k_major(w_EKN, E, K, N)
-    if direction == "dgrad":
-        K, N = N, K  # dgrad contracts over N and writes K columns
-    return _problem(direction, x_TK, K, N, E, out_dtype or x_TK.dtype, k_major, group_sizes, epilogue)
+    strides = None if direction == "wgrad" else w_EKN.stride()
+    return _problem(direction, x_TK, w_EKN.shape, strides, out_dtype or x_TK.dtype, group_sizes, epilogue)
 
 
 def select_backend(direction: str, x_TK, w_EKN, *, out_dtype=None, backend=None, group_sizes=None,
@@ -206,9 +212,8 @@ def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=
     name = _choose(p, x_TK.device, None, group_sizes, None)[0]
     if name == "cutlass":
         ck = cutlass_backend.kernels_module()
-        config = ck.choose_config(direction, p.num_rows, p.n if direction != "dgrad" else p.k,
-                                  p.k if direction != "dgrad" else p.n, p.num_groups,
-                                  None if direction == "wgrad" else group_sizes)
+        config = ck.choose_config(direction, p.num_rows, *((p.k, p.n) if direction == "dgrad" else (p.n, p.k)),
+                                  p.num_groups, None if direction == "wgrad" else group_sizes)
         return f"cutlass:{config} static"
     return f"{name} static"
 

@@ -36,25 +36,23 @@ def _check_same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {device}; they must share a device")
 
 
-# The two checks below run on every call: written out flat, each attribute read once and no helper
-# called unless a check fails (the helpers above then word the error).
-
-
 def check_offsets_tensor(offsets_E, num_groups: int, ref_name: str, device: torch.device) -> None:
     """int32 cumulative end rows, one per expert, on the operands' device (values: see module doc)."""
-    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1:
+    if not isinstance(offsets_E, torch.Tensor) or len(shape := offsets_E.shape) != 1:
         _check_tensor("offsets_E", offsets_E, 1)
     if offsets_E.dtype != torch.int32:
         raise TypeError(f"offsets_E.dtype must be torch.int32 (cumulative end rows), received {offsets_E.dtype}")
     if offsets_E.device != device:
         _check_same_device("offsets_E", offsets_E, ref_name, device)
-    if offsets_E.shape[0] != num_groups:
-        raise ValueError(f"offsets_E has {offsets_E.shape[0]} entries but there are {num_groups} experts")
+    if shape[0] != num_groups:
+        raise ValueError(f"offsets_E has {shape[0]} entries but there are {num_groups} experts")
 
 
-def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> torch.device:
-    """The row operand ``a`` (2-D floats) and ``b`` (``b_ndim``-D, a's dtype and device); returns the device."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != b_ndim:
+def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> tuple:
+    """The row operand ``a`` (2-D floats) and ``b`` (``b_ndim``-D, a's dtype and device); returns the
+    device and both shapes."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or len(a_shape := a.shape) != 2 \
+            or len(b_shape := b.shape) != b_ndim:
         _check_tensor(a_name, a, 2)
         _check_tensor(b_name, b, b_ndim)
     dtype = a.dtype
@@ -65,7 +63,7 @@ def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> torch.device
     device = a.device
     if b.device != device:
         _check_same_device(b_name, b, a_name, device)
-    return device
+    return device, a_shape, b_shape
 
 
 def check_offsets_values(offsets_E: torch.Tensor, num_rows: int) -> None:
@@ -119,23 +117,22 @@ def _rows(offsets_E, num_groups: int, num_rows: int, check_offsets: Optional[boo
     return None if group_sizes is None else check_group_sizes(group_sizes, num_groups, num_rows)
 
 
-def _check_row_scale_and_out_dtype(row_scale_T, rows_name, rows, device, out_dtype) -> None:
-    """The optional per-row scale ([T] floats beside ``rows``) and the output dtype."""
+def _check_row_scale_and_out_dtype(row_scale_T, rows_name, T, device, out_dtype) -> None:
+    """The optional per-row scale ([T] floats beside the ``T`` rows of ``rows_name``) and the output dtype."""
     if row_scale_T is not None:
         _check_tensor("row_scale_T", row_scale_T, 1, floats=True)
         _check_same_device("row_scale_T", row_scale_T, rows_name, device)
-        if row_scale_T.shape[0] != rows.shape[0]:
-            raise ValueError(f"row_scale_T must have T={rows.shape[0]} entries, received {row_scale_T.shape[0]}")
+        if row_scale_T.shape[0] != T:
+            raise ValueError(f"row_scale_T must have T={T} entries, received {row_scale_T.shape[0]}")
     if out_dtype is not None and out_dtype not in _FLOATS:
         raise TypeError(f"out_dtype must be None or one of {SUPPORTED_DTYPES}, received {out_dtype}")
 
 
 def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
     """Every check of a forward call; returns the host sizes as a tuple (or None)."""
-    device = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3)
-    E, K, N = w_EKN.shape
-    if x_TK.shape[1] != K:
-        raise ValueError(f"x_TK has K={x_TK.shape[1]} columns but w_EKN expects K={K} (w_EKN shape {tuple(w_EKN.shape)})")
+    device, (T, x_K), (E, K, N) = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3)
+    if x_K != K:
+        raise ValueError(f"x_TK has K={x_K} columns but w_EKN expects K={K} (w_EKN shape {(E, K, N)})")
     check_offsets_tensor(offsets_E, E, "x_TK", device)
     if bias_EN is not None:
         _check_tensor("bias_EN", bias_EN, 2, floats=True)
@@ -143,33 +140,32 @@ def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check
         if tuple(bias_EN.shape) != (E, N):
             raise ValueError(f"bias_EN must have shape {(E, N)}, received {tuple(bias_EN.shape)}")
     if row_scale_T is not None or out_dtype is not None:
-        _check_row_scale_and_out_dtype(row_scale_T, "x_TK", x_TK, device, out_dtype)
-    return _rows(offsets_E, E, x_TK.shape[0], check_offsets, group_sizes)
+        _check_row_scale_and_out_dtype(row_scale_T, "x_TK", T, device, out_dtype)
+    return _rows(offsets_E, E, T, check_offsets, group_sizes)
 
 
 def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
     """Every check of a dgrad call; returns the host sizes as a tuple (or None)."""
-    device = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3)
-    E, _, N = w_EKN.shape
-    if dy_TN.shape[1] != N:
-        raise ValueError(f"dy_TN has N={dy_TN.shape[1]} columns but w_EKN expects N={N}")
+    device, (T, dy_N), (E, _, N) = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3)
+    if dy_N != N:
+        raise ValueError(f"dy_TN has N={dy_N} columns but w_EKN expects N={N}")
     check_offsets_tensor(offsets_E, E, "dy_TN", device)
     if row_scale_T is not None or out_dtype is not None:
-        _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", dy_TN, device, out_dtype)
-    return _rows(offsets_E, E, dy_TN.shape[0], check_offsets, group_sizes)
+        _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", T, device, out_dtype)
+    return _rows(offsets_E, E, T, check_offsets, group_sizes)
 
 
 def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=None, group_sizes=None):
     """Every check of a wgrad call; returns the host sizes as a tuple (or None)."""
-    device = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2)
-    if dy_TN.shape[0] != x_TK.shape[0]:
-        raise ValueError(f"dy_TN has {dy_TN.shape[0]} rows but x_TK has {x_TK.shape[0]}")
+    device, (T, _), (dy_T, _) = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2)
+    if dy_T != T:
+        raise ValueError(f"dy_TN has {dy_T} rows but x_TK has {T}")
     if not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be a non-negative int, received {num_groups!r}")
     check_offsets_tensor(offsets_E, num_groups, "x_TK", device)
     if out_dtype is not None:
-        _check_row_scale_and_out_dtype(None, "x_TK", x_TK, device, out_dtype)
-    return _rows(offsets_E, num_groups, x_TK.shape[0], check_offsets, group_sizes)
+        _check_row_scale_and_out_dtype(None, "x_TK", T, device, out_dtype)
+    return _rows(offsets_E, num_groups, T, check_offsets, group_sizes)
 
 
 def check_quantized(name: str, q, ndim: int) -> None:

@@ -4,6 +4,7 @@ Devices are described by their compute capability (the rule's only view of them)
 needed; the FP8 part fakes one through the support module's hooks."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -272,6 +273,45 @@ def test_the_call_path_measures_once_per_bucket_and_reads_the_entry(fake_gpus):
     assert {c for c, _ in timer.calls[n:]} == {("torch", None), ("loop", None)}
     # a forced backend never measures
     assert entry._choose(_device_problem(0, k=1024), torch.device("cuda", 0), "torch", sizes, run) == TORCH
+
+
+def test_the_call_paths_remembered_choice_follows_the_table_settings_and_device(fake_gpus, monkeypatch):
+    """A call's choice is remembered (no Problem built, nothing timed again) and decided again once the
+    settings, torch's determinism, the capability lookup or the tuner's tables change."""
+    from te_dist import support as S
+    from te_dist.gemm import measure
+
+    entry, timer = fake_gpus
+    monkeypatch.setattr(entry, "_run", lambda direction, choice, args, sizes: choice)  # what the fake timer reads
+    rows, k, n, e, sizes = REGIONS["few_large_long_k"]
+    row = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(rows, k), is_cuda=True)
+    built = []
+    problem = entry._problem
+    monkeypatch.setattr(entry, "_problem", lambda *args: built.append(args) or problem(*args))
+
+    def choice(epilogue=False):  # a bf16 forward of w's [E, N, K] layout, host sizes given
+        return entry._choice("fwd", row, (e, k, n), (n * k, 1, k), epilogue, None, sizes, (torch.bfloat16,))
+
+    assert choice() == ("cutlass", 2) and len(built) == 1  # measured: 0.6 ms against torch's 0.8
+    timed = len(timer.calls)
+    assert choice() == ("cutlass", 2) and len(built) == 1 and len(timer.calls) == timed  # remembered
+    with settings.override(tune=False):
+        assert choice() == TORCH and len(built) == 2  # the static rule
+    with settings.override(tune=False):
+        assert choice(epilogue=True) == LOOP and choice(epilogue=True) == LOOP and len(built) == 4  # a loop: never kept
+    assert choice() == ("cutlass", 2) and len(built) == 5 and len(timer.calls) == timed  # the entry, read again
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert choice() == TORCH and len(built) == 6  # deterministic, not agreed: the static rule
+    with S.set_capability_lookup(lambda d: BLACKWELL):  # no cutlass there: torch, the measured runner-up
+        assert choice() == TORCH and len(built) == 7
+    assert choice() == ("cutlass", 2) and len(built) == 8 and len(timer.calls) == timed
+    p = entry._problem("fwd", row, (e, k, n), (n * k, 1, k), torch.bfloat16, sizes, False)
+    measure.tuner().adopt({"GPU0|sm132": {measure.key_text(measure.bucket_key(p, sizes)): {"torch": 0.8,
+                                                                                             "cutlass:0": 0.5}}})
+    assert choice() == ("cutlass", 0) and len(timer.calls) == timed  # rank 0's entries
+    measure.configure(directory="unused")  # the tables start over: measured again
+    assert choice() == ("cutlass", 2) and len(timer.calls) > timed
 
 
 def test_the_call_path_without_measuring_is_the_static_rule(fake_gpus):

@@ -294,7 +294,7 @@ def test_group_sizes_validation_names_expected_and_received():
         grouped_mm(x, w, good, group_sizes="23")
 
 
-def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch):
+def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch, request):
     """The CUTLASS tile table reads the host sizes (its ragged row), so forward and dgrad, also the
     dgrad of the autograd backward, hand them on; wgrad has no size-dependent tile."""
     seen = []
@@ -317,6 +317,7 @@ def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch):
 
     monkeypatch.setattr(gm, "cutlass_backend", RecordingCutlass)
     monkeypatch.setattr(gm.decide, "why_not", lambda *a, **k: None)  # "cutlass can run this call"
+    request.addfinalizer(gm.measure.reset)  # the tuner remembers the patched rule's choices: not past this test
     splits = [3, 0, 5]
     x = torch.randn(8, 4, requires_grad=True)
     w = _weight(3, 4, 6).detach().clone().requires_grad_(True)
