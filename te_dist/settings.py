@@ -143,10 +143,10 @@ class Settings:
         doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "
             "(te_dist.ops.RowGather). False: the dispatcher copies the rows.")
     cuda_rowcol_cast: bool = _field(
-        False, env="TE_DIST_CUDA_ROWCOL_CAST", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_CUDA_ROWCOL_CAST", parse=_flag, check=_is_bool,
         doc="the per-tensor FP8 casts that also write the transposed copy (a grouped weight's dgrad layout) "
-            "read x once in a CUDA kernel (te_dist.quantization.cuda_rowcol). Off (default, until measured "
-            "on a GPU): the Triton cast, then the Triton byte transpose.")
+            "read x once in a CUDA kernel (te_dist.quantization.cuda_rowcol; built on first use, the Triton "
+            "path where it cannot be). False: the Triton cast, then the Triton byte transpose.")
     megatron_row_padding: bool = _field(
         False, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
@@ -158,10 +158,10 @@ class Settings:
             "padded to the grid inside GroupedLinear. False: such layers run the emulated path (fake-quantize, "
             "then the bf16 GEMM), slower on an H100.")
     fp8_dense_native: bool = _field(
-        False, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
         doc="te_dist.ops.BasicLinear under an FP8 recipe runs its three GEMMs on the quantized grouped kernels "
-            "as one group (te_dist.ops.basic.dense_fp8) where they run. Off (default, until its speed is measured on a GPU): "
-            "the emulated path (fake-quantize, then the GEMM in the input's dtype).")
+            "as one group (te_dist.ops.basic.dense_fp8) where they run. False: the emulated path "
+            "(fake-quantize, then the GEMM in the input's dtype).")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

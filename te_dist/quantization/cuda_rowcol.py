@@ -5,7 +5,7 @@ Why CUDA here: the cast-then-transpose path reads the FP8 bytes back (5 bytes mo
 instead of 4), and the Triton kernel that wrote both copies in one pass placed bytes wrongly on
 Hopper GPUs; this kernel moves the transposed tile through shared memory as whole words.
 
-Behind ``te_dist.settings.cuda_rowcol_cast`` (off by default: docs/settings.md). The library is
+Behind ``te_dist.settings.cuda_rowcol_cast`` (on by default: docs/settings.md). The library is
 compiled into the kernel cache on first use, like the grouped GEMMs; a failed build warns once and
 the callers keep the Triton two-pass path. Nothing here runs at import.
 """

@@ -2,7 +2,7 @@
 for current scaling (amax from x or given) and delayed scaling, on stacks of matrices x [..., R, C].
 
 Two paths, the same bytes: the one-pass CUDA cast (:mod:`.cuda_rowcol`, ``te_dist.settings.cuda_rowcol_cast``,
-off by default), whose scale and history update run here as one-program kernels; else the cast of
+on by default), whose scale and history update run here as one-program kernels; else the cast of
 :mod:`.triton_casts` and then the word transpose (``_transpose_bytes_kernel``) of the FP8 bytes.
 Imported only through :mod:`.fused` (never at package import: CI has no Triton).
 """

@@ -42,10 +42,10 @@ def test_loss_goes_down_with_a_recipe(run_cli, tmp_path):
 
 def test_dense_linears_under_the_recipe(run_cli, tmp_path):
     """model.fp8_dense: the attention projections and the LM head are quantized too (emulated on CPU,
-    the native switch off), they load the same checkpoint keys, and training still lowers the loss."""
+    where the native kernels cannot run), they load the same checkpoint keys, and training still lowers the loss."""
     result = run_cli("train", "--steps", 8, "--recipe", "current", "--model.fp8_dense", "true").check()
     assert ("[te-dist] dense linears (attention, LM head): emulated in 5 of 5 "
-            "(te_dist.settings.fp8_dense_native is off)") in result.output
+            "(a CPU run, features off the 128 grid") in result.output
     losses = _losses(tmp_path / "te_dist_out" / "latest")
     assert losses[8] < losses[1], losses
     plain = run_cli("train", "--steps", 8, "--recipe", "current", "--out", "plain").check()

@@ -91,9 +91,13 @@ def test_gpu_padded_rows_take_the_native_fp8_path(megatron_world1, recipe):
             y.float().square().sum().backward()
             runs[padding] = (y.float(), xi.grad.float(), ours.experts.linear_fc1.weight.grad.float())
         assert ours.experts.linear_fc1.has_native_weight_copy == padding
-    for native, emulated in zip(runs[True], runs[False]):
-        scale = emulated.abs().max()
-        torch.testing.assert_close(native / scale, emulated / scale, rtol=0, atol=5e-2)
+    # Relative Frobenius: the two paths round different intermediates, so a few elements near an FP8 rounding
+    # boundary land a step apart. 5% where the gradients are E4M3 (block), twice that where current scaling
+    # casts them to E5M2 (HYBRID: twice the rounding step).
+    bound = 1e-1 if recipe == "current" else 5e-2
+    for name, native, emulated in zip(("y", "dx", "dW1"), runs[True], runs[False]):
+        rel = ((native - emulated).norm() / emulated.norm()).item()
+        assert rel < bound, (name, rel)
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

@@ -121,13 +121,14 @@ def test_the_micro_batch_flag_keeps_the_copy_for_the_step(forced_native, copies)
 
 
 def test_the_path_is_taken_only_where_it_can_run():
-    """Off by default; on a CPU tensor or off the 128 grid the emulated path runs (the CUDA answer is
-    the support predicate's: tests/ops/test_dense_fp8.py's GPU test)."""
+    """Switched off, nothing takes it; on (the default), a CPU tensor or features off the 128 grid run
+    the emulated path (the CUDA answer is the support predicate's: this file's GPU test)."""
     dense = BasicLinear(256, 384, dtype=torch.bfloat16)
     dense.reset_recipe_state(R.Float8CurrentScaling())
     x2 = torch.randn(ROWS, 256, dtype=torch.bfloat16)
-    assert td.settings.current().fp8_dense_native is False
-    assert not DenseFP8.applies(dense, x2)
+    assert td.settings.current().fp8_dense_native is True
+    with td.settings.override(fp8_dense_native=False):
+        assert not DenseFP8.applies(dense, x2)
     with td.settings.override(fp8_dense_native=True):
         assert not DenseFP8.applies(dense, x2)  # a CPU tensor
         off_grid = BasicLinear(200, 384, dtype=torch.bfloat16)

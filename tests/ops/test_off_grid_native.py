@@ -351,7 +351,10 @@ def test_off_grid_layer_native_on_a_gpu_matches_the_emulated_path(cuda_device, n
                        out.detach(), hi.grad, layer.fc1.weight.grad, layer.fc2.weight.grad]
     names = ["y", "dx", "dW", "db", "moe out", "moe dx", "moe dW1", "moe dW2"]
     # One GEMM's output and the bias gradient within 2%; the layer's output has passed two GEMMs and, natively,
-    # an FP8 copy of the SwiGLU input (the emulated path keeps it in bf16), so it is held to the gradients' 5%.
+    # an FP8 copy of the SwiGLU input (the emulated path keeps it in bf16), so it is held to the gradients' bound:
+    # 5% where the gradients are E4M3, twice that where the recipe casts them to E5M2 (HYBRID: one mantissa bit
+    # fewer, twice the rounding step), as the two paths round different intermediate values.
+    grad_bound = 1e-1 if recipe.fp8_format == R.Format.HYBRID else 5e-2
     for label, got, want in zip(names, results[True], results[False]):
         assert torch.isfinite(got).all() and got.shape == want.shape, label
-        assert _rel(got, want) < (2e-2 if label in ("y", "db") else 5e-2), label
+        assert _rel(got, want) < (2e-2 if label in ("y", "db") else grad_bound), label

@@ -324,14 +324,15 @@ def test_per_tensor_transposed_data_needs_rows_in_words(device, rowcol):
             rowcol.current_scaling_quantize_rowcol(torch.ones(shape, device=device), *E4M3, False)
 
 
-def test_one_pass_cast_is_off_by_default_and_checks_its_input():
-    """Off by default (nothing is built); on, a CPU tensor or a shape off the tile does not take it; the
+def test_one_pass_cast_is_on_by_default_and_checks_its_input():
+    """On by default, but a CPU tensor or a shape off the tile does not take it (nothing is built); the
     kernel's own entry refuses bad input before any launch, naming what it takes."""
     from te_dist.quantization import cuda_rowcol
 
     x = torch.ones(64, 128, dtype=torch.bfloat16)
-    assert settings.current().cuda_rowcol_cast is False
-    assert not cuda_rowcol.enabled_for(x, torch.float8_e4m3fn)
+    assert settings.current().cuda_rowcol_cast is True
+    with settings.override(cuda_rowcol_cast=False):
+        assert not cuda_rowcol.enabled_for(x, torch.float8_e4m3fn)
     with settings.override(cuda_rowcol_cast=True):
         assert not cuda_rowcol.enabled_for(x, torch.float8_e4m3fn)  # a CPU tensor
     assert "lib" not in cuda_rowcol._state and "error" not in cuda_rowcol._state  # never built

@@ -10,8 +10,7 @@ did not change since the step's first micro-batch).
 Taken when ``te_dist.settings.fp8_dense_native`` is on, the recipe quantizes its backward too (no
 ``backward_override``), the support predicate says the grouped kernels run for x's dtype and device
 with T rows as the one group's size, and both local features are multiples of 128 (the kernels' scale
-block); else BasicLinear's emulated path (fake-quantize, then the bf16 GEMM). Off by default until
-its speed is measured on a GPU.
+block); else BasicLinear's emulated path (fake-quantize, then the bf16 GEMM).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Tensor-parallel modes (Megatron style, no sequence parallelism):
 
 Under an FP8 recipe the GEMMs run emulated (fake-quantize, then the GEMM in x's dtype), or natively on
 the quantized grouped kernels as one group where :mod:`.dense_fp8` says they can (its switch,
-``te_dist.settings.fp8_dense_native``, is off by default). The native path keeps its weight copy by the
+``te_dist.settings.fp8_dense_native``, is on by default). The native path keeps its weight copy by the
 grouped layers' rule: ``is_first_microbatch`` as in TransformerEngine (:mod:`.weight_copy`).
 """
 
