@@ -43,16 +43,17 @@ train)
   tail -n 12 "$OUT/train_${CONFIG:-mixtral_like}.txt"
   ;;
 switches)
-  # cuda_rowcol_cast, fp8_pad_off_grid, megatron_row_padding: each test file turns its switch on itself
+  # the switches still off (docs/settings.md): megatron_row_padding (its test turns it on itself) and
+  # fp8_pad_lean_copies (the off-grid tests with it on, then gpt-oss-like's training step off against on)
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu \
     tests/ops/test_off_grid_native.py tests/megatron/test_gpu.py > "$OUT/switch_tests.txt" 2>&1
-  timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu \
-    tests/quantization/test_triton_casts.py -k "one_pass or transposed or delayed" >> "$OUT/switch_tests.txt" 2>&1
+  TE_DIST_FP8_PAD_LEAN_COPIES=1 timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs \
+    --timeout 200 -m gpu tests/ops/test_off_grid_native.py >> "$OUT/switch_tests.txt" 2>&1
   tail -n 15 "$OUT/switch_tests.txt"
-  timeout ${CAST_LIMIT:-100} python3 benchmarks/quantize.py weights --recipes current,delayed > "$OUT/weight_cast.txt" 2>&1
-  tail -n 12 "$OUT/weight_cast.txt"
-  TE_DIST_CUDA_ROWCOL_CAST=1 timeout ${LAYER_LIMIT:-240} python3 benchmarks/fp8_layer.py --pad-off-grid ${LAYER_ARGS:-} \
-    --json "$OUT/fp8_layer_switches.json" > "$OUT/fp8_layer_switches.txt" 2>&1
-  tail -n 45 "$OUT/fp8_layer_switches.txt"
+  for lean in 0 1; do
+    TE_DIST_FP8_PAD_LEAN_COPIES=$lean timeout ${LAYER_LIMIT:-120} python3 benchmarks/fp8_layer.py --configs gptoss \
+      ${LAYER_ARGS:-} --json "$OUT/fp8_layer_lean$lean.json" > "$OUT/fp8_layer_lean$lean.txt" 2>&1
+    tail -n 9 "$OUT/fp8_layer_lean$lean.txt"
+  done
   ;;
 esac

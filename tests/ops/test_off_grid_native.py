@@ -198,6 +198,42 @@ def test_fused_mlp_off_grid_equals_the_unfused_ops(forced_native, pad_on, copies
     assert set(copies) == {(4, 768, 384), (4, 384, 384)}  # fc1 [E, 2F->768, H->384], fc2 [E, H->384, F->384]
 
 
+@pytest.mark.parametrize("recipe_type", RECIPES, ids=_name)
+def test_lean_copies_change_no_bit(forced_native, pad_on, recipe_type):
+    """settings.fp8_pad_lean_copies (margins zeroed instead of a whole zero fill; the weight gradient
+    handed back as a view of the padded one): the padded MLP's output and every gradient, accumulated
+    over three micro-batches, equal the F.pad path's bit for bit, and the accumulated weight gradients
+    are contiguous tensors of the weights' shapes."""
+    from te_dist.ops.basic.feature_padding import zero_padded
+
+    t = torch.randn(2, 3, 5, dtype=torch.bfloat16)
+    with td.settings.override(fp8_pad_lean_copies=True):
+        assert torch.equal(zero_padded(t, 3, 2), F.pad(t, (0, 3, 0, 2)))
+        assert torch.equal(zero_padded(t[0], 11), F.pad(t[0], (0, 11)))
+    sizes = _sizes(recipe_type)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(sum(sizes), 360, dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    probs = torch.rand(sum(sizes), generator=g)
+    splits = torch.tensor(sizes)
+    results = []
+    for lean in (False, True):
+        mlp, recipe, outs = _mlp(), recipe_type(), []
+        with td.settings.override(fp8_pad_lean_copies=lean):
+            for x0 in xs:  # gradients accumulate: the view is added into .grad in place after the first
+                x = x0.clone().requires_grad_(True)
+                with td.autocast(recipe=recipe):
+                    y = mlp(x, splits, probs, splits)
+                y.float().square().sum().backward()
+                outs += [y.detach(), x.grad]
+        fc1, fc2 = mlp.basic_ops[0], mlp.basic_ops[2]
+        assert fc1.has_native_weight_copy and fc2.has_native_weight_copy
+        for w in (fc1.weight, fc2.weight):
+            assert w.grad.shape == w.shape and w.grad.is_contiguous()
+        results.append(outs + [fc1.weight.grad, fc2.weight.grad])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def _expand(T, E, H, alignment):
     """x_TH and the dispatch's GroupSplits whose rows_in is the expand gather (padded to ``alignment``)."""
     g = torch.Generator().manual_seed(3)

@@ -26,9 +26,25 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from ... import settings
+
 __all__ = ["GRID", "FeaturePadding"]
 
 GRID = 128  # the FP8 grouped kernels' tile of K and N (their scale block)
+
+
+def zero_padded(t: torch.Tensor, pad_cols: int, pad_rows: int = 0) -> torch.Tensor:
+    """``t`` with ``pad_cols`` zero columns (last dim) and ``pad_rows`` zero rows (the dim before). With
+    ``te_dist.settings.fp8_pad_lean_copies`` each byte is written once: the values copied, only the
+    margins zeroed (F.pad zero-fills the whole output, then copies the values over it)."""
+    if not settings.current().fp8_pad_lean_copies:
+        return F.pad(t, (0, pad_cols, 0, pad_rows) if pad_rows else (0, pad_cols))
+    *lead, rows, cols = t.shape
+    out = t.new_empty(*lead, rows + pad_rows, cols + pad_cols)
+    out[..., :rows, :cols].copy_(t)
+    out[..., :rows, cols:].zero_()
+    out[..., rows:, :].zero_()
+    return out
 
 
 class FeaturePadding(NamedTuple):
@@ -49,10 +65,10 @@ class FeaturePadding(NamedTuple):
 
     # ------------------------------------------------------------------ forward operands
     def weight(self, w_ENK: torch.Tensor) -> torch.Tensor:
-        return F.pad(w_ENK, (0, self.pad_k, 0, self.pad_n)) if self.pad_k or self.pad_n else w_ENK
+        return zero_padded(w_ENK, self.pad_k, self.pad_n) if self.pad_k or self.pad_n else w_ENK
 
     def input(self, x_TK: torch.Tensor) -> torch.Tensor:
-        return F.pad(x_TK, (0, self.pad_k)) if self.pad_k else x_TK
+        return zero_padded(x_TK, self.pad_k) if self.pad_k else x_TK
 
     def bias(self, b_EN: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return F.pad(b_EN, (0, self.pad_n)) if self.pad_n and b_EN is not None else b_EN
@@ -62,11 +78,14 @@ class FeaturePadding(NamedTuple):
 
     # ------------------------------------------------------------------ backward operands
     def output_grad(self, dy_TN: torch.Tensor) -> torch.Tensor:
-        return F.pad(dy_TN, (0, self.pad_n)) if self.pad_n else dy_TN
+        return zero_padded(dy_TN, self.pad_n) if self.pad_n else dy_TN
 
     def input_grad(self, dx_TKp: torch.Tensor) -> torch.Tensor:
         return dx_TKp[:, : self.in_features].contiguous() if self.pad_k else dx_TKp
 
     def weight_grad(self, dw_ENpKp: torch.Tensor) -> torch.Tensor:
-        """A contiguous gradient of the weight's shape [E, N, K]."""
-        return dw_ENpKp[:, : self.out_features, : self.in_features].contiguous()
+        """The gradient of the weight's shape [E, N, K]: a contiguous copy, or with
+        ``settings.fp8_pad_lean_copies`` a view (autograd copies it into ``.grad`` at the first
+        accumulation and adds it in place at the next: one copy per step, not one per micro-batch)."""
+        view = dw_ENpKp[:, : self.out_features, : self.in_features]
+        return view if settings.current().fp8_pad_lean_copies else view.contiguous()
