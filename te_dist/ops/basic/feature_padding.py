@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ... import settings
 
-__all__ = ["GRID", "FeaturePadding"]
+__all__ = ["GRID", "FeaturePadding", "zero_padded"]
 
 GRID = 128  # the FP8 grouped kernels' tile of K and N (their scale block)
 
