@@ -43,7 +43,7 @@ the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
 (``grouped_mm_forward(..., backend="torch", check_offsets=False)``: validation, decision, torch's
 call) differ by our host work; ``decide`` and ``decide sizes`` time the decision of the same call on
 a faked SM 9.0 GPU (the capability hook; measuring on, the bucket already measured, so the remembered
-choice: ``entry._choice``, its operand a stand-in whose attributes read faster than a tensor's),
+function: ``entry._runner``, its operand a stand-in whose attributes read faster than a tensor's),
 without and with host sizes. Median and best µs per call over ``--rounds`` x 20 interleaved repeats.
 """
 
@@ -298,13 +298,13 @@ def host_cpu(args) -> dict:
     E, K, N = len(sizes), 16, 16
     x, w, _, off = operands(E, list(sizes), K, N, dev="cpu")
     # x as the decision sees a CUDA row operand (its attributes read faster than a tensor's)
-    row = SimpleNamespace(device=torch.device("cuda", 0), dtype=x.dtype, shape=x.shape, is_cuda=True)
+    row = SimpleNamespace(device=torch.device("cuda", 0), dtype=x.dtype, shape=x.shape, is_cuda=True, is_cpu=False)
     stmts = {"raw": "torch._grouped_mm(x, w, offs=off)",
              "torch": "kernels.grouped_mm_forward(x, w, off, backend='torch', check_offsets=False)",
-             "decide": "entry._choice('fwd', row, w.shape, w.stride(), False, None, None, args)",
-             "decide sizes": "entry._choice('fwd', row, w.shape, w.stride(), False, None, sizes, args)"}
+             "decide": "entry._runner('fwd', args, row, row.device, x.dtype, w.shape, w.stride(), False, None)",
+             "decide sizes": "entry._runner('fwd', args_sizes, row, row.device, x.dtype, w.shape, w.stride(), False, None)"}
     names = dict(torch=torch, kernels=kernels, entry=entry, row=row, x=x, w=w, off=off, sizes=sizes,
-                 args=(x, w, off, None, None, x.dtype))
+                 args=(x, w, off, None, None, x.dtype, None), args_sizes=(x, w, off, None, None, x.dtype, sizes))
     measure.reset(measure.Tuner(measure.TunerSettings(persist=False), identity=lambda index: ("cpu proxy", 132),
                                 timer=lambda fn, calls: 1.0))  # a miss "times" every candidate alike
     with support.set_capability_lookup(lambda d: (9, 0) if d.type == "cuda" else None):

@@ -99,13 +99,13 @@ def _guard(fallback):
 
     def wrap(fn):
         @functools.wraps(fn)
-        def inner(*args, config=None, group_sizes=None, **kwargs):
+        def inner(*args, config=None, **kwargs):
             if not _state["disabled"]:
                 try:
-                    return fn(*args, config=config, group_sizes=group_sizes, **kwargs)
+                    return fn(*args, config=config, **kwargs)
                 except kernels_module().BuildError as exc:
                     disable(str(exc))
-            return fallback(*args, **kwargs)  # a tile config or host sizes mean nothing to it
+            return fallback(*args, **kwargs)  # a tile config means nothing to it
 
         return inner
 
@@ -130,17 +130,17 @@ def _rows(direction, a, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, confi
 
 
 @_guard(torch_backend.forward)
-def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
+def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, group_sizes=None, *, config=None):
     return _rows("fwd", x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, config, group_sizes)
 
 
 @_guard(torch_backend.dgrad)
-def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, *, config=None, group_sizes=None):
+def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, group_sizes=None, *, config=None):
     return _rows("dgrad", dy_TN, w_EKN, offsets_E, None, row_scale_T, out_dtype, config, group_sizes)
 
 
 @_guard(torch_backend.wgrad)
-def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, *, config=None, group_sizes=None):
+def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=None, *, config=None):
     K, N = x_TK.shape[1], dy_TN.shape[1]
     T = x_TK.shape[0]
     out_dtype = out_dtype or x_TK.dtype

@@ -52,7 +52,7 @@ _QUANTIZED_OUT = (torch.bfloat16, torch.float32)
 class Problem(NamedTuple):
     """What the rule needs to know about one call (direction "fwd" | "dgrad" | "wgrad"; ``k`` the
     contraction for fwd and dgrad, in-features for wgrad). A NamedTuple: built where no remembered choice
-    answers the call (``entry._choice``)."""
+    answers the call (``entry._runner``)."""
 
     direction: str
     device_type: str

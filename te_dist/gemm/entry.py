@@ -9,12 +9,13 @@ x's device, as ``torch._grouped_mm`` takes them)::
 differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a
 contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Per call: the inputs are checked
 (:mod:`.validation`), the backend is chosen (:mod:`.decide`, with the bucket's measured entry from
-:mod:`.measure` on CUDA; the tuner remembers the choice, ``_choice``) and run. Legend: T rows
+:mod:`.measure` on CUDA; the tuner remembers the function to run, ``_runner``) and run. Legend: T rows
 (tokens), K in-features, N out-features, E experts.
 """
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Optional
 
@@ -80,63 +81,63 @@ def _built_tiles(p: decide.Problem) -> tuple:
 _FUNCTION = {"fwd": "forward", "dgrad": "dgrad", "wgrad": "wgrad"}  # each backend's function per direction
 
 
-def _run(direction: str, choice, args: tuple, group_sizes):
-    """One call on ``choice``; ``args``: the direction's arguments up to the output dtype."""
-    name, config = choice
-    if name == "torch":
-        return getattr(torch_backend, _FUNCTION[direction])(*args)
-    if name == "loop":
-        return getattr(loop_backend, _FUNCTION[direction])(*args, group_sizes)
-    return getattr(cutlass_backend, _FUNCTION[direction])(*args, config=config, group_sizes=group_sizes)
+def _function(direction: str, choice):
+    """The function that runs ``choice`` (a cutlass tile bound to it) as ``f(*args)``: every backend takes
+    the direction's arguments through the output dtype and the host sizes alike."""
+    backend = {"torch": torch_backend, "loop": loop_backend, "cutlass": cutlass_backend}[choice[0]]
+    function = getattr(backend, _FUNCTION[direction])
+    return functools.partial(function, config=choice[1]) if choice[0] == "cutlass" else function
 
 
-def _dispatch(direction, args: tuple, a, w_shape, w_strides, epilogue, backend, group_sizes):
-    """Decide and run one call; ``args``: the direction's arguments up to the output dtype, ``a`` its
-    row operand; ``w_shape``, ``w_strides``: the weight's (wgrad: its [E, K, N] and None)."""
-    if backend is None and a.is_cpu:  # the rule's CPU row, without building a Problem
-        return getattr(loop_backend, _FUNCTION[direction])(*args, group_sizes)
-    if backend is not None and backend not in decide.BACKENDS:
-        raise ValueError(f"backend must be None or one of {decide.BACKENDS}, received {backend!r}")
-    return _run(direction, _choice(direction, a, w_shape, w_strides, epilogue, backend, group_sizes, args), args,
-                group_sizes)
-
-
-def _choice(direction, a, w_shape, w_strides, epilogue, backend, group_sizes, args) -> decide.Choice:
-    """``_choose``'s answer, remembered by the process tuner under all that decides it: the call's facts (its
-    rows as the bucket and the loop rule read them), the settings' and support's generations. Not kept where
+def _runner(direction, args: tuple, a, device, dtype, w_shape, w_strides, epilogue, backend):
+    """The function that runs ``_choose``'s answer on ``args`` (the direction's arguments through the output dtype
+    and the host sizes; ``a`` the row operand, on ``device`` of ``dtype``; ``w_shape``, ``w_strides``: the weight's,
+    wgrad: its [E, K, N] and None), remembered by the process tuner under all that decides it: the call's facts
+    (its rows as the bucket and the loop rule read them), the settings' and support's generations. Not kept where
     a later call may decide otherwise: a loop on CUDA (it asks about graph capture), an unmeasured bucket."""
+    group_sizes = args[-1]
+    if backend is None and a.is_cpu:  # the rule's CPU row, without building a Problem
+        return getattr(loop_backend, _FUNCTION[direction])
     t, rows = measure.tuner(), None
     if backend is None:  # what the rule and a measurement read of the rows
         rows, sizes, E = a.shape[0], group_sizes, w_shape[0]
         rows = (measure.bucket_rows(rows, E), rows >= decide.LOOP_MIN_ROWS_PER_GROUP * E,
                 bool(sizes) and sizes.count(sizes[0]) != len(sizes), t.deterministic())
-    key = (direction, a.device, a.dtype, args[-1], w_shape, w_strides, epilogue, backend, group_sizes is None, rows,
+    key = (direction, device, dtype, args[-2], w_shape, w_strides, epilogue, backend, group_sizes is None, rows,
            _settings.generation, support.generation)
-    choice = t.choices.get(key)
-    if choice is None:
-        p = _problem(direction, a, w_shape, w_strides, args[-1], group_sizes, epilogue)
-        choice = _choose(p, a.device, backend, group_sizes, lambda c: _run(direction, c, args, group_sizes))
+    run = t.runners.get(key)
+    if run is None:
+        if backend is not None and backend not in decide.BACKENDS:
+            raise ValueError(f"backend must be None or one of {decide.BACKENDS}, received {backend!r}")
+        p = _problem(direction, a, w_shape, w_strides, args[-2], group_sizes, epilogue)
+        choice = _choose(p, device, backend, group_sizes, lambda c: _function(direction, c)(*args))
+        run = _function(direction, choice)
         if p.device_type != "cuda" or (choice[0] != "loop" and (
-                rows is None or not t.enabled or measure.bucket_key(p, group_sizes) in t.table_for(a.device.index).ms)):
-            if len(t.choices) >= 4096:  # bounded: call facts that keep changing start it over
-                t.choices = {}
-            t.choices[key] = choice
-    return choice
+                rows is None or not t.enabled or measure.bucket_key(p, group_sizes) in t.table_for(device.index).ms)):
+            if len(t.runners) >= 4096:  # bounded: call facts that keep changing start it over
+                t.runners = {}
+            t.runners[key] = run
+    return run
 
 
-def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None):
-    return _dispatch("fwd", (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype), x_TK,
-                     w_EKN.shape, w_EKN.stride(), bias_EN is not None or row_scale_T is not None, backend, group_sizes)
+def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None, seen=None):
+    """``seen``: what validation read (its checks' second answer), else read here."""
+    device, dtype, w_shape = seen or (x_TK.device, x_TK.dtype, w_EKN.shape)
+    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or dtype, group_sizes)
+    return _runner("fwd", args, x_TK, device, dtype, w_shape, w_EKN.stride(),
+                   bias_EN is not None or row_scale_T is not None, backend)(*args)
 
 
-def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None):
-    return _dispatch("dgrad", (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dy_TN.dtype), dy_TN, w_EKN.shape,
-                     w_EKN.stride(), row_scale_T is not None, backend, group_sizes)
+def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None, seen=None):
+    device, dtype, w_shape = seen or (dy_TN.device, dy_TN.dtype, w_EKN.shape)
+    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dtype, group_sizes)
+    return _runner("dgrad", args, dy_TN, device, dtype, w_shape, w_EKN.stride(), row_scale_T is not None, backend)(*args)
 
 
-def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None):
-    return _dispatch("wgrad", (x_TK, dy_TN, offsets_E, num_groups, out_dtype or x_TK.dtype), x_TK,
-                     (num_groups, x_TK.shape[1], dy_TN.shape[1]), None, False, backend, group_sizes)
+def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None, seen=None):
+    device, dtype, dw_shape = seen or (x_TK.device, x_TK.dtype, (num_groups, x_TK.shape[1], dy_TN.shape[1]))
+    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype or dtype, group_sizes)
+    return _runner("wgrad", args, x_TK, device, dtype, dw_shape, None, False, backend)(*args)
 
 
 _DISPATCH = SimpleNamespace(forward=_forward, dgrad=_dgrad, wgrad=_wgrad)  # handed to the autograd function
@@ -152,27 +153,26 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
     each expert as host ints (list, tuple or CPU tensor), when the caller has them anyway (an MoE
     layer does): the decision sees them and the per-expert loop reads no offsets; they must agree
     with the offsets (checked against the row count, never read from the device)."""
-    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
-                                     group_sizes)
+    sizes, _ = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
+                                        group_sizes)
     return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _DISPATCH, sizes)
 
 
 def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
                        check_offsets=None, group_sizes=None) -> torch.Tensor:
     """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
-    sizes = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
-                                     group_sizes)
-    return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes)
+    sizes, seen = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
+                                           group_sizes)
+    return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes, seen)
 
 
 def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,
                      check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
     """dx = row_scale * (dy @ w[e]^T) for the rows of each expert; arguments as grouped_mm.
     ``validate=False`` skips the checks: only for a backward whose forward validated its operands."""
-    if validate:
-        group_sizes = validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets,
-                                             group_sizes)
-    return _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes)
+    group_sizes, seen = validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets,
+                                               group_sizes) if validate else (group_sizes, None)
+    return _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes, seen)
 
 
 def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None, out_dtype=None, backend=None,
@@ -181,9 +181,9 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
     weight's layout); experts without rows get zeros. Arguments as grouped_mm_dgrad."""
     if num_groups is None:
         num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
-    if validate:
-        group_sizes = validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets, group_sizes)
-    return _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes)
+    group_sizes, seen = validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets,
+                                               group_sizes) if validate else (group_sizes, None)
+    return _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes, seen)
 
 
 def _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue) -> decide.Problem:

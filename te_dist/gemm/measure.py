@@ -179,7 +179,7 @@ class Tuner:
         self.agreed = False  # set by adopt: every rank holds rank 0's entries
         self._lock = threading.Lock()
         self._warned: set = set()
-        self.choices: Dict[tuple, Choice] = {}  # the call path's memo (entry._choice); emptied with the tables
+        self.runners: Dict[tuple, Callable] = {}  # the call path's memo (entry._runner); emptied with the tables
 
     @property
     def enabled(self) -> bool:
@@ -319,7 +319,7 @@ class Tuner:
             for ident, table in self._by_identity.items():  # keep the paths, replace the entries
                 table.ms = tables.pop(ident).ms if ident in tables else {}
             self._by_identity.update(tables)
-            self.agreed, self.choices = True, {}
+            self.agreed, self.runners = True, {}
 
 
 def _kernels():
@@ -374,7 +374,7 @@ def configure(*, enabled: Optional[bool] = None, deterministic: Optional[bool] =
         s.directory = Path(directory)
         t._by_index.clear()
         t._by_identity.clear()
-        t.choices = {}
+        t.runners = {}
     return s
 
 

@@ -44,19 +44,19 @@ def grouped_mm(a, b, offsets_E) -> torch.Tensor:
     return torch._grouped_mm(a_copy, b_copy, offs=offsets_E)
 
 
-def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None) -> torch.Tensor:
+def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
     acc_TN = grouped_mm(x_TK, w_EKN, offsets_E)
     if bias_EN is None and row_scale_T is None and acc_TN.dtype == out_dtype:  # the usual call: nothing to apply
         return acc_TN
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype)
 
 
-def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None) -> torch.Tensor:
+def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
     acc_TK = grouped_mm(dy_TN, w_EKN.transpose(1, 2), offsets_E)
     return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype or dy_TN.dtype)
 
 
-def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None) -> torch.Tensor:
+def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=None) -> torch.Tensor:
     """dw[e] = (dy_e^T @ x_e) as [E, N, K]; returned transposed as [E, K, N]."""
     out_dtype = out_dtype or x_TK.dtype
     dw_ENK = grouped_mm(dy_TN.t(), x_TK, offsets_E)

@@ -50,7 +50,7 @@ def check_offsets_tensor(offsets_E, num_groups: int, ref_name: str, device: torc
 
 def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> tuple:
     """The row operand ``a`` (2-D floats) and ``b`` (``b_ndim``-D, a's dtype and device); returns the
-    device and both shapes."""
+    device, the dtype and both shapes."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or len(a_shape := a.shape) != 2 \
             or len(b_shape := b.shape) != b_ndim:
         _check_tensor(a_name, a, 2)
@@ -63,7 +63,7 @@ def _check_operands(a_name: str, a, b_name: str, b, b_ndim: int) -> tuple:
     device = a.device
     if b.device != device:
         _check_same_device(b_name, b, a_name, device)
-    return device, a_shape, b_shape
+    return device, dtype, a_shape, b_shape
 
 
 def check_offsets_values(offsets_E: torch.Tensor, num_rows: int) -> None:
@@ -129,8 +129,8 @@ def _check_row_scale_and_out_dtype(row_scale_T, rows_name, T, device, out_dtype)
 
 
 def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
-    """Every check of a forward call; returns the host sizes as a tuple (or None)."""
-    device, (T, x_K), (E, K, N) = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3)
+    """Every check of a forward call; returns the host sizes as a tuple (or None) and (device, dtype, w's shape)."""
+    device, dtype, (T, x_K), (E, K, N) = _check_operands("x_TK", x_TK, "w_EKN", w_EKN, 3)
     if x_K != K:
         raise ValueError(f"x_TK has K={x_K} columns but w_EKN expects K={K} (w_EKN shape {(E, K, N)})")
     check_offsets_tensor(offsets_E, E, "x_TK", device)
@@ -141,23 +141,23 @@ def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check
             raise ValueError(f"bias_EN must have shape {(E, N)}, received {tuple(bias_EN.shape)}")
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "x_TK", T, device, out_dtype)
-    return _rows(offsets_E, E, T, check_offsets, group_sizes)
+    return _rows(offsets_E, E, T, check_offsets, group_sizes), (device, dtype, (E, K, N))
 
 
 def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
-    """Every check of a dgrad call; returns the host sizes as a tuple (or None)."""
-    device, (T, dy_N), (E, _, N) = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3)
+    """Every check of a dgrad call; returns what check_forward does."""
+    device, dtype, (T, dy_N), (E, K, N) = _check_operands("dy_TN", dy_TN, "w_EKN", w_EKN, 3)
     if dy_N != N:
         raise ValueError(f"dy_TN has N={dy_N} columns but w_EKN expects N={N}")
     check_offsets_tensor(offsets_E, E, "dy_TN", device)
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", T, device, out_dtype)
-    return _rows(offsets_E, E, T, check_offsets, group_sizes)
+    return _rows(offsets_E, E, T, check_offsets, group_sizes), (device, dtype, (E, K, N))
 
 
 def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=None, group_sizes=None):
-    """Every check of a wgrad call; returns the host sizes as a tuple (or None)."""
-    device, (T, _), (dy_T, _) = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2)
+    """Every check of a wgrad call; returns what check_forward does (the shape: dw's [E, K, N])."""
+    device, dtype, (T, K), (dy_T, N) = _check_operands("x_TK", x_TK, "dy_TN", dy_TN, 2)
     if dy_T != T:
         raise ValueError(f"dy_TN has {dy_T} rows but x_TK has {T}")
     if not isinstance(num_groups, int) or num_groups < 0:
@@ -165,7 +165,7 @@ def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=Non
     check_offsets_tensor(offsets_E, num_groups, "x_TK", device)
     if out_dtype is not None:
         _check_row_scale_and_out_dtype(None, "x_TK", T, device, out_dtype)
-    return _rows(offsets_E, num_groups, T, check_offsets, group_sizes)
+    return _rows(offsets_E, num_groups, T, check_offsets, group_sizes), (device, dtype, (num_groups, K, N))
 
 
 def check_quantized(name: str, q, ndim: int) -> None:

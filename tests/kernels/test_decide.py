@@ -282,15 +282,17 @@ def test_the_call_paths_remembered_choice_follows_the_table_settings_and_device(
     from te_dist.gemm import measure
 
     entry, timer = fake_gpus
-    monkeypatch.setattr(entry, "_run", lambda direction, choice, args, sizes: choice)  # what the fake timer reads
+    monkeypatch.setattr(entry, "_function", lambda direction, choice: lambda *args: choice)  # the fake timer reads it
     rows, k, n, e, sizes = REGIONS["few_large_long_k"]
-    row = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(rows, k), is_cuda=True)
+    row = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(rows, k), is_cuda=True,
+                          is_cpu=False)
     built = []
     problem = entry._problem
     monkeypatch.setattr(entry, "_problem", lambda *args: built.append(args) or problem(*args))
 
     def choice(epilogue=False):  # a bf16 forward of w's [E, N, K] layout, host sizes given
-        return entry._choice("fwd", row, (e, k, n), (n * k, 1, k), epilogue, None, sizes, (torch.bfloat16,))
+        return entry._runner("fwd", (torch.bfloat16, sizes), row, row.device, row.dtype, (e, k, n), (n * k, 1, k),
+                             epilogue, None)()  # the remembered function, called: its choice
 
     assert choice() == ("cutlass", 2) and len(built) == 1  # measured: 0.6 ms against torch's 0.8
     timed = len(timer.calls)

@@ -301,17 +301,17 @@ def test_host_group_sizes_reach_the_cutlass_tile_choice(monkeypatch, request):
 
     class RecordingCutlass:  # stands in for cutlass_backend; the math runs on the loop backend
         @staticmethod
-        def forward(x, w, off, bias, scale, out_dtype, *, config=None, group_sizes=None):
+        def forward(x, w, off, bias, scale, out_dtype, group_sizes=None, *, config=None):
             seen.append(("fwd", group_sizes))
             return loop_backend.forward(x, w, off, bias, scale, out_dtype)
 
         @staticmethod
-        def dgrad(dy, w, off, scale, out_dtype, *, config=None, group_sizes=None):
+        def dgrad(dy, w, off, scale, out_dtype, group_sizes=None, *, config=None):
             seen.append(("dgrad", group_sizes))
             return loop_backend.dgrad(dy, w, off, scale, out_dtype)
 
         @staticmethod
-        def wgrad(x, dy, off, num_groups, out_dtype, *, config=None, group_sizes=None):
+        def wgrad(x, dy, off, num_groups, out_dtype, group_sizes=None, *, config=None):
             seen.append(("wgrad", None))
             return loop_backend.wgrad(x, dy, off, num_groups, out_dtype)
 

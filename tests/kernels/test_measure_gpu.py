@@ -87,9 +87,9 @@ def test_every_ranked_candidate_computes_the_same_values(cuda_device, fresh_tune
     tol = dict(rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     for choice in ms:
         if direction == "fwd":
-            got = entry._run("fwd", choice, (x, w, off, None, None, torch.bfloat16), tuple(sizes))
+            got = entry._function("fwd", choice)(x, w, off, None, None, torch.bfloat16, tuple(sizes))
         elif direction == "dgrad":
-            got = entry._run("dgrad", choice, (dy, w, off, None, torch.bfloat16), tuple(sizes))
+            got = entry._function("dgrad", choice)(dy, w, off, None, torch.bfloat16, tuple(sizes))
         else:
-            got = entry._run("wgrad", choice, (x, dy, off, w.shape[0], torch.bfloat16), tuple(sizes))
+            got = entry._function("wgrad", choice)(x, dy, off, w.shape[0], torch.bfloat16, tuple(sizes))
         torch.testing.assert_close(got.float().cpu(), ref, **tol, msg=f"{choice} disagrees")
