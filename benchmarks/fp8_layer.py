@@ -81,6 +81,24 @@ class Arm:
         return out
 
 
+def profile_arm(arm, xs, grads, iters, warmup, top):
+    """Print the arm's ``top`` heaviest GPU kernels per micro-batch (ms), summed over ``iters`` steps."""
+    for _ in range(warmup):
+        arm.step(xs, grads, [torch.cuda.Event(enable_timing=True) for _ in range(3)])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            arm.step(xs, grads, [torch.cuda.Event(enable_timing=True) for _ in range(3)])
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    scale = 1e3 * iters * arm.micro
+    total = sum(e.device_time_total for e in kernels) / scale
+    print(f"  GPU kernel time per micro-batch (optimizer included): {total:.3f} ms")
+    for e in kernels[:top]:
+        print(f"  {e.device_time_total / scale:8.3f} ms {e.count // iters:5d}x  {e.key[:110]}")
+
+
 def run_arm(arm, xs, grads, iters, warmup):
     """(median fwd+bwd ms per micro-batch, median optimizer ms per step, the first output's difference from
     bf16 on the same weights, native path ran)."""
@@ -110,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed", action="store_true", help="add the fixed-weight rows (weights never written)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead of the table: each arm's N heaviest GPU kernels over --iters steps (torch.profiler)")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
     timing.add_json_option(p)
@@ -150,6 +170,10 @@ def run_configs(args, pad_off_grid: bool) -> list:
             base = None
             for label, rname, fixed in arms:
                 recipe = None if rname is None else recipe_from_name(rname)
+                if args.profile:
+                    print(f"profile {name} {label} M={micro}", flush=True)
+                    profile_arm(Arm(layer, recipe, micro, fixed), xs, grads, args.iters, args.warmup, args.profile)
+                    continue
                 try:
                     mb, opt, diff, native = run_arm(Arm(layer, recipe, micro, fixed), xs, grads, args.iters,
                                                     args.warmup)

@@ -43,8 +43,9 @@ train)
   tail -n 12 "$OUT/train_${CONFIG:-mixtral_like}.txt"
   ;;
 switches)
-  # the switches still off (docs/settings.md): megatron_row_padding (its test turns it on itself) and
-  # fp8_pad_lean_copies (the off-grid tests with it on, then gpt-oss-like's training step off against on)
+  # the switches measured before they are flipped (docs/settings.md): megatron_row_padding (its test turns it
+  # on itself) and fp8_pad_lean_copies (the off-grid tests with it on, then gpt-oss-like's training step off
+  # against on)
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 200 -m gpu \
     tests/ops/test_off_grid_native.py tests/megatron/test_gpu.py > "$OUT/switch_tests.txt" 2>&1
   TE_DIST_FP8_PAD_LEAN_COPIES=1 timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs \

@@ -148,21 +148,21 @@ class Settings:
             "read x once in a CUDA kernel (te_dist.quantization.cuda_rowcol; built on first use, the Triton "
             "path where it cannot be). False: the Triton cast, then the Triton byte transpose.")
     megatron_row_padding: bool = _field(
-        False, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
-            "multiple (Megatron's dispatchers do not), so FP8 recipes run the native kernels there. Off "
-            "(default, until measured on a GPU): unaligned rows run the emulated path.")
+            "multiple (Megatron's dispatchers do not), so FP8 recipes run the native kernels there. False: "
+            "unaligned rows run the emulated path.")
     fp8_pad_off_grid: bool = _field(
         True, env="TE_DIST_FP8_PAD_OFF_GRID", parse=_flag, check=_is_bool,
         doc="expert features off the FP8 kernels' 128 grid (gpt-oss's 2880) take the native FP8 path, zero "
             "padded to the grid inside GroupedLinear. False: such layers run the emulated path (fake-quantize, "
             "then the bf16 GEMM), slower on an H100.")
     fp8_pad_lean_copies: bool = _field(
-        False, env="TE_DIST_FP8_PAD_LEAN_COPIES", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_PAD_LEAN_COPIES", parse=_flag, check=_is_bool,
         doc="with fp8_pad_off_grid, GroupedLinear pads its operands by copying the values and zeroing only "
             "the margins (not a zero fill of the whole padded tensor first) and hands the weight gradient back "
-            "as a view of the padded one (autograd's accumulation reads it in place). Off (default, until "
-            "measured on a GPU): F.pad and a contiguous copy of the weight gradient.")
+            "as a view of the padded one (autograd's accumulation reads it in place). False: F.pad and a "
+            "contiguous copy of the weight gradient.")
     fp8_dense_native: bool = _field(
         True, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
         doc="te_dist.ops.BasicLinear under an FP8 recipe runs its three GEMMs on the quantized grouped kernels "

@@ -7,6 +7,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD:$PYTHONPATH TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TE_DIST_CACHE=${TE_DIST_CACHE:-$PWD/.kcache}
 # Kernels travel packed (the .so files are over the carry limit unpacked): unpack .kcache/*.tgz in place.
 for packed in .kcache/*.tgz; do if [ -e "$packed" ]; then tar xzf "$packed" -C .kcache; fi; done

@@ -300,7 +300,7 @@ class GroupedExperts(MegatronModule):
         so an expert's rows must start on that multiple; off it the recipe runs the emulated path. MoELayer
         pads the same way (te_dist.moe.padding). The sizes are read on the host: from a device
         ``tokens_per_expert`` that is a sync, taken only where the padding may apply.
-        Behind ``te_dist.settings.megatron_row_padding`` (off by default: docs/settings.md)."""
+        Behind ``te_dist.settings.megatron_row_padding`` (on by default: docs/settings.md)."""
         if not settings.current().megatron_row_padding:
             return None
         alignment = self._native_row_alignment(x_TH)

@@ -268,7 +268,8 @@ def test_rows_padded_for_the_native_path_give_the_unpadded_result(megatron_world
         y.square().sum().backward()
         return [y.detach(), xr.grad] + [p.grad.clone() for p in experts.parameters()]
 
-    reference = run()
+    with te_dist.settings.override(megatron_row_padding=False):
+        reference = run()
     padded_sizes = []
     real_pad = E.pad_expert_rows
 
@@ -279,9 +280,9 @@ def test_rows_padded_for_the_native_path_give_the_unpadded_result(megatron_world
 
     monkeypatch.setattr(E, "pad_expert_rows", spy)
     monkeypatch.setattr(type(experts), "_native_row_alignment", lambda self, x_TH: 4)
-    assert all(torch.equal(a, b) for a, b in zip(run(), reference)) and not padded_sizes  # switch off: unpadded
-    with te_dist.settings.override(megatron_row_padding=True):
-        padded = run()
+    with te_dist.settings.override(megatron_row_padding=False):
+        assert all(torch.equal(a, b) for a, b in zip(run(), reference)) and not padded_sizes  # off: unpadded
+    padded = run()  # on by default
     assert padded_sizes == [(4, 0, 8, 4)]
     for got, want in zip(padded, reference):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
