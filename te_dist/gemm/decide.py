@@ -31,7 +31,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import support
+from .. import settings as _settings, support
 
 __all__ = ["BACKENDS", "QUANTIZED_BACKENDS", "MARGIN", "LOOP_MAX_GROUPS", "LOOP_MIN_ROWS_PER_GROUP",
            "LOOP_MIN_CONTRACTION", "LOOP_MIN_FLOP_PER_EXPERT", "LOOP_MIN_FLOP_PER_EXPERT_BLOCK", "Choice", "Problem",
@@ -184,14 +184,14 @@ def candidates(p: Problem, *, cutlass_built: Callable[[], bool], torch_grouped: 
 # --------------------------------------------------------------------------- FP8
 
 
-def quantized_why_not(device: torch.device, k: int, n: int, out_dtype, b_format: str) -> Optional[str]:
-    """None when our FP8 kernels can run a call with these properties, else why not (the device
-    part is the support predicates' own answer: ``support.fp8_kernels_why_not``)."""
-    reason = support.fp8_kernels_why_not(device)
-    if reason is not None:
+def quantized_why_not(device, k: int, n: int, out_dtype, b_format: str, block_scales: bool = True) -> Optional[str]:
+    """None when our FP8 kernels can run a call with these properties, else why not (the device part is the
+    support predicates' own answer: ``support.fp8_kernels_why_not``). K and N: multiples of the 128 scale
+    block, of 16 for tensor scales under ``settings.fp8_unpadded_tensor_scales`` (16-byte FP8 rows)."""
+    if (reason := support.fp8_kernels_why_not(device)) is not None:
         return reason
-    if k % 128 or n % 128:
-        return f"the FP8 grouped kernels need K and N multiples of 128, received K={k} N={n}"
+    if k % (grid := 128 if block_scales or not _settings.current().fp8_unpadded_tensor_scales else 16) or n % grid:
+        return f"the FP8 grouped kernels need K and N multiples of {grid}, received K={k} N={n}"
     if out_dtype not in _QUANTIZED_OUT:
         return f"the FP8 grouped kernels write {_QUANTIZED_OUT}, received out_dtype={out_dtype}"
     if b_format != "e4m3":
@@ -240,7 +240,7 @@ def choose_quantized(device, k: int, n: int, *, out_dtype=torch.bfloat16, b_form
     if backend == "emulated":
         return backend
     device = torch.device(device)
-    reason = quantized_why_not(device, k, n, out_dtype, b_format)
+    reason = quantized_why_not(device, k, n, out_dtype, b_format, block_scales)
     if reason is not None:
         if backend is not None:
             raise ValueError(f"backend={backend!r} cannot run this FP8 grouped GEMM: {reason}")

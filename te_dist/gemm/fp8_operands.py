@@ -78,8 +78,8 @@ def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
     if len(wq.shape) != 3:
         raise ValueError(f"a grouped weight is [E, N, K], received shape {tuple(wq.shape)}")
     E, N, K = wq.shape
-    if N % BLOCK or K % BLOCK:
-        raise ValueError(f"FP8 grouped GEMM weights need N and K multiples of {BLOCK}, received N={N} K={K}")
+    if (N % BLOCK or K % BLOCK) and (_is_block(wq) or N % 16 or K % 16):  # per-tensor: 16-byte FP8 rows
+        raise ValueError(f"FP8 grouped GEMM weights need N and K multiples of {BLOCK} (per-tensor: 16), got {N=} {K=}")
     if _is_block(wq):
         _check_block_copy(wq.rowwise, "weight rowwise", BLOCK)
         _check_block_copy(wq.columnwise, "weight columnwise", BLOCK)
@@ -87,9 +87,9 @@ def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
                                wq.rowwise.scale_inv.contiguous(), wq)
     if isinstance(wq, Float8Tensor):
         s = wq.scale_inv.reshape(1, 1, 1).float()
-        # the dgrad layout: the data_t the cast wrote in the same pass (columnwise usage), else a transpose
-        return QuantizedWeight(wq.data, s.expand(E, K // BLOCK, N // BLOCK).contiguous(), wq.transpose_data(),
-                               s.expand(E, N // BLOCK, K // BLOCK).contiguous(), wq)
+        kb, nb = -(-K // BLOCK), -(-N // BLOCK)  # block tables: the mixed-operand path's (dgrad: the cast's data_t)
+        return QuantizedWeight(wq.data, s.expand(E, kb, nb).contiguous(), wq.transpose_data(),
+                               s.expand(E, nb, kb).contiguous(), wq)
     raise TypeError(f"FP8 grouped GEMMs take Float8Tensor or Float8BlockTensor weights, received {type(wq).__name__}")
 
 

@@ -172,6 +172,15 @@ def test_fp8_rule_reads_the_support_modules_answer():
         assert "e4m3" in decide.quantized_why_not(cuda, 4096, 4096, torch.bfloat16, "e5m2")
         assert "write" in decide.quantized_why_not(cuda, 4096, 4096, torch.float16, "e4m3")
         assert "CUDA" in decide.quantized_why_not(torch.device("cpu"), 4096, 4096, torch.bfloat16, "e4m3")
+        # tensor scales: K and N of 16-byte rows under settings.fp8_unpadded_tensor_scales, else the 128 grid
+        for unpadded, want in ((False, "multiples of 128"), (True, None)):
+            with settings.override(fp8_unpadded_tensor_scales=unpadded):
+                got = decide.quantized_why_not(cuda, 2880, 5760, torch.bfloat16, "e4m3", block_scales=False)
+                assert got is None if want is None else want in got
+                assert "multiples of 128" in decide.quantized_why_not(cuda, 2880, 5760, torch.bfloat16, "e4m3")
+        with settings.override(fp8_unpadded_tensor_scales=True):
+            assert "multiples of 16" in decide.quantized_why_not(cuda, 2888, 5760, torch.bfloat16, "e4m3",
+                                                                 block_scales=False)
     with S.set_capability_lookup(lambda d: BLACKWELL if d.type == "cuda" else None), S.set_fp8_kernels_lookup(YES):
         assert "sm_90a" in decide.quantized_why_not(cuda, 4096, 4096, torch.bfloat16, "e4m3")
 

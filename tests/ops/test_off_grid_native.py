@@ -234,6 +234,38 @@ def test_lean_copies_change_no_bit(forced_native, pad_on, recipe_type):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("recipe_type", RECIPES, ids=_name)
+def test_unpadded_tensor_scales_take_the_operands_as_they_are(forced_native, pad_on, copies, recipe_type):
+    """settings.fp8_unpadded_tensor_scales: an MLP off the grid (H = F = 368, multiples of 16) under a per-tensor
+    recipe casts its weight copies unpadded ([E, 2F, H], [E, H, F]) and its output and gradients agree with the padded run's (zeros change no
+    per-tensor scale, so the FP8 values are the same; the sums run over fewer zeros); under block scales the
+    switch changes nothing (their kernels tile K and N by the 128 scale block)."""
+    sizes = _sizes(recipe_type)
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(sum(sizes), 368, dtype=torch.bfloat16, generator=g)
+    probs = torch.rand(sum(sizes), generator=g)
+    splits = torch.tensor(sizes)
+    results = {}
+    for unpadded in (False, True):
+        copies.clear()
+        mlp, recipe, x = _mlp(H=368, F_=368), recipe_type(), x0.clone().requires_grad_(True)
+        with td.settings.override(fp8_unpadded_tensor_scales=unpadded), td.autocast(recipe=recipe):
+            y = mlp(x, splits, probs, splits)
+        y.float().square().sum().backward()
+        fc1, fc2 = mlp.basic_ops[0], mlp.basic_ops[2]
+        assert fc1.has_native_weight_copy and fc2.has_native_weight_copy
+        results[unpadded] = [y.detach(), x.grad, fc1.weight.grad, fc2.weight.grad]
+        block = recipe_type is R.Float8BlockScaling
+        assert set(copies) == ({(4, 768, 384), (4, 384, 384)} if block or not unpadded else
+                               {(4, 736, 368), (4, 368, 368)})
+    for name, got, want in zip(("y", "dx", "dW1", "dW2"), results[True], results[False]):
+        assert got.shape == want.shape, name
+        if recipe_type is R.Float8BlockScaling:
+            assert torch.equal(got, want), name
+        else:
+            assert _rel(got, want) < 1e-3, (name, _rel(got, want))
+
+
 def _expand(T, E, H, alignment):
     """x_TH and the dispatch's GroupSplits whose rows_in is the expand gather (padded to ``alignment``)."""
     g = torch.Generator().manual_seed(3)
@@ -348,25 +380,31 @@ GPU_RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling, "
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GPU_RECIPES, ids=str)
-def test_off_grid_layer_native_on_a_gpu_matches_the_emulated_path(cuda_device, name):
+@pytest.mark.parametrize("name, unpadded", [(n, False) for n in GPU_RECIPES] + [("current", True), ("delayed", True)],
+                         ids=lambda v: {True: "unpadded", False: "padded"}.get(v, v) if isinstance(v, bool) else v)
+def test_off_grid_layer_native_on_a_gpu_matches_the_emulated_path(cuda_device, copies, name, unpadded):
     """Switch on: an off-grid GroupedLinear (320 -> 200, bias) and a gpt-oss-like MoELayer (360 / 360)
     run the native kernels (the predicate decides), with no emulated-path warning, and their forward
     and backward agree with the emulated path (switch off) of the same layer on the same input. The
-    third step is compared (DelayedScaling's scales are set from then on)."""
+    third step is compared (DelayedScaling's scales are set from then on). ``unpadded``: features that
+    are multiples of 16 (320 -> 208, 368 / 368) under settings.fp8_unpadded_tensor_scales, the weight
+    copies cast as they are."""
     recipe_type = GPU_RECIPES[name]
+    n_out, hidden = (208, 368) if unpadded else (200, 360)
     sizes = (256, 0, 384, 128)
     g = torch.Generator(device=cuda_device).manual_seed(1)
     x = torch.randn(sum(sizes), 320, dtype=torch.bfloat16, device=cuda_device, generator=g)
-    dy = torch.randn(sum(sizes), 200, dtype=torch.bfloat16, device=cuda_device, generator=g)
-    h = torch.randn(512, 360, dtype=torch.bfloat16, device=cuda_device, generator=g)
+    dy = torch.randn(sum(sizes), n_out, dtype=torch.bfloat16, device=cuda_device, generator=g)
+    h = torch.randn(512, hidden, dtype=torch.bfloat16, device=cuda_device, generator=g)
     results = {}
     for on in (True, False):
         torch.manual_seed(0)
-        op = GroupedLinear(4, 320, 200, bias=True, dtype=torch.bfloat16, device=cuda_device)
-        layer = MoELayer(360, 360, 8, 2, dtype=torch.bfloat16, device=cuda_device)
+        op = GroupedLinear(4, 320, n_out, bias=True, dtype=torch.bfloat16, device=cuda_device)
+        layer = MoELayer(hidden, hidden, 8, 2, dtype=torch.bfloat16, device=cuda_device)
         recipe = recipe_type()
-        with td.settings.override(fp8_pad_off_grid=on), warnings.catch_warnings(record=True) as caught:
+        copies.clear()
+        with td.settings.override(fp8_pad_off_grid=on, fp8_unpadded_tensor_scales=unpadded), \
+                warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(3):
                 op.zero_grad(set_to_none=True)
@@ -381,6 +419,9 @@ def test_off_grid_layer_native_on_a_gpu_matches_the_emulated_path(cuda_device, n
                 out.float().square().mean().backward()
         native = [op.has_native_weight_copy, layer.fc1.has_native_weight_copy, layer.fc2.has_native_weight_copy]
         assert native == [on] * 3
+        if on:
+            assert set(copies) == ({(4, n_out, 320), (8, 2 * hidden, hidden), (8, hidden, hidden)} if unpadded else
+                                   {(4, 256, 384), (8, 768, 384), (8, 384, 384)})
         if on:
             assert [str(w.message) for w in caught if "run the emulated path" in str(w.message)] == []
         results[on] = [y.detach(), xi.grad, op.weight.grad, op.bias.grad,

@@ -160,8 +160,10 @@ def test_entry_point_errors_name_what_was_expected():
         K.grouped_mm_quantized_forward(xq, wq, offs, backend="cutlass")  # CPU tensors
     with pytest.raises(ValueError, match="columnwise copy missing"):
         K.grouped_mm_quantized_wgrad(xq, xq, offs, num_groups=2)  # rowwise-only operands
-    with pytest.raises(ValueError, match="multiples of 128"):
-        K.prepare_quantized_weight(make_quantizer(R.Float8CurrentScaling(), "weight")(torch.randn(2, 96, 128)))
+    with pytest.raises(ValueError, match="multiples of 128"):  # per-tensor: 16-byte FP8 rows at least
+        K.prepare_quantized_weight(make_quantizer(R.Float8CurrentScaling(), "weight")(torch.randn(2, 96, 120)))
+    assert K.prepare_quantized_weight(make_quantizer(R.Float8CurrentScaling(), "weight")(torch.randn(2, 96, 128))
+                                      ).shape == (2, 96, 128)  # off the 128 grid, tensor-scaled: accepted
 
 
 class _Spy:

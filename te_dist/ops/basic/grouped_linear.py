@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import settings
+from ...recipe import DelayedScaling, Float8CurrentScaling
 from ..op import BasicOperation, OpContext
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 from .feature_padding import FeaturePadding
@@ -50,6 +51,7 @@ __all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_
 
 _kernels = None
 _support = None
+_TENSOR_SCALED = (DelayedScaling, Float8CurrentScaling)  # one scale per operand: no 128-wide scale blocks
 
 
 def support():
@@ -263,6 +265,16 @@ class GroupedLinear(BasicOperation):
         takes effect at the next forward)."""
         return self._padding is None or settings.current().fp8_pad_off_grid
 
+    def _native_padding(self) -> Optional[FeaturePadding]:
+        """The zero padding of the native path: None on the grid, and for the per-tensor recipes under
+        ``te_dist.settings.fp8_unpadded_tensor_scales`` wherever both features are multiples of 16 (their
+        kernels take such K and N as they are; only block scales tile them by 128)."""
+        pad = self._padding
+        if pad is not None and settings.current().fp8_unpadded_tensor_scales and \
+                isinstance(self._quantizers.recipe, _TENSOR_SCALED) and not (self.in_features | self.out_features) % 16:
+            return None
+        return pad
+
     def native_path(self, x: torch.Tensor, group_sizes, predicate=None) -> bool:
         """Does this call take the quantized grouped path? Asks the support predicate (the module
         one unless the caller passes another) with x's dtype and device and the host sizes' alignment.
@@ -366,7 +378,7 @@ class GroupedLinear(BasicOperation):
         and the output is sliced back to N (:mod:`.feature_padding`)."""
         offsets, group_sizes = groups
         q = self._quantizers
-        pad = self._padding
+        pad = self._native_padding()
         bias = self.bias
         if pad is not None:
             x, bias = pad.input(x), pad.bias(bias)
@@ -394,12 +406,14 @@ class GroupedLinear(BasicOperation):
         ``is_first_microbatch`` is False and the copy kept by an earlier forward is still valid
         (:mod:`.weight_copy` says when)."""
         flag = check_microbatch_flag(self.is_first_microbatch)
-        return self._weight_copy.get(self.weight, self._quantizers.settings_key, self._cast_weight, flag)
+        key = self._quantizers.settings_key if self._native_padding() is self._padding else \
+            f"{self._quantizers.settings_key}|unpadded"  # a kept copy is of one layout: padded or not
+        return self._weight_copy.get(self.weight, key, self._cast_weight, flag)
 
     def _cast_weight(self):
         w = self.weight.detach()
-        if self._padding is not None:  # the copy is of the zero-padded [E, Np, Kp] weight
-            w = self._padding.weight(w)
+        if (pad := self._native_padding()) is not None:  # the copy is of the zero-padded [E, Np, Kp] weight
+            w = pad.weight(w)
         return cast_weight_copy(self._quantizers, w)
 
     def grouped_backward(self, ctx: OpContext, dy):
@@ -432,7 +446,8 @@ class GroupedLinear(BasicOperation):
         ctx.saved = ()
         need_dx = ctx.input_requires_grad
         quantize = self._quantizers.grad_output
-        pad = self._padding
+        # padded as the forward's weight copy was (the switches may have changed since)
+        pad = None if tuple(wq.shape[1:]) == (self.out_features, self.in_features) else self._padding
         dy_q = dy if pad is None else pad.output_grad(dy)  # what is quantized; dy stays for the bias gradient
         if rows_out is not None:
             dyq = quantize.gathered(dy_q, rows_out.index, rows_out.zero_rows, rowwise=need_dx, columnwise=weight_rg,
