@@ -1,10 +1,9 @@
 """FP8 grouped GEMM instances (``fp8_block_gemm.cu``): tiles, JIT build, ctypes loader.
 
-One instance per (direction, tile config, A format, B format, output dtype, scaling). Formats:
-"e4m3" or "e5m2" (HYBRID gradients). Scaling: block scales (Float8BlockScaling) or one scale per
-operand (``tensor_scales``: DelayedScaling, Float8CurrentScaling), which the epilogue applies, so
-per-tensor operands need no scale tables and the mainloop no per-block multiply. The build and disk
-cache are the bf16 kernels' (``build.py``).
+One instance per (direction, tile config, A format, B format, output dtype, scaling). Formats: "e4m3" or "e5m2"
+(HYBRID gradients). Scaling: block scales (Float8BlockScaling) or one scale per operand (``tensor_scales``:
+DelayedScaling, Float8CurrentScaling), which the epilogue applies, so per-tensor operands need no scale tables and the
+mainloop no per-block multiply. The build and disk cache are the bf16 kernels' (``build.py``).
 
 Tiles and their rule: ``heuristics.py`` (``FP8_CONFIGS``, ``fp8_config``).
 

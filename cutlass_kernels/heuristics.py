@@ -10,12 +10,11 @@ bf16 tiles compiled from grouped_gemm.cu (``CONFIGS``; id: schedule, tile M x N 
 | 3  | cooperative | 256 x 128 x 64 | 1x2x1  | large M, wide N-multicast alternative to 0 |
 | 10 | ping-pong   | 64 x 256 x 64  | 1x1x1  | ragged groups: 64-row padding, no cluster rounding, the widest wgmma per warpgroup |
 
-``CANDIDATES`` (4-9, 11-15) are further tiles for sweeps, not built by default; ids never change
-meaning (a candidate that wins moves into CONFIGS under its id). ``RULES`` picks one per call (first
-match wins) from the average rows per expert (the GEMM's M for fwd/dgrad, its K for wgrad), the
-contraction, each group's output size and whether the host sizes are unequal. These rules were
-fitted on one GPU's sweeps (docs/kernels.md "Tiles"): te_dist runs them by default only for calls
-whose fused epilogue torch lacks, and otherwise where a measurement on the device says so.
+``CANDIDATES`` (4-9, 11-15) are further tiles for sweeps, not built by default; ids never change meaning (a candidate
+that wins moves into CONFIGS under its id). ``RULES`` picks one per call (first match wins) from the average rows per
+expert (the GEMM's M for fwd/dgrad, its K for wgrad), the contraction, each group's output size and whether the host
+sizes are unequal. These rules were fitted on one GPU's sweeps (docs/kernels.md "Tiles"): te_dist runs them by default
+only for calls whose fused epilogue torch lacks, and otherwise where a measurement on the device says so.
 
 FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale block, 128):
 

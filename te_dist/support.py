@@ -1,11 +1,10 @@
 """Device-keyed, cached capability predicates for the grouped (single-launch) GEMM path.
 
-Why cached: the predicates run on every fusible-op call, so a hit must cost about a dict lookup.
-Why device-keyed: the answer depends on the device's compute capability (bf16 grouped on SM90+;
-MXFP8 / NVFP4 native only on SM100+; CPU runs the reference path), so a result computed for one
-GPU is never reused for another. The key holds exactly the recipe settings a check reads (not
-the recipe object, which is mutable), the dtype, the split alignment where the check reads it,
-and the device. Nothing here reads split sizes from a GPU tensor (no host sync).
+Why cached: the predicates run on every fusible-op call, so a hit must cost about a dict lookup. Why device-keyed: the
+answer depends on the device's compute capability (bf16 grouped on SM90+; MXFP8 / NVFP4 native only on SM100+; CPU
+runs the reference path), so a result computed for one GPU is never reused for another. The key holds exactly the
+recipe settings a check reads (not the recipe object, which is mutable), the dtype, the split alignment where the
+check reads it, and the device. Nothing here reads split sizes from a GPU tensor (no host sync).
 
 Rules (``cap`` = compute capability; CPU answers True for every recipe: the emulated reference
 path keeps grouped semantics there):
@@ -18,12 +17,11 @@ path keeps grouped semantics there):
 | MXFP8BlockScaling | fp8_format | cap >= 10.0, dtype bf16/fp16, fp8_format != E5M2, split_alignment % 32 == 0 |
 | NVFP4BlockScaling | disable_2d_quantization | cap >= 10.0, dtype bf16, split_alignment % 16 == 0 (2D blocks) or % 32 == 0 (1D, ``disable_2d_quantization=True``) |
 
-"FP8 grouped kernels available" (``fp8_kernels_why_not``, the one answer the rules, ``explain_path``
-and the quantized entry points read): cutlass_kernels' FP8 kernels can be built here (nvcc and the
-CUTLASS headers found), are not turned off (``te_dist.settings.cutlass``, ``TE_DIST_DISABLE_CUTLASS``),
-none failed to load (a failure clears these caches), and the device is SM 9.0 (they are built for
-sm_90a). The cached answers follow the settings: a predicate drops them when the settings in force
-changed since they were filled (``te_dist.settings.generation``).
+"FP8 grouped kernels available" (``fp8_kernels_why_not``, the one answer the rules, ``explain_path`` and the quantized
+entry points read): cutlass_kernels' FP8 kernels can be built here (nvcc and the CUTLASS headers found), are not
+turned off (``te_dist.settings.cutlass``, ``TE_DIST_DISABLE_CUTLASS``), none failed to load (a failure clears these
+caches), and the device is SM 9.0 (they are built for sm_90a). The cached answers follow the settings: a predicate
+drops them when the settings in force changed since they were filled (``te_dist.settings.generation``).
 
 The op-fuser predicate (fused grouped MLP) additionally needs bf16 activations on CUDA.
 ``split_alignment=None`` means "unknown" and fails every rule that reads it (the None rule reads
@@ -266,9 +264,8 @@ def _sm(cap) -> str:
 
 
 def _module_rule(tag: str, settings, dtype, split_alignment, cap) -> Optional[str]:
-    """None where the single-launch grouped path runs (the module docstring's table), else why not:
-    the one statement of the rules, which the predicates cache as ``is None`` and ``explain_path``
-    words for people."""
+    """None where the single-launch grouped path runs (the module docstring's table), else why not: the one statement
+    of the rules, which the predicates cache as ``is None`` and ``explain_path`` words for people."""
     if cap is None:  # CPU: reference (emulated) grouped path for every recipe
         return None if dtype in (torch.bfloat16, torch.float16, torch.float32) else f"no reference path for {dtype}"
     if tag == "none":

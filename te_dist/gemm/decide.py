@@ -17,12 +17,11 @@ Why torch by default: our tile table was fitted on one GPU's sweeps; on shapes a
 saw it lost to torch's kernel. Our kernels run by default only where they do work torch cannot
 fuse; elsewhere a measurement on this device has to show them ahead by the margin.
 
-FP8 calls (``choose_quantized``): our block-scaled CUTLASS kernels where they can run; cuBLAS per
-expert (``torch._scaled_mm``) where the group sizes are on the host and each expert's GEMM is large
-(``LOOP_MIN_FLOP_PER_EXPERT``, ``LOOP_MIN_FLOP_PER_EXPERT_BLOCK``); the emulated reference
-(dequantize, then the bf16 GEMM) wherever the kernels cannot run. torch has no block-scaled grouped
-FP8 GEMM, so it is no candidate here. The thresholds' measurements and why the margin is 5% (the
-run-to-run spread of two close tiles): docs/kernels.md.
+FP8 calls (``choose_quantized``): our block-scaled CUTLASS kernels where they can run; cuBLAS per expert
+(``torch._scaled_mm``) where the group sizes are on the host and each expert's GEMM is large
+(``LOOP_MIN_FLOP_PER_EXPERT``, ``LOOP_MIN_FLOP_PER_EXPERT_BLOCK``); the emulated reference (dequantize, then the bf16
+GEMM) wherever the kernels cannot run. torch has no block-scaled grouped FP8 GEMM, so it is no candidate here. The
+thresholds' measurements and why the margin is 5% (the run-to-run spread of two close tiles): docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -232,9 +231,8 @@ def choose_quantized(device, k: int, n: int, *, out_dtype=torch.bfloat16, b_form
                      backend: Optional[str] = None, group_sizes=None, num_rows: int = 0, num_groups: int = 0,
                      block_scales: bool = False, a_format: str = "e4m3", epilogue: bool = False,
                      wgrad: bool = False, contraction: Optional[int] = None) -> str:
-    """"cutlass", "loop" (cuBLAS per expert) or "emulated" for one FP8 call; a forced backend that
-    cannot run raises ValueError saying why. ``contraction``: default ``k`` (fwd; dgrad contracts
-    ``n``, wgrad the rows)."""
+    """"cutlass", "loop" (cuBLAS per expert) or "emulated" for one FP8 call; a forced backend that cannot run raises
+    ValueError saying why. ``contraction``: default ``k`` (fwd; dgrad contracts ``n``, wgrad the rows)."""
     if backend is not None and backend not in QUANTIZED_BACKENDS:
         raise ValueError(f"backend must be None or one of {QUANTIZED_BACKENDS}, received {backend!r}")
     if backend == "emulated":

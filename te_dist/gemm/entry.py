@@ -6,11 +6,11 @@ x's device, as ``torch._grouped_mm`` takes them)::
 
     y[rows] = row_scale[rows, None] * (x[rows] @ w[e]) + bias[e]
 
-differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a
-contiguous [E, N, K] weight ([E, out, in], like nn.Linear). Per call: the inputs are checked
-(:mod:`.validation`), the backend is chosen (:mod:`.decide`, with the bucket's measured entry from
-:mod:`.measure` on CUDA; the tuner remembers the function to run, ``_runner``) and run. Legend: T rows
-(tokens), K in-features, N out-features, E experts.
+differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a contiguous [E, N, K]
+weight ([E, out, in], like nn.Linear). Per call: the inputs are checked (:mod:`.validation`), the backend is chosen
+(:mod:`.decide`, with the bucket's measured entry from :mod:`.measure` on CUDA; the tuner remembers the function to
+run, ``_runner``, and for grouped_mm_forward the facts a call was checked on, so that a like call checks only its
+rows) and run. Legend: T rows (tokens), K in-features, N out-features, E experts.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ def _problem(direction, a, w_shape, w_strides, out_dtype, group_sizes, epilogue)
 
 
 def _choose(p: decide.Problem, device, forced, group_sizes, call) -> decide.Choice:
-    """The decision, with the bucket's measured entry on CUDA (``call(choice)`` makes the call; None:
-    the rule without a measurement). A loop choice on CUDA asks whether a graph is being captured,
-    and if so the rule decides again."""
+    """The decision, with the bucket's measured entry on CUDA (``call(choice)`` makes the call; None: the rule without
+    a measurement). A loop choice on CUDA asks whether a graph is being captured, and if so the rule decides again."""
     cutlass_ok = lambda: p.capability == (9, 0) and cutlass_backend.is_available(device)  # noqa: E731
     measured, t = None, measure.tuner()
     if forced is None and call is not None and p.device_type == "cuda" and t.enabled:
@@ -89,12 +88,13 @@ def _function(direction: str, choice):
     return functools.partial(function, config=choice[1]) if choice[0] == "cutlass" else function
 
 
-def _runner(direction, args: tuple, a, device, dtype, w_shape, w_strides, epilogue, backend):
+def _runner(direction, args: tuple, a, device, dtype, w_shape, w_strides, epilogue, backend, facts=None):
     """The function that runs ``_choose``'s answer on ``args`` (the direction's arguments through the output dtype
     and the host sizes; ``a`` the row operand, on ``device`` of ``dtype``; ``w_shape``, ``w_strides``: the weight's,
     wgrad: its [E, K, N] and None), remembered by the process tuner under all that decides it: the call's facts
     (its rows as the bucket and the loop rule read them), the settings' and support's generations. Not kept where
-    a later call may decide otherwise: a loop on CUDA (it asks about graph capture), an unmeasured bucket."""
+    a later call may decide otherwise: a loop on CUDA (it asks about graph capture), an unmeasured bucket. Off the
+    CPU rule, grouped_mm_forward's checked ``facts`` keep it too where it is kept and the rows do not decide it."""
     group_sizes = args[-1]
     if backend is None and a.is_cpu:  # the rule's CPU row, without building a Problem
         return getattr(loop_backend, _FUNCTION[direction])
@@ -109,34 +109,38 @@ def _runner(direction, args: tuple, a, device, dtype, w_shape, w_strides, epilog
     if run is None:
         if backend is not None and backend not in decide.BACKENDS:
             raise ValueError(f"backend must be None or one of {decide.BACKENDS}, received {backend!r}")
-        p = _problem(direction, a, w_shape, w_strides, args[-2], group_sizes, epilogue)
+        p = _problem(direction, a, w_shape, w_strides, args[-2] or dtype, group_sizes, epilogue)
         choice = _choose(p, device, backend, group_sizes, lambda c: _function(direction, c)(*args))
         run = _function(direction, choice)
         if p.device_type != "cuda" or (choice[0] != "loop" and (
                 rows is None or not t.enabled or measure.bucket_key(p, group_sizes) in t.table_for(device.index).ms)):
-            if len(t.runners) >= 4096:  # bounded: call facts that keep changing start it over
-                t.runners = {}
+            t.runners = t.runners if len(t.runners) < 4096 else {}  # bounded: facts that keep changing start over
             t.runners[key] = run
+    if facts is not None:  # else a call that decides again, from the checked facts
+        t.runners = t.runners if len(t.runners) < 4096 else {}
+        t.runners[facts] = run if rows is None and t.runners.get(key) is run else (
+            lambda *a, b=backend, seen=(device, dtype, w_shape): _forward(*a[:6], b, a[6], seen))  # (no closure)
     return run
 
 
-def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None, seen=None):
-    """``seen``: what validation read (its checks' second answer), else read here."""
+def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None, seen=None,
+             facts=None):
+    """``seen``: what validation read (its checks' second answer), else read here; ``out_dtype`` as given."""
     device, dtype, w_shape = seen or (x_TK.device, x_TK.dtype, w_EKN.shape)
-    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype or dtype, group_sizes)
+    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
     return _runner("fwd", args, x_TK, device, dtype, w_shape, w_EKN.stride(),
-                   bias_EN is not None or row_scale_T is not None, backend)(*args)
+                   bias_EN is not None or row_scale_T is not None, backend, facts)(*args)
 
 
 def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None, seen=None):
     device, dtype, w_shape = seen or (dy_TN.device, dy_TN.dtype, w_EKN.shape)
-    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype or dtype, group_sizes)
+    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
     return _runner("dgrad", args, dy_TN, device, dtype, w_shape, w_EKN.stride(), row_scale_T is not None, backend)(*args)
 
 
 def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None, seen=None):
     device, dtype, dw_shape = seen or (x_TK.device, x_TK.dtype, (num_groups, x_TK.shape[1], dy_TN.shape[1]))
-    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype or dtype, group_sizes)
+    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
     return _runner("wgrad", args, x_TK, device, dtype, dw_shape, None, False, backend)(*args)
 
 
@@ -147,12 +151,11 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
                check_offsets: Optional[bool] = None, group_sizes=None) -> torch.Tensor:
     """Differentiable grouped GEMM with a fused per-row scale and per-expert bias (see module doc).
 
-    ``backend``: None (decided per call) or one of ``BACKENDS`` (forced; ValueError saying why where it
-    cannot run). ``check_offsets``: read offsets' values on the host to validate them (default: only
-    for CPU offsets; on CUDA this would sync and break graph capture). ``group_sizes``: the rows of
-    each expert as host ints (list, tuple or CPU tensor), when the caller has them anyway (an MoE
-    layer does): the decision sees them and the per-expert loop reads no offsets; they must agree
-    with the offsets (checked against the row count, never read from the device)."""
+    ``backend``: None (decided per call) or one of ``BACKENDS`` (forced; ValueError saying why where it cannot run).
+    ``check_offsets``: read offsets' values on the host to validate them (default: only for CPU offsets; on CUDA this
+    would sync and break graph capture). ``group_sizes``: the rows of each expert as host ints (list, tuple or CPU
+    tensor), when the caller has them anyway (an MoE layer does): the decision sees them and the per-expert loop reads
+    no offsets; they must agree with the offsets (checked against the row count, never read from the device)."""
     sizes, _ = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
                                         group_sizes)
     return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _DISPATCH, sizes)
@@ -161,9 +164,23 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
 def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
                        check_offsets=None, group_sizes=None) -> torch.Tensor:
     """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
-    sizes, seen = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
-                                           group_sizes)
-    return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes, seen)
+    try:
+        (T, K), w_shape, (num_offsets,) = x_TK.shape, w_EKN.shape, offsets_E.shape
+        facts = (x_TK.__class__, w_EKN.__class__, offsets_E.__class__, x_TK.dtype, x_TK.device, w_EKN.dtype,
+                 w_EKN.device, offsets_E.dtype, offsets_E.device, K, w_shape, num_offsets, w_EKN.stride(), out_dtype,
+                 bias_EN is None or (bias_EN.__class__, bias_EN.dtype, bias_EN.device, bias_EN.shape), backend,
+                 row_scale_T is None or (row_scale_T.__class__, row_scale_T.dtype, row_scale_T.device, row_scale_T.dim()),
+                 group_sizes is None, _settings.generation, support.generation)
+        run = measure.tuner().runners.get(facts)
+    except Exception:  # noqa: BLE001 - the checks word it
+        facts = run = None
+    if run is None or (row_scale_T is not None and row_scale_T.shape[0] != T):
+        sizes, seen = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
+                                               group_sizes)
+        return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes, seen, facts)
+    if check_offsets is not False or group_sizes is not None:
+        group_sizes = validation.check_rows(offsets_E, w_shape[0], T, check_offsets, group_sizes)
+    return run(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
 
 
 def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=None, backend=None,

@@ -1,8 +1,7 @@
 """Unfused epilogue pieces (row scale, per-expert bias, bias gradient) in plain torch.
 
-Used by the torch._grouped_mm and loop backends, and by autograd for dbias. Everything here is
-built from offsets ON their device (searchsorted / index_add_), so it never syncs the host and is
-CUDA-graph capturable.
+Used by the torch._grouped_mm and loop backends, and by autograd for dbias. Everything here is built from offsets ON
+their device (searchsorted / index_add_), so it never syncs the host and is CUDA-graph capturable.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """FP8 grouped GEMMs as one cuBLAS GEMM per expert (``torch._scaled_mm``), for few large experts.
 
-Where every expert's GEMM is large, cuBLAS's dense FP8 kernels beat one grouped launch
-(decide.fp8_loop_wins says when). Each expert is its own launch, so the host holds the group
-sizes (the MoE layer has them); no host sync, no offsets read. Operands are the copies the grouped
-kernels read (:mod:`.fp8_operands`), sliced per expert:
+Where every expert's GEMM is large, cuBLAS's dense FP8 kernels beat one grouped launch (decide.fp8_loop_wins says
+when). Each expert is its own launch, so the host holds the group sizes (the MoE layer has them); no host sync, no
+offsets read. Operands are the copies the grouped kernels read (:mod:`.fp8_operands`), sliced per expert:
   * per-tensor (DelayedScaling, Float8CurrentScaling): each operand's one scale; e5m2 gradients;
   * block (Float8BlockScaling): the 1x128 activation scales, made M-major per expert (cuBLAS's
     layout; one small copy each) by the weight's 128x128 scales; in wgrad 1x128 by 1x128 along the

@@ -1,12 +1,11 @@
 """Quantized operands in the layouts the FP8 grouped GEMMs read (pure torch; no CUDA needed).
 
-Why one adapter: the quantizers produce per-tensor ``Float8Tensor``s (one scale) or
-``Float8BlockTensor``s (1x128 / 128x128 block scales, rowwise and columnwise copies), while
-the block-scaled kernels (cutlass_kernels/fp8_block_gemm.cu) read every operand K-major with
-float32 block scales in fixed layouts. Per-tensor FP8 runs on the same kernel source built with
-tensor scales: each operand's one scale is passed as it is (``tensor_scales``) and its transposed
-copies are the data transposed (written by the cast in the same pass when the quantizer was asked
-for the columnwise usage). Only a call that mixes a per-tensor operand with a block-scaled one has
+Why one adapter: the quantizers produce per-tensor ``Float8Tensor``s (one scale) or ``Float8BlockTensor``s (1x128 /
+128x128 block scales, rowwise and columnwise copies), while the block-scaled kernels
+(cutlass_kernels/fp8_block_gemm.cu) read every operand K-major with float32 block scales in fixed layouts. Per-tensor
+FP8 runs on the same kernel source built with tensor scales: each operand's one scale is passed as it is
+(``tensor_scales``) and its transposed copies are the data transposed (written by the cast in the same pass when the
+quantizer was asked for the columnwise usage). Only a call that mixes a per-tensor operand with a block-scaled one has
 the per-tensor scale broadcast into blocks (``scale_tables=True``).
 
 Layouts per GEMM (E experts, T rows, K in-features, N out-features, all /128 in blocks):
@@ -122,9 +121,8 @@ def rowwise_operand(q: QuantizedTensor, scale_tables: bool = True):
 
 
 def columnwise_operand(q: QuantizedTensor, scale_tables: bool = True):
-    """(data [C, R] = the operand transposed, scales [R/128 + 1, C]) of a 2-D activation [R, C],
-    quantized along R: the wgrad operand, which contracts over rows (per-tensor: its one scale
-    when ``scale_tables`` is False)."""
+    """(data [C, R] = the operand transposed, scales [R/128 + 1, C]) of a 2-D activation [R, C], quantized along R:
+    the wgrad operand, which contracts over rows (per-tensor: its one scale when ``scale_tables`` is False)."""
     R, C = q.shape
     blocks = R // BLOCK + 1
     if _is_block(q):

@@ -5,11 +5,10 @@ grouped launch for a few large experts. Without host group sizes it reads the of
 so on CUDA it syncs and is never picked while capturing a CUDA graph. On CPU it computes in float32;
 on CUDA it runs ``torch.mm`` in the input dtype and the epilogue in float32.
 
-On CPU the loop runs in C++ where the shapes allow: ``torch._grouped_mm``'s CPU kernel is the same
-loop (``at::mm_out`` per expert into one output, zeros for experts without rows), without a Python
-round trip per expert. It needs rows of whole 16 bytes (K and N multiples of 4 float32s; a layout
-torch refuses is copied, by the torch backend's one statement of that rule); other shapes, and
-torches without a CPU ``_grouped_mm``, take the Python loop.
+On CPU the loop runs in C++ where the shapes allow: ``torch._grouped_mm``'s CPU kernel is the same loop
+(``at::mm_out`` per expert into one output, zeros for experts without rows), without a Python round trip per expert.
+It needs rows of whole 16 bytes (K and N multiples of 4 float32s; a layout torch refuses is copied, by the torch
+backend's one statement of that rule); other shapes, and torches without a CPU ``_grouped_mm``, take the Python loop.
 """
 
 from __future__ import annotations

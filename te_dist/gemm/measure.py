@@ -1,11 +1,10 @@
 """Measured grouped-GEMM choices: per device, the ms of each candidate per shape bucket.
 
-The decision rule (``decide.pick_measured``) reads a bucket's entry through the one hook of the call
-path, ``tuner().entry(...)``, which on a CUDA call's miss times the candidates (``decide.candidates``)
-within the bucket's budget; ``te-dist tune`` does the same ahead of a run. Entries persist in a file
-per device, so a later process starts warm. docs/kernels.md "Measured entries" has the bucket key,
-the timing, the file and the switch (``te_dist.settings.tune``: ``TE_DIST_TUNE=0``,
-``configure(enabled=False)``).
+The decision rule (``decide.pick_measured``) reads a bucket's entry through the one hook of the call path,
+``tuner().entry(...)``, which on a CUDA call's miss times the candidates (``decide.candidates``) within the bucket's
+budget; ``te-dist tune`` does the same ahead of a run. Entries persist in a file per device, so a later process starts
+warm. docs/kernels.md "Measured entries" has the bucket key, the timing, the file and the switch
+(``te_dist.settings.tune``: ``TE_DIST_TUNE=0``, ``configure(enabled=False)``).
 
 Ranks: where a run must be deterministic across ranks (``configure(deterministic=True)`` or
 ``torch.use_deterministic_algorithms``) no rank measures and the entries are used only once
@@ -191,9 +190,8 @@ class Tuner:
 
     def entry(self, p: Problem, device_index: int, group_sizes, runs: Optional[Callable[[], list]] = None
               ) -> Optional[dict]:
-        """The bucket's {choice: ms}, measured now on a miss where allowed (``runs()`` builds the
-        candidates' (choice, zero-argument call) pairs; None: never measure); None where there is none
-        to use."""
+        """The bucket's {choice: ms}, measured now on a miss where allowed (``runs()`` builds the candidates' (choice,
+        zero-argument call) pairs; None: never measure); None where there is none to use."""
         table = self._by_index.get(device_index) or self.table_for(device_index)
         key = bucket_key(p, group_sizes)
         ms = table.ms.get(key)

@@ -47,8 +47,7 @@ _RUN = {  # direction -> {backend: function}, every one taking the direction's a
 
 
 def _decide_rows(direction: str, name: str, aq, wq, offsets_E, out_dtype, backend, group_sizes, epilogue) -> str:
-    """The checks and the decision of fwd (``aq`` = x against the prepared weight's K) or dgrad (dy
-    against its N)."""
+    """The checks and the decision of fwd (``aq`` = x against the prepared weight's K) or dgrad (dy against its N)."""
     check_quantized(name, aq, 2)
     check_quantized("wq", wq, 3)
     E, N, K = wq.shape

@@ -1,11 +1,10 @@
 """``torch._grouped_mm`` backend: torch's own kernel, the default wherever it can run (see decide.py).
 
-Operands reach torch as given: a weight passed as the transposed view of a contiguous [E, N, K]
-parameter is that view, not a copy (torch reads either major order). Only a layout torch rejects
-(a sliced view off 16-byte rows, an expanded gradient's zero strides) is copied, after torch said
-no: torch checks layouts in C++ before it launches anything, so asking it first costs the usual
-call nothing. Its output dtype is the input's, so a row scale, bias or other output dtype runs as
-separate torch ops afterwards.
+Operands reach torch as given: a weight passed as the transposed view of a contiguous [E, N, K] parameter is that
+view, not a copy (torch reads either major order). Only a layout torch rejects (a sliced view off 16-byte rows, an
+expanded gradient's zero strides) is copied, after torch said no: torch checks layouts in C++ before it launches
+anything, so asking it first costs the usual call nothing. Its output dtype is the input's, so a row scale, bias or
+other output dtype runs as separate torch ops afterwards.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def grouped_mm(a, b, offsets_E) -> torch.Tensor:
 
 def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
     acc_TN = grouped_mm(x_TK, w_EKN, offsets_E)
-    if bias_EN is None and row_scale_T is None and acc_TN.dtype == out_dtype:  # the usual call: nothing to apply
+    if bias_EN is None is row_scale_T and (out_dtype is None or acc_TN.dtype == out_dtype):  # nothing to apply
         return acc_TN
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype or x_TK.dtype)
 

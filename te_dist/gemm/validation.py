@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_offsets_values", "check_group_sizes", "check_forward", "check_dgrad",
-           "check_wgrad", "check_quantized", "check_offsets_tensor"]
+           "check_wgrad", "check_quantized", "check_offsets_tensor", "check_rows"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FLOATS = frozenset(SUPPORTED_DTYPES)  # a set lookup: every call checks a few dtypes
@@ -110,7 +110,7 @@ def check_group_sizes(group_sizes, num_groups: int, num_rows: int) -> tuple:
     return group_sizes
 
 
-def _rows(offsets_E, num_groups: int, num_rows: int, check_offsets: Optional[bool], group_sizes):
+def check_rows(offsets_E, num_groups: int, num_rows: int, check_offsets: Optional[bool], group_sizes):
     """The offsets' values where they are read (module doc), then the host sizes as a tuple (or None)."""
     if check_offsets or (check_offsets is None and offsets_E.is_cpu):
         check_offsets_values(offsets_E, num_rows)
@@ -141,7 +141,7 @@ def check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check
             raise ValueError(f"bias_EN must have shape {(E, N)}, received {tuple(bias_EN.shape)}")
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "x_TK", T, device, out_dtype)
-    return _rows(offsets_E, E, T, check_offsets, group_sizes), (device, dtype, (E, K, N))
+    return check_rows(offsets_E, E, T, check_offsets, group_sizes), (device, dtype, (E, K, N))
 
 
 def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=None, group_sizes=None):
@@ -152,7 +152,7 @@ def check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets=N
     check_offsets_tensor(offsets_E, E, "dy_TN", device)
     if row_scale_T is not None or out_dtype is not None:
         _check_row_scale_and_out_dtype(row_scale_T, "dy_TN", T, device, out_dtype)
-    return _rows(offsets_E, E, T, check_offsets, group_sizes), (device, dtype, (E, K, N))
+    return check_rows(offsets_E, E, T, check_offsets, group_sizes), (device, dtype, (E, K, N))
 
 
 def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=None, group_sizes=None):
@@ -165,7 +165,7 @@ def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=Non
     check_offsets_tensor(offsets_E, num_groups, "x_TK", device)
     if out_dtype is not None:
         _check_row_scale_and_out_dtype(None, "x_TK", T, device, out_dtype)
-    return _rows(offsets_E, num_groups, T, check_offsets, group_sizes), (device, dtype, (num_groups, K, N))
+    return check_rows(offsets_E, num_groups, T, check_offsets, group_sizes), (device, dtype, (num_groups, K, N))
 
 
 def check_quantized(name: str, q, ndim: int) -> None:

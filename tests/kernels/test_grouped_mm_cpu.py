@@ -167,6 +167,36 @@ def test_validation_happens_before_any_work(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("backend", ["torch", "loop"])  # (the CPU rule's loop is not remembered)
+def test_a_call_like_a_checked_one_skips_the_checks_but_still_checks_its_rows(monkeypatch, backend):
+    """grouped_mm_forward remembers the facts a call was checked on: a like call (other rows, other
+    offsets) is not checked again, but its row scale, offsets' values and host sizes are, worded alike."""
+    from te_dist.gemm import validation
+
+    x, w, scale, bias = torch.randn(5, 8), _weight(2, 8, 4), torch.rand(5), torch.randn(2, 4)
+    for kw in ({}, {"row_scale_T": scale, "bias_EN": bias, "group_sizes": (2, 3)}):
+        want = grouped_mm_forward(x, w, _offsets([2, 3]), backend=backend, **kw)
+        checked = []
+        real = validation.check_forward
+        monkeypatch.setattr(validation, "check_forward", lambda *a: checked.append(a) or real(*a))
+        x2 = torch.randn(7, 8)
+        got = grouped_mm_forward(x, w, _offsets([2, 3]), backend=backend, **kw)
+        assert torch.equal(got, want) and checked == []
+        sizes = {"group_sizes": (4, 3)} if "group_sizes" in kw else {}
+        y2 = grouped_mm_forward(x2, w, _offsets([4, 3]), backend=backend, **{**kw, "row_scale_T": None, **sizes})
+        assert torch.allclose(y2, _reference(x2, w, [4, 3], bias=kw.get("bias_EN")).float(), atol=1e-4)
+        with pytest.raises(ValueError, match=r"offsets_E\[-1\]=4 != num_rows=5"):
+            grouped_mm_forward(x, w, _offsets([2, 2]), backend=backend, **kw)
+        with pytest.raises(ValueError, match="non-decreasing"):
+            grouped_mm_forward(x, w, torch.tensor([4, 2], dtype=torch.int32), backend=backend, **kw)
+        if kw:
+            with pytest.raises(ValueError, match="row_scale_T must have T=7"):
+                grouped_mm_forward(x2, w, _offsets([4, 3]), backend=backend, **{**kw, **sizes, "row_scale_T": scale})
+            with pytest.raises(ValueError, match="group_sizes sum to 4"):
+                grouped_mm_forward(x, w, _offsets([2, 3]), backend=backend, **{**kw, "group_sizes": (2, 2)})
+        monkeypatch.undo()
+
+
 def test_available_backends_cpu():
     assert kernels.available_backends("cpu") == ["loop"]
     x, w = torch.randn(4, 8), _weight(2, 8, 8)
