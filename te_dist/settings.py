@@ -164,10 +164,10 @@ class Settings:
             "as a view of the padded one (autograd's accumulation reads it in place). False: F.pad and a "
             "contiguous copy of the weight gradient.")
     fp8_unpadded_tensor_scales: bool = _field(
-        False, env="TE_DIST_FP8_UNPADDED_TENSOR_SCALES", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_UNPADDED_TENSOR_SCALES", parse=_flag, check=_is_bool,
         doc="under the per-tensor recipes (delayed, current) expert features off the 128 grid but on a multiple "
-            "of 16 run the native FP8 kernels unpadded: only block scales tile K and N by 128. Off (default, "
-            "until measured on a GPU): they are zero padded as fp8_pad_off_grid says.")
+            "of 16 run the native FP8 kernels unpadded: only block scales tile K and N by 128. False: they are "
+            "zero padded as fp8_pad_off_grid says.")
     fp8_dense_native: bool = _field(
         True, env="TE_DIST_FP8_DENSE_NATIVE", parse=_flag, check=_is_bool,
         doc="te_dist.ops.BasicLinear under an FP8 recipe runs its three GEMMs on the quantized grouped kernels "
