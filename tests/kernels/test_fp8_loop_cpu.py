@@ -78,7 +78,10 @@ def test_selection_through_the_kernels_entry(fake_sm90, monkeypatch):
     with pytest.raises(ValueError, match="backend='loop' cannot run.*bias or row scale"):
         pick(CUDA, 4096, 28672, backend="loop", epilogue=True, **big)
     with pytest.raises(ValueError, match="backend='loop' cannot run.*multiples of 128"):
-        pick(CUDA, 4000, 28672, backend="loop", **big)  # the grouped kernels' own rules come first
+        pick(CUDA, 4000, 28672, backend="loop", block_scales=True, **big)  # the grouped kernels' own rules first
+    with pytest.raises(ValueError, match="backend='loop' cannot run.*multiples of 16"):
+        pick(CUDA, 4008, 28672, backend="loop", **big)  # tensor scales: 16-byte FP8 rows
+    assert pick(CUDA, 4000, 28672, backend="loop", **big) == "loop"  # off the 128 grid, tensor-scaled
     assert pick(CUDA, 4096, 28672, block_scales=True, **big) == "loop"
     assert pick(CUDA, 4096, 28672, block_scales=True, contraction=28672 + 256, **big) == "cutlass"
     mid = dict(num_rows=8 * 2048, num_groups=8, group_sizes=(2048,) * 8)  # 69 GFLOP per expert
