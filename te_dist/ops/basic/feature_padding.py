@@ -2,9 +2,10 @@
 
 Legend: T rows, E experts, K in_features, N out_features, Kp / Np the next multiples of 128.
 
-The quantized grouped kernels tile K and N by 128 (the scale block, ``te_dist.gemm.decide``), for
-every recipe. A layer whose K or N is off that grid (gpt-oss's hidden 2880) runs the same kernels on
-the zero-padded problem while ``te_dist.settings.fp8_pad_off_grid`` is on:
+The block-scaled grouped kernels tile K and N by 128 (the scale block, ``te_dist.gemm.decide``); so do
+the per-tensor ones unless ``te_dist.settings.fp8_unpadded_tensor_scales`` lets them take K and N of
+16-byte rows as they are. A layer whose K or N is off that grid (gpt-oss's hidden 2880) runs the same
+kernels on the zero-padded problem while ``te_dist.settings.fp8_pad_off_grid`` is on:
 
 | operand | padded | result sliced back |
 |---|---|---|

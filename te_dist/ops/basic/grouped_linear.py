@@ -27,6 +27,8 @@ the FP8 copies saved for backward, the three GEMMs on the quantized grouped entr
 the bf16 GEMM), which is also the reference and the path of every ``backward_override``.
 Features off the kernels' 128 grid take the native path zero padded to it
 (:mod:`.feature_padding`) while ``te_dist.settings.fp8_pad_off_grid`` is on; off, the emulated path.
+Under the per-tensor recipes features on a multiple of 16 go unpadded
+(``te_dist.settings.fp8_unpadded_tensor_scales``): their kernels have no 128-wide scale blocks.
 """
 
 from __future__ import annotations
