@@ -408,15 +408,15 @@ class GroupedLinear(BasicOperation):
         ``is_first_microbatch`` is False and the copy kept by an earlier forward is still valid
         (:mod:`.weight_copy` says when)."""
         flag = check_microbatch_flag(self.is_first_microbatch)
-        key = self._quantizers.settings_key if self._native_padding() is self._padding else \
+        pad = self._native_padding()
+        key = self._quantizers.settings_key if pad is self._padding else \
             f"{self._quantizers.settings_key}|unpadded"  # a kept copy is of one layout: padded or not
-        return self._weight_copy.get(self.weight, key, self._cast_weight, flag)
+        return self._weight_copy.get(self.weight, key, lambda: self._cast_weight(pad), flag)
 
-    def _cast_weight(self):
+    def _cast_weight(self, pad: Optional[FeaturePadding]):
+        """The weight's FP8 copy; with ``pad`` of the zero-padded [E, Np, Kp] weight."""
         w = self.weight.detach()
-        if (pad := self._native_padding()) is not None:  # the copy is of the zero-padded [E, Np, Kp] weight
-            w = pad.weight(w)
-        return cast_weight_copy(self._quantizers, w)
+        return cast_weight_copy(self._quantizers, w if pad is None else pad.weight(w))
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale`` (dy: the op's output gradient)."""
