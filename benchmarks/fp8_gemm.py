@@ -3,6 +3,7 @@
     python benchmarks/fp8_gemm.py grouped [--shapes dsv3_fc1,dsv3_fc2,...] [--splits even,ragged]
                                           [--dirs fwd,dgrad,wgrad] [--json PATH]
     python benchmarks/fp8_gemm.py ceiling [--shapes dsv3_fc1,dsv3_fc2,square] [--json PATH]
+    python benchmarks/fp8_gemm.py tiles [--shapes dslayer_fc1,...] [--scalings tensor,block] [--instances]
 
 ``grouped``, one row per (shape, split, direction), TFLOP/s (median of do_bench; quantization outside
 the timing, as the layer quantizes once per tensor):
@@ -14,6 +15,11 @@ the timing, as the layer quantizes once per tensor):
   * torch fp8   ``torch._scaled_grouped_mm`` with row-wise e4m3 scales (fwd and dgrad), as a user calls it.
   * err         the native block result against the emulated one (dequantize, bf16 GEMM) and against a
                 float32 GEMM of the dequantized operands (relative Frobenius).
+``tiles``: every FP8 tile of cutlass_kernels.heuristics.FP8_CONFIGS that fits the call, forced per call
+(``te_dist.settings.fp8_tile``), on our grouped kernels (never the per-expert loop), TFLOP/s interleaved in one
+process (``timing.interleaved_ms``), beside the rule's own tile (fast accumulation off); ``err``: the best and the rule's
+tile against float32 GEMMs of the same quantized values (relative Frobenius). ``--instances`` prints the instance names the sweep needs (to build them
+ahead: ``python -m cutlass_kernels --jobs 16 --only ...``). Tensor scales use Float8CurrentScaling (HYBRID).
 Splits: "even", and "ragged" (Zipf-like sizes, an empty expert, every size a multiple of 128 as the
 layer pads them).
 
@@ -53,6 +59,11 @@ SHAPES = {  # name: (experts, rows per expert, K in, N out)
     "mixtral_layer_fc1": (8, 1024, 4096, 28672),
     "mixtral_layer_fc2": (8, 1024, 14336, 4096),
     "square": (1, 8192, 8192, 8192),
+    "qwen235_layer_fc1": (128, 512, 4096, 3072),
+    "qwen235_layer_fc2": (128, 512, 1536, 4096),
+    "gptoss_layer_fc1": (32, 512, 2880, 5760),
+    "gptoss_layer_fc2": (32, 512, 2880, 2880),
+    "decode_fc1": (64, 64, 7168, 4096),
 }
 FP8_FLOP_PER_CLOCK_PER_SM = 8192
 E4M3_MAX = 448.0
@@ -69,8 +80,8 @@ def splits_for(kind: str, E: int, rows: int, gen) -> list:
     return sizes
 
 
-def quantized_operands(x, w, dy):
-    """{"block": (xq, wq, dyq), "tensor": (...)}: both copies of every operand, the weight prepared."""
+def quantized_operands(x, w, dy, labels=("block", "tensor")):
+    """{"block": (xq, wq, dyq), "tensor": (...)} of ``labels``: both copies of every operand, the weight prepared."""
     from te_dist import kernels as K
     from te_dist import recipe as R
     from te_dist.quantization import make_quantizer
@@ -78,6 +89,8 @@ def quantized_operands(x, w, dy):
     out = {}
     for label, rec in (("block", R.Float8BlockScaling()),
                        ("tensor", R.Float8CurrentScaling(fp8_format=R.Format.HYBRID))):
+        if label not in labels:
+            continue
         qi, qw, qg = (make_quantizer(rec, role) for role in ("input", "weight", "grad_output"))
         out[label] = (qi(x, rowwise=True, columnwise=True),
                       K.prepare_quantized_weight(qw(w, rowwise=True, columnwise=True)),
@@ -102,13 +115,15 @@ def rel(a, b) -> float:
 
 def reference(direction, xq, wq, dyq, sizes):
     """float32 per-expert GEMMs of the dequantized operands (what the kernels multiply)."""
-    f32 = torch.float32
+    def dq(q, usage):  # a per-tensor operand holds the same values in both layouts
+        return q.dequantize(torch.float32, usage=usage) if hasattr(q, "rowwise") else q.dequantize(torch.float32)
+
     if direction == "fwd":
-        a, b = xq.dequantize(f32, usage="rowwise"), wq.source.dequantize(f32, usage="rowwise")
+        a, b = dq(xq, "rowwise"), dq(wq.source, "rowwise")
     elif direction == "dgrad":
-        a, b = dyq.dequantize(f32, usage="rowwise"), wq.source.dequantize(f32, usage="columnwise")
+        a, b = dq(dyq, "rowwise"), dq(wq.source, "columnwise")
     else:
-        a, b = xq.dequantize(f32, usage="columnwise"), dyq.dequantize(f32, usage="columnwise")
+        a, b = dq(xq, "columnwise"), dq(dyq, "columnwise")
     out, start = [], 0
     for e, s in enumerate(sizes):
         if direction == "fwd":
@@ -209,6 +224,89 @@ def grouped(args) -> list:
               f"{r['fp8_tensor']:7.0f} {cell(r.get('tensor_other'), 7)} {r['bf16']:7.0f} {cell(r.get('torch_fp8'), 9)} "
               f"{r['fp8_block'] / r['bf16']:8.2f} {r['err_vs_emulated']:8.1e} {r['err_vs_fp32']:8.1e} "
               f"{r['bf16_err_vs_fp32']:13.1e}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ tiles
+_SWEEP_FORMAT = {("tensor", "fwd"): "e4m3", ("tensor", "dgrad"): "e5m2", ("tensor", "wgrad"): "e5m2",
+                 ("block", "fwd"): "e4m3", ("block", "dgrad"): "e4m3", ("block", "wgrad"): "e4m3"}  # A's (HYBRID)
+
+
+def sweep_instances(scalings, dirs) -> list:
+    """The Fp8Instance of every tile that fits each (scaling, direction) of the sweep."""
+    from cutlass_kernels.fp8_block import FP8_CONFIGS, Fp8Instance, config_fits
+
+    return [Fp8Instance(d, c, _SWEEP_FORMAT[(s, d)], tensor_scales=s == "tensor") for s in scalings for d in dirs
+            for c in sorted(FP8_CONFIGS) if config_fits(d, c, s == "tensor")]
+
+
+def tile_rows(name, split, args, gen) -> list:
+    from te_dist import settings
+    from te_dist.gemm import decide
+    from cutlass_kernels.fp8_block import fp8_config
+
+    E, rows, Kin, N = SHAPES[name]
+    sizes = splits_for(split, E, rows, gen)
+    T, dev = sum(sizes), torch.device("cuda")
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    x = torch.randn(T, Kin, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(E, N, Kin, device=dev, dtype=torch.bfloat16) / math.sqrt(Kin)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+    quantized, flops, out = quantized_operands(x, w, dy, args.scalings.split(",")), 2 * T * Kin * N, []
+    for scaling in args.scalings.split(","):
+        q = quantized[scaling]
+        for direction in args.dirs.split(","):
+            fns = {}
+            for inst in sweep_instances([scaling], [direction]):
+                def fn(c=inst.config):
+                    with settings.override(fp8_tile=c):
+                        return quantized_call(direction, q, offs, E, sizes, "cutlass")
+                try:
+                    fn()
+                    fns[inst.config] = fn
+                except Exception as exc:  # noqa: BLE001 - a tile that does not build or run: say so, time the rest
+                    print(f"{name} {scaling} {direction} tile {inst.config}: {type(exc).__name__}: {str(exc)[:160]}")
+            ms = timing.interleaved_ms(fns, iters=args.iters, warmup=3, rounds=args.rounds)
+            best = min(ms, key=ms.get)
+            rule = fp8_config(direction, T, E, tensor_scales=scaling == "tensor", contraction=Kin if direction == "fwd" else N)
+            exact, err = reference(direction, *q, sizes), {}
+            for c in {best, rule} & set(fns):
+                err[c] = rel(fns[c](), exact)
+            del exact
+            row = {"shape": name, "split": split, "scaling": scaling, "dir": direction, "E": E, "T": T, "K": Kin,
+                   "N": N, "tflops": {c: flops / t / 1e9 for c, t in ms.items()}, "rule": rule, "best": best,
+                   "best_over_rule": ms[rule] / ms[best] if rule in ms else None, "err": err,
+                   "loop_picked": decide.fp8_loop_wins(T, Kin, N, E, scaling == "block")}
+            out.append(row)
+            print("row " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    del x, w, dy, quantized
+    torch.cuda.empty_cache()
+    return out
+
+
+def tiles(args) -> list:
+    scalings, dirs = args.scalings.split(","), args.dirs.split(",")
+    if args.instances:
+        print(" ".join(sorted({i.name for i in sweep_instances(scalings, dirs)})))
+        return []
+    from cutlass_kernels.fp8_block import FP8_CONFIGS
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    rows = []
+    for name in args.shapes.split(","):
+        for split in args.splits.split(","):
+            rows += tile_rows(name, split, args, gen)
+    configs = sorted(FP8_CONFIGS)
+    print(f"\nFP8 tiles on {torch.cuda.get_device_name()} (torch {torch.__version__}), TFLOP/s per tile (interleaved "
+          f"{args.rounds} rounds); rule: heuristics.fp8_config's tile; best/rule: its speed-up")
+    print(f"{'shape':<18} {'split':<6} {'scale':<6} {'dir':<6} " + "".join(f"{c:>6}" for c in configs)
+          + f"{'rule':>6}{'best':>6}{'best/rule':>10}{'err best':>9}{'err rule':>9}")
+    for r in rows:
+        cells = "".join(f"{r['tflops'][c]:6.0f}" if c in r["tflops"] else f"{'-':>6}" for c in configs)
+        gain = f"{r['best_over_rule']:10.3f}" if r["best_over_rule"] else f"{'-':>10}"
+        print(f"{r['shape']:<18} {r['split']:<6} {r['scaling']:<6} {r['dir']:<6} {cells}{r['rule']:6d}{r['best']:6d}"
+              f"{gain}{r['err'].get(r['best'], float('nan')):9.1e}{r['err'].get(r['rule'], float('nan')):9.1e}")
     return rows
 
 
@@ -432,6 +530,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("grouped", help="our FP8 grouped GEMMs per scaling against bf16 and torch's row-wise FP8")
     p.add_argument("--shapes", default="dsv3_fc1,dsv3_fc2,mixtral_fc1,mixtral_fc2,qwen3_fc1,qwen3_fc2,long_k")
     p.add_argument("--splits", default="even,ragged")
+    p = sub.add_parser("tiles", help="every FP8 tile that fits, forced per call, beside the rule's")
+    p.add_argument("--shapes", default="dslayer_fc1,dslayer_fc2,qwen235_layer_fc1,qwen235_layer_fc2,qwen3_fc1,"
+                   "qwen3_fc2,mixtral_layer_fc1,mixtral_layer_fc2")
+    p.add_argument("--splits", default="even")
+    p.add_argument("--scalings", default="tensor,block")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--instances", action="store_true", help="print the instance names the sweep needs, then stop")
     p = sub.add_parser("ceiling", help="cuBLAS's dense FP8 GEMMs and the tensor cores' rate beside ours")
     p.add_argument("--shapes", default="dsv3_fc1,dsv3_fc2,square")
     p.add_argument("--per-expert-max", type=int, default=64, help="time cuBLAS per expert up to this many experts")
@@ -451,7 +557,8 @@ def _checked(run):
 
 
 def main(argv=None) -> int:
-    return timing.run_subcommand(build_parser(), {"grouped": _checked(grouped), "ceiling": _checked(ceiling)},
+    return timing.run_subcommand(build_parser(), {"grouped": _checked(grouped), "ceiling": _checked(ceiling),
+                                                   "tiles": _checked(tiles)},
                                  "fp8_gemm", argv)
 
 

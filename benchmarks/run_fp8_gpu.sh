@@ -9,6 +9,9 @@
 #   CONFIG=mixtral_like STEPS=30 bash benchmarks/run_fp8_gpu.sh train  # te-dist train tokens/s on this GPU,
 #                                          # bf16 against block and current (STEPS=300: the loss check;
 #                                          # TRAIN_ARGS=--fp8-dense: attention and LM head quantized too)
+#   bash benchmarks/run_fp8_gpu.sh tiles   # the FP8 tile sweep (TILE_ARGS; its instances built first), then the FP8
+#                                          # grouped GPU tests with fp8_fprop_fast_accum on
+#   bash benchmarks/run_fp8_gpu.sh fast    # the training step with fp8_fprop_fast_accum off, then on
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -41,6 +44,24 @@ train)
     --config launchers/configs/${CONFIG:-mixtral_like}.yaml --steps ${STEPS:-30} --variants none:1 block:1 current:1 ${TRAIN_ARGS:-} \
     --json "$OUT/train_${CONFIG:-mixtral_like}.json" > "$OUT/train_${CONFIG:-mixtral_like}.txt" 2>&1
   tail -n 12 "$OUT/train_${CONFIG:-mixtral_like}.txt"
+  ;;
+tiles)
+  NAMES=$(cd benchmarks && python3 fp8_gemm.py tiles --instances ${TILE_ARGS:-})
+  timeout ${BUILD_LIMIT:-300} python3 -m cutlass_kernels --jobs 16 --only $NAMES > "$OUT/tiles_build.txt" 2>&1
+  tail -n 2 "$OUT/tiles_build.txt"
+  timeout ${TILE_LIMIT:-300} python3 benchmarks/fp8_gemm.py tiles ${TILE_ARGS:-} --json "$OUT/fp8_tiles.json" \
+    > "$OUT/fp8_tiles.txt" 2>&1
+  grep -v "^row " "$OUT/fp8_tiles.txt" | tail -n 40
+  TE_DIST_FP8_FPROP_FAST_ACCUM=1 timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs \
+    --timeout 150 -m gpu ${TESTS:-tests/kernels/test_fp8_grouped_gpu.py} > "$OUT/fast_tests.txt" 2>&1
+  tail -n 6 "$OUT/fast_tests.txt"
+  ;;
+fast)
+  for fast in 0 1; do
+    TE_DIST_FP8_FPROP_FAST_ACCUM=$fast timeout ${LAYER_LIMIT:-250} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:-} \
+      --json "$OUT/fp8_layer_fast$fast.json" > "$OUT/fp8_layer_fast$fast.txt" 2>&1
+    tail -n 14 "$OUT/fp8_layer_fast$fast.txt"
+  done
   ;;
 switches)
   # the switches measured before they are flipped (docs/settings.md): megatron_row_padding (its test turns it

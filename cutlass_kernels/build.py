@@ -38,7 +38,7 @@ DEVICE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", "-O3")
 BASE_FLAGS = DEVICE_FLAGS + ("-Xcompiler", "-fPIC", "-shared", "-lineinfo")
 
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2}  # TE_GG_KIND / TE_FB_KIND of each direction
-SCHEDULES = {"cooperative": 0, "pingpong": 1}  # TE_GG_SCHEDULE / TE_FB_SCHEDULE
+SCHEDULES = {"cooperative": 0, "pingpong": 1, "cooperative_fast": 2, "pingpong_fast": 3}  # TE_GG/FB_SCHEDULE; _fast: FP8
 
 
 @dataclasses.dataclass(frozen=True)

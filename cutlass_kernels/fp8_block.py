@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .build import KINDS, SCHEDULES, GemmLibrary, Libraries, build_cutlass_source, open_cutlass_source
-from .heuristics import FP8_CONFIGS, config_fits, fp8_config
+from .heuristics import FP8_CONFIGS, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_TENSOR_FWD_CONFIG, config_fits, fp8_config
 
 __all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config_fits", "load_fp8",
            "build_fp8_instance"]
@@ -29,9 +29,9 @@ FORMATS = ("e4m3", "e5m2")
 
 
 def choose_fp8_config(direction: str, num_rows: int, num_groups: int, group_sizes: Optional[Sequence[int]] = None,
-                      *, forced: Optional[int] = None) -> int:
-    """The tile of one call: ``forced`` where given, else the rule (heuristics.fp8_config)."""
-    return forced if forced is not None else fp8_config(direction, num_rows, num_groups)
+                      *, forced: Optional[int] = None, **rule) -> int:
+    """The tile of one call: ``forced`` where given, else the rule (heuristics.fp8_config, ``rule`` its keywords)."""
+    return forced if forced is not None else fp8_config(direction, num_rows, num_groups, **rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +52,8 @@ class Fp8Instance:
             if getattr(self, name) not in FORMATS:
                 raise ValueError(f"{name} must be one of {FORMATS}, received {getattr(self, name)!r}")
         if not config_fits(self.direction, self.config, self.tensor_scales):
-            raise ValueError(f"config {self.config} (tile N {FP8_CONFIGS[self.config][2]}) does not fit {self.direction}: "
-                             f"its N must be a multiple of the weights' 128-column scale blocks")
+            raise ValueError(f"config {self.config} {FP8_CONFIGS[self.config][:3]} does not fit {self.direction} with "
+                             f"{'tensor' if self.tensor_scales else 'block'} scales (heuristics.config_fits)")
 
     @property
     def name(self) -> str:
@@ -115,6 +115,7 @@ def fp8_candidate_instances():
 
 def all_fp8_instances():
     """The instances the three recipes' formats need, block and tensor scales: E4M3 everywhere, and
-    HYBRID's e5m2 gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output."""
+    HYBRID's e5m2 gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output; the tensor-scaled fwd tiles."""
     return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for c in (0, 1) for d in KINDS
-            if d != "wgrad" or c == 0 for a_format in (("e4m3",) if d == "fwd" else FORMATS)]
+            if d != "wgrad" or c == 0 for a_format in (("e4m3",) if d == "fwd" else FORMATS)] + [
+        Fp8Instance("fwd", c, tensor_scales=True) for c in (FP8_TENSOR_FWD_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K)]

@@ -22,7 +22,8 @@
 // mainloop then multiplies it by the two blocks' scales and adds it into an fp32 accumulator
 // (CUTLASS's blockwise "scale promotion", one promotion per scale block). With tensor scales the
 // mainloop adds the tensor cores' accumulator into the fp32 one at the same interval (CUTLASS's FP8
-// mainloop, mma_promotion_interval 4 = every 128 elements of K), unscaled.
+// mainloop, mma_promotion_interval 4 = every 128 elements of K), unscaled; schedules 2 and 3 (fast accumulation,
+// TransformerEngine's default for the forward GEMM) never promote: all of K stays in the tensor cores' accumulator.
 // Epilogue (per group e): out = row_scale[row] * acc + bias[e][col]; either may be null. With tensor
 // scales acc is first multiplied by alpha = sfa * sfb, a product the prepare kernel writes into the
 // workspace (so the cached kernel Params, which point at it, hold across calls).
@@ -93,17 +94,20 @@ using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleN, kBlock
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-#if TE_FB_SCHEDULE == 0
-using KernelSchedule = cute::conditional_t<kTensorScales, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-#elif TE_FB_SCHEDULE == 1
-using KernelSchedule = cute::conditional_t<kTensorScales, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise>;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-#else
-#error "TE_FB_SCHEDULE must be 0 (cooperative) or 1 (ping-pong)"
-#endif
+static_assert(TE_FB_SCHEDULE >= 0 && TE_FB_SCHEDULE <= 3, "TE_FB_SCHEDULE: 0 cooperative, 1 ping-pong, 2/3 fast");
+constexpr bool kCooperative = TE_FB_SCHEDULE % 2 == 0, kFastAccum = TE_FB_SCHEDULE >= 2;
+static_assert(!kFastAccum || kTensorScales, "fast accumulation is built for tensor scales only");
+using TensorSchedule = cute::conditional_t<
+    kFastAccum,
+    cute::conditional_t<kCooperative, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum>,
+    cute::conditional_t<kCooperative, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>>;
+using BlockSchedule = cute::conditional_t<kCooperative, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise>;
+using KernelSchedule = cute::conditional_t<kTensorScales, TensorSchedule, BlockSchedule>;
+using EpilogueSchedule = cute::conditional_t<kCooperative, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                             cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
 
 // Tensor scales: out = fma(row_scale, alpha * acc, bias), alpha read once per CTA from the workspace.
 template <class TileShape_, class ElementD_>

@@ -25,6 +25,13 @@ FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale 
 | 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
 | 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only (B's scales are per column there, not 128-blocks) |
 | 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: epilogue overlapped |
+| 5  | cooperative, fast | 128 x 128 | 1 x 2 | candidate, tensor-scaled fwd: config 0 without the promotion |
+| 6, 7 | cooperative, fast | 128 x 256 | 2 x 1, 1 x 2 | candidates, tensor-scaled fwd: no second accumulator, so a wide tile fits |
+| 8  | ping-pong, fast | 128 x 128 | 1 x 2   | candidate, tensor-scaled fwd: each warpgroup a whole tile |
+| 9  | ping-pong, fast | 64 x 128  | 1 x 1   | candidate, tensor-scaled fwd: config 1 without the promotion |
+
+Fast accumulation (``_fast``) keeps all of K in the tensor cores' accumulator, never promoted into a second fp32 one:
+TransformerEngine's default for the forward GEMM of its per-tensor recipes (split accumulation in dgrad and wgrad).
 
 An FP8 tile's N must be a multiple of B's scale block along N: 128 for the weights of block-scaled
 fwd and dgrad, 1 for wgrad and for tensor scales (``config_fits``).
@@ -35,7 +42,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["CONFIGS", "CANDIDATES", "TILES", "Rule", "RULES", "choose_config", "FP8_CONFIGS", "FP8_WGRAD_CONFIG",
-           "FP8_SMALL_M_ROWS", "config_fits", "fp8_config"]
+           "FP8_SMALL_M_ROWS", "FP8_TENSOR_FWD_CONFIG", "FP8_FAST_LONG_K", "FP8_FAST_SHORT_K",
+           "FP8_FAST_MAX_SHORT_K", "config_fits", "fp8_config"]
 
 # id: (schedule, tile M, tile N, tile K, (cluster M, cluster N)); build.py turns these into macros.
 CONFIGS = {
@@ -111,25 +119,46 @@ def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int
     raise AssertionError("RULES must end with a catch-all row")
 
 
-# id: (schedule, tile M, tile N, (cluster M, cluster N))
+# id: (schedule, tile M, tile N, (cluster M, cluster N)); "_fast": fast accumulation (tensor-scaled fwd only)
 FP8_CONFIGS = {
     0: ("cooperative", 128, 128, (1, 2)),
     1: ("pingpong", 64, 128, (1, 1)),
     2: ("cooperative", 128, 128, (2, 1)),
     3: ("cooperative", 128, 192, (1, 1)),
     4: ("pingpong", 128, 96, (1, 1)),
+    5: ("cooperative_fast", 128, 128, (1, 2)),
+    6: ("cooperative_fast", 128, 256, (2, 1)),
+    7: ("cooperative_fast", 128, 256, (1, 2)),
+    8: ("pingpong_fast", 128, 128, (1, 2)),
+    9: ("pingpong_fast", 64, 128, (1, 1)),
 }
 FP8_WGRAD_CONFIG = 0
 FP8_SMALL_M_ROWS = 192
 
 
 def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:
-    """The FP8 tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad."""
+    """The FP8 tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad;
+    fast accumulation runs tensor-scaled forward GEMMs only (split accumulation in the backward, as TE's)."""
+    if FP8_CONFIGS[config][0].endswith("_fast"):
+        return tensor_scales and direction == "fwd"
     return direction == "wgrad" or tensor_scales or FP8_CONFIGS[config][2] % 128 == 0
 
 
-def fp8_config(direction: str, num_rows: int, num_groups: int) -> int:
-    """FP8 tile for one call: by the rows per expert for fwd/dgrad; wgrad's M is the out-features."""
+FP8_TENSOR_FWD_CONFIG = 3  # tensor-scaled fwd, promoted: no weight scale blocks, so a 192-wide tile fits
+FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_FAST_MAX_SHORT_K = 7, 8, 3072  # fast tiles by the fwd's contraction
+
+
+def fp8_config(direction: str, num_rows: int, num_groups: int, *, tensor_scales: bool = False, fast: bool = False,
+               contraction: int = 0) -> int:
+    """FP8 tile for one call: by the rows per expert for fwd/dgrad (wgrad's M is the out-features). A
+    tensor-scaled fwd of many rows takes the 128x192 tile, or with ``fast`` a fast tile: ping-pong, whose
+    epilogue overlaps the next tile's mainloop, up to ``FP8_FAST_MAX_SHORT_K``, else the 128x256 one."""
     if direction == "wgrad":
         return FP8_WGRAD_CONFIG
-    return 1 if num_rows <= FP8_SMALL_M_ROWS * max(num_groups, 1) else 0
+    if num_rows <= FP8_SMALL_M_ROWS * max(num_groups, 1):
+        return 1
+    if direction != "fwd" or not tensor_scales:
+        return 0
+    if fast:
+        return FP8_FAST_SHORT_K if contraction <= FP8_FAST_MAX_SHORT_K else FP8_FAST_LONG_K
+    return FP8_TENSOR_FWD_CONFIG

@@ -43,7 +43,7 @@ def test_instance_validation():
 
 
 def test_fp8_instance_names_and_validation():
-    from cutlass_kernels.fp8_block import Fp8Instance, all_fp8_instances, choose_fp8_config
+    from cutlass_kernels.fp8_block import FP8_CONFIGS, Fp8Instance, all_fp8_instances, choose_fp8_config
 
     inst = Fp8Instance("wgrad", 0, a_format="e5m2")
     assert inst.name == "te_fb_wgrad_c0_e5m2xe4m3_bf16"
@@ -53,9 +53,15 @@ def test_fp8_instance_names_and_validation():
     with pytest.raises(ValueError, match="a_format"):
         Fp8Instance("fwd", 0, a_format="e2m1")
     with pytest.raises(ValueError, match="config"):
-        Fp8Instance("fwd", 7)
-    with pytest.raises(ValueError, match="128-column scale blocks"):  # a 192-wide tile splits weight blocks
+        Fp8Instance("fwd", 99)
+    with pytest.raises(ValueError, match="does not fit fwd with block scales"):  # a 192-wide tile splits weight blocks
         Fp8Instance("fwd", 3)
+    for config, (schedule, *_rest) in FP8_CONFIGS.items():  # fast accumulation: tensor-scaled fwd only
+        if schedule.endswith("_fast"):
+            assert Fp8Instance("fwd", config, tensor_scales=True).macros
+            for direction, tensor in (("fwd", False), ("dgrad", True), ("wgrad", True)):
+                with pytest.raises(ValueError, match=f"does not fit {direction}"):
+                    Fp8Instance(direction, config, a_format="e4m3", tensor_scales=tensor)
     assert Fp8Instance("wgrad", 3).name == "te_fb_wgrad_c3_e4m3xe4m3_bf16"
     # per-tensor scales: their own instances, and any tile (no weight scale blocks to cover)
     tensor = Fp8Instance("fwd", 3, tensor_scales=True)
@@ -73,7 +79,9 @@ def test_build_cli_names_every_instance_it_can_build_and_refuses_others(capsys, 
 
     names = {i.name for i in fp8_candidate_instances()}
     for config in FP8_CONFIGS:
-        assert f"te_fb_wgrad_c{config}_e5m2xe4m3_bf16_tensor" in names and f"te_fb_wgrad_c{config}_e4m3xe4m3_bf16" in names
+        wgrad = f"te_fb_wgrad_c{config}_e5m2xe4m3_bf16_tensor" in names and f"te_fb_wgrad_c{config}_e4m3xe4m3_bf16" in names
+        assert wgrad == (not FP8_CONFIGS[config][0].endswith("_fast"))  # fast accumulation: tensor-scaled fwd only
+        assert f"te_fb_fwd_c{config}_e4m3xe4m3_bf16_tensor" in names
     monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
     with pytest.raises(SystemExit) as exc:
         main(["--only", "te_fb_wgrad_c0_e4m3xe4m3_bf16", "te_fb_wgrad_c9_e4m3xe4m3_bf16"])

@@ -100,6 +100,23 @@ def test_per_tensor_native_on_16_row_groups(cuda_device, name, case):
     _check_native(cuda_device, name, case)
 
 
+@pytest.mark.parametrize("name", ["current", "delayed"])
+@pytest.mark.parametrize("Kin", [1024, 7168])
+def test_tensor_scaled_forward_tiles_promoted_and_fast(cuda_device, name, Kin):
+    """The rule's tensor-scaled fwd tiles on ragged groups with an empty one and N off every tile width: the
+    promoted 128x192 one, and with settings.fp8_fprop_fast_accum the fast ones (ping-pong 128x128 at short K,
+    128x256 at long K), each against float32 GEMMs of the same quantized values, and near each other."""
+    torch.manual_seed(3)
+    E, N, sizes = 3, 400, [512, 0, 768]
+    xq, wq, _, offs = _operands(RECIPES[name](), E, Kin, N, sizes, cuda_device)
+    reference, got = _reference("fwd", xq, wq, None, sizes), {}
+    for fast in (False, True):
+        with td.settings.override(fp8_fprop_fast_accum=fast):
+            got[fast] = K.grouped_mm_quantized_forward(xq, wq, offs, backend="cutlass")
+        assert torch.isfinite(got[fast]).all() and _rel(got[fast], reference) <= (6e-3 if fast else 2.5e-3), fast
+    assert _rel(got[True], got[False]) <= 6e-3 and not torch.equal(got[True], got[False])
+
+
 LOOP_CASES = [(name, case) for name in ("block", "current", "delayed")
               for case in CASES + [(2, 512, 1024, [256, 384])] + (CASES_16 if name != "block" else [])]
 
@@ -144,7 +161,12 @@ def _check_native(cuda_device, name, case, backend="cutlass"):
             continue
         native = call(backend)
         assert torch.isfinite(native).all(), direction
-        assert _rel(native, _reference(direction, xq, wq, dyq, sizes)) <= 2.5e-3, direction
+        # fast accumulation (tensor-scaled fwd on our kernels, settings.fp8_fprop_fast_accum) keeps all of K in the
+        # tensor cores' accumulator: its error grows with K (3.5e-3 at K 16384 on an H100), still ~20x under the
+        # FP8 quantization's own
+        fast = backend == "cutlass" and direction == "fwd" and not name.startswith("block") and \
+            td.settings.current().fp8_fprop_fast_accum
+        assert _rel(native, _reference(direction, xq, wq, dyq, sizes)) <= (6e-3 if fast else 2.5e-3), direction
         if name.startswith("block"):
             assert _rel(native, call("emulated")) <= 1e-3, direction
         if direction == "wgrad":

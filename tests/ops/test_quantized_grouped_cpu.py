@@ -279,17 +279,21 @@ def fake_fp8_library(monkeypatch):
             calls[-1].update(sfa=sfa, sfb=sfb, scratch=scratch, n=n, k=k, rows=rows)
             return 0
 
+    rule = {}  # what the last launch told the tile rule
+
     class FakeFp8Block:
         FP8_CONFIGS = dict.fromkeys(range(5))
 
         @staticmethod
-        def choose_fp8_config(direction, rows, groups, sizes=None, *, forced=None):
+        def choose_fp8_config(direction, rows, groups, sizes=None, *, forced=None, tensor_scales=False, fast=False,
+                              contraction=0):
+            rule.update(direction=direction, tensor_scales=tensor_scales, fast=fast, contraction=contraction)
             return 0 if forced is None else forced
 
         @staticmethod
         def load_fp8(direction, config, a_format, b_format, out_f32, tensor_scales):
             calls.append(dict(direction=direction, config=config, formats=(a_format, b_format),
-                              tensor_scales=tensor_scales))
+                              tensor_scales=tensor_scales, rule=dict(rule)))
             return FakeLib()
 
     class FakeKernels:
@@ -350,12 +354,36 @@ def test_the_fp8_tile_setting_reaches_every_launch(fake_fp8_library):
     cb.fp8_forward(xq, wq, offs)
     with settings.override(fp8_tile=3):
         cb.fp8_forward(xq, wq, offs)
-        with pytest.raises(ValueError, match=r"te_dist.settings.fp8_tile=7 names no FP8 tile "
-                                             r"\(set by te_dist.settings.fp8_tile=7\); the tiles are \[0, 1, 2, 3, 4\]"):
-            with settings.override(fp8_tile=7):
+        with pytest.raises(ValueError, match=r"te_dist.settings.fp8_tile=17 names no FP8 tile "
+                                             r"\(set by te_dist.settings.fp8_tile=17\); the tiles are \[0, 1, 2, 3, 4\]"):
+            with settings.override(fp8_tile=17):
                 cb.fp8_forward(xq, wq, offs)
     cb.fp8_forward(xq, wq, offs)
     assert [c["config"] for c in fake_fp8_library] == [0, 3, 0]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_the_tile_rule_hears_the_scaling_the_contraction_and_the_fast_switch(fake_fp8_library, recipe):
+    """What each launch tells the tile rule: its scaling, the fwd contraction (K) and
+    settings.fp8_fprop_fast_accum as it stands."""
+    from te_dist import settings
+    from te_dist.gemm import cutlass_backend as cb
+
+    qi, qw, qg = (make_quantizer(recipe, role) for role in ("input", "weight", "grad_output"))
+    xq = qi(torch.randn(256, 384), rowwise=True, columnwise=True)
+    wq = K.prepare_quantized_weight(qw(torch.randn(2, 128, 384), rowwise=True, columnwise=True))
+    dyq = qg(torch.randn(256, 128), rowwise=True, columnwise=True)
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    for fast in (False, True):
+        with settings.override(fp8_fprop_fast_accum=fast):
+            cb.fp8_forward(xq, wq, offs)
+            cb.fp8_dgrad(dyq, wq, offs)
+            cb.fp8_wgrad(xq, dyq, offs, num_groups=2)
+    per_tensor = not isinstance(recipe, R.Float8BlockScaling)
+    rules = [c["rule"] for c in fake_fp8_library]
+    assert [(r["direction"], r["fast"]) for r in rules] == [(d, f) for f in (False, True) for d in ("fwd", "dgrad", "wgrad")]
+    assert all(r["tensor_scales"] == per_tensor for r in rules)
+    assert rules[0]["contraction"] == 384
 
 
 def test_mixed_scalings_broadcast_the_per_tensor_scale():
