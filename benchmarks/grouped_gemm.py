@@ -41,10 +41,13 @@ the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
 ``--host-cpu``: the host time our wrapper adds to a call, on any machine (``host_cpu``). torch runs
 ``torch._grouped_mm`` on CPU too, so on tiny bf16 operands ``raw`` (torch's call) and ``torch``
 (``grouped_mm_forward(..., backend="torch", check_offsets=False)``: validation, decision, torch's
-call) differ by our host work; ``decide`` and ``decide sizes`` time the decision of the same call on
-a faked SM 9.0 GPU (the capability hook; measuring on, the bucket already measured, so the remembered
-function: ``entry._runner``, its operand a stand-in whose attributes read faster than a tensor's),
-without and with host sizes. Median and best µs per call over ``--rounds`` x 20 interleaved repeats.
+call) differ by our host work; ``dgrad raw``/``dgrad torch`` and ``wgrad raw``/``wgrad torch`` are the
+same pair for the backward GEMMs (raw: the operands as torch's backend hands them to torch), and each
+direction's ``torch over raw`` is printed and written to ``--json``; ``decide`` and ``decide sizes``
+time the decision of the same call on a faked SM 9.0 GPU (the capability hook; measuring on, the
+bucket already measured, so the remembered function: ``entry._runner``, its operand a stand-in whose
+attributes read faster than a tensor's), without and with host sizes. Median and best µs per call
+over ``--rounds`` x 20 interleaved repeats.
 """
 
 from __future__ import annotations
@@ -296,14 +299,18 @@ def host_cpu(args) -> dict:
     torch.set_num_threads(1)  # torch's share stays one core's, as the wrapper's is
     sizes = (2, 0, 3, 3)
     E, K, N = len(sizes), 16, 16
-    x, w, _, off = operands(E, list(sizes), K, N, dev="cpu")
+    x, w, dy, off = operands(E, list(sizes), K, N, dev="cpu")
     # x as the decision sees a CUDA row operand (its attributes read faster than a tensor's)
     row = SimpleNamespace(device=torch.device("cuda", 0), dtype=x.dtype, shape=x.shape, is_cuda=True, is_cpu=False)
     stmts = {"raw": "torch._grouped_mm(x, w, offs=off)",
              "torch": "kernels.grouped_mm_forward(x, w, off, backend='torch', check_offsets=False)",
+             "dgrad raw": "torch._grouped_mm(dy, w.transpose(1, 2), offs=off)",
+             "dgrad torch": "kernels.grouped_mm_dgrad(dy, w, off, backend='torch', check_offsets=False)",
+             "wgrad raw": "torch._grouped_mm(dy.t(), x, offs=off).transpose(1, 2)",
+             "wgrad torch": "kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, backend='torch', check_offsets=False)",
              "decide": "entry._runner('fwd', args, row, row.device, x.dtype, w.shape, w.stride(), False, None)",
              "decide sizes": "entry._runner('fwd', args_sizes, row, row.device, x.dtype, w.shape, w.stride(), False, None)"}
-    names = dict(torch=torch, kernels=kernels, entry=entry, row=row, x=x, w=w, off=off, sizes=sizes,
+    names = dict(torch=torch, kernels=kernels, entry=entry, row=row, x=x, w=w, dy=dy, off=off, sizes=sizes, E=E,
                  args=(x, w, off, None, None, x.dtype, None), args_sizes=(x, w, off, None, None, x.dtype, sizes))
     measure.reset(measure.Tuner(measure.TunerSettings(persist=False), identity=lambda index: ("cpu proxy", 132),
                                 timer=lambda fn, calls: 1.0))  # a miss "times" every candidate alike
@@ -318,12 +325,16 @@ def host_cpu(args) -> dict:
     measure.reset()
     out = {k: (timing.median(m for m, _ in v), min(b for _, b in v)) for k, v in runs.items()}
     print(f"# host µs per call on CPU ({torch.__version__}, one thread): E={E} K={K} N={N} T={sum(sizes)} bf16\n"
-          f"{'column':<14}{'median':>8}{'best':>8}")
+          f"{'column':<20}{'median':>8}{'best':>8}")
     for key, (median, best) in out.items():
-        print(f"{key:<14}{median:8.2f}{best:8.2f}")
-    over = (out["torch"][0] - out["raw"][0], out["torch"][1] - out["raw"][1])
-    print(f"torch over raw{over[0]:8.2f}{over[1]:8.2f}")
-    timing.write_json(args.json, {"host_us": {k: {"median": m, "best": b} for k, (m, b) in out.items()}},
+        print(f"{key:<20}{median:8.2f}{best:8.2f}")
+    over = {}
+    for direction, prefix in (("fwd", ""), ("dgrad", "dgrad "), ("wgrad", "wgrad ")):
+        ours, raw = out[prefix + "torch"], out[prefix + "raw"]
+        over[direction] = (ours[0] - raw[0], ours[1] - raw[1])
+        print(f"{direction + ' torch over raw':<20}{over[direction][0]:8.2f}{over[direction][1]:8.2f}")
+    timing.write_json(args.json, {"host_us": {k: {"median": m, "best": b} for k, (m, b) in out.items()},
+                                  "torch_over_raw_us": {d: {"median": m, "best": b} for d, (m, b) in over.items()}},
                       dtype="bfloat16", benchmark="grouped_gemm --host-cpu", rounds=args.rounds)
     return out
 

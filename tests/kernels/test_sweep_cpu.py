@@ -81,14 +81,18 @@ def test_the_script_dry_run_prints_the_drawn_shapes_without_a_gpu():
 
 
 def test_the_script_host_cpu_mode_times_our_wrapper_against_raw_torch_without_a_gpu(tmp_path):
-    """``--host-cpu``: every column runs on CPU (torch's call, our torch path, the decision on a faked SM
-    9.0 GPU with and without host sizes) and lands in the JSON; the figures are printed, not judged."""
+    """``--host-cpu``: every column runs on CPU (torch's call and our torch path of each direction, the decision
+    on a faked SM 9.0 GPU with and without host sizes) and lands in the JSON with each direction's difference;
+    the figures are printed, not judged."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     path = tmp_path / "host.json"
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), "--host-cpu", "--rounds", "1",
                           "--json", str(path)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
-    host = json.loads(path.read_text())["host_us"]
-    assert set(host) == {"raw", "torch", "decide", "decide sizes"}
+    data = json.loads(path.read_text())
+    host = data["host_us"]
+    assert set(host) == {"raw", "torch", "dgrad raw", "dgrad torch", "wgrad raw", "wgrad torch", "decide",
+                         "decide sizes"}
     assert all(0 < v["best"] <= v["median"] for v in host.values())
-    assert "torch over raw" in out.stdout
+    assert set(data["torch_over_raw_us"]) == {"fwd", "dgrad", "wgrad"}
+    assert all(f"{d} torch over raw" in out.stdout for d in ("fwd", "dgrad", "wgrad"))
