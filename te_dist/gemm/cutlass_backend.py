@@ -140,8 +140,7 @@ def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, group_sizes
 
 @_guard(torch_backend.wgrad)
 def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=None, *, config=None):
-    K, N = x_TK.shape[1], dy_TN.shape[1]
-    T = x_TK.shape[0]
+    (T, K), N = x_TK.shape, dy_TN.shape[1]
     out_dtype = out_dtype or x_TK.dtype
     if T == 0 or num_groups == 0:
         return torch.zeros(num_groups, N, K, device=x_TK.device, dtype=out_dtype).transpose(1, 2)
@@ -204,8 +203,7 @@ def fp8_dgrad(dyq, wq, offsets_E, out_dtype=torch.bfloat16, group_sizes=None):
 def fp8_wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_sizes=None):
     """dw[e] = dy_e^T @ x_e as [E, N, K] from columnwise copies (every group's first row aligned;
     no size-dependent tile: wgrad pads no rows)."""
-    T, K = xq.shape
-    N = dyq.shape[1]
+    (T, K), N = xq.shape, dyq.shape[1]
     per_tensor = tensor_scales(xq, dyq)
     dyT, dyT_scale = columnwise_operand(dyq, scale_tables=not per_tensor)
     xT, xT_scale = columnwise_operand(xq, scale_tables=not per_tensor)

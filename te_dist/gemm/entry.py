@@ -9,14 +9,15 @@ x's device, as ``torch._grouped_mm`` takes them)::
 differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a contiguous [E, N, K]
 weight ([E, out, in], like nn.Linear). Per call: the inputs are checked (:mod:`.validation`), the backend is chosen
 (:mod:`.decide`, with the bucket's measured entry from :mod:`.measure` on CUDA; the tuner remembers the function to
-run, ``_runner``, and for grouped_mm_forward the facts a call was checked on, so that a like call checks only its
-rows) and run. Legend: T rows (tokens), K in-features, N out-features, E experts.
+run, ``_runner``, and under the facts a public call was checked on, so that a like call checks only its rows: each
+operand's class, dtype, device and shape but the rows, the options, the generations; the weight's strides only for
+a forced cutlass, the one forced backend they decide, as a call left to the rule decides again under ``_runner``'s
+key, which holds them) and run. Legend: T rows (tokens), K in-features, N out-features, E experts.
 """
 
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -31,6 +32,7 @@ __all__ = ["grouped_mm", "grouped_mm_forward", "grouped_mm_dgrad", "grouped_mm_w
            "describe_choice", "available_backends"]
 
 _TORCH_GROUPED = hasattr(torch, "_grouped_mm")  # torch's own grouped kernel (torch >= 2.8)
+_HELD = measure._TUNER  # the process tuner's holder: a like call reads its memo without a call (none yet: a miss)
 
 
 def _problem(direction, a, w_shape, w_strides, out_dtype, group_sizes, epilogue) -> decide.Problem:
@@ -93,12 +95,11 @@ def _runner(direction, args: tuple, a, device, dtype, w_shape, w_strides, epilog
     and the host sizes; ``a`` the row operand, on ``device`` of ``dtype``; ``w_shape``, ``w_strides``: the weight's,
     wgrad: its [E, K, N] and None), remembered by the process tuner under all that decides it: the call's facts
     (its rows as the bucket and the loop rule read them), the settings' and support's generations. Not kept where
-    a later call may decide otherwise: a loop on CUDA (it asks about graph capture), an unmeasured bucket. Off the
-    CPU rule, grouped_mm_forward's checked ``facts`` keep it too where it is kept and the rows do not decide it."""
-    group_sizes = args[-1]
+    a later call may decide otherwise: a loop on CUDA (it asks about graph capture), an unmeasured bucket. A public
+    call's checked ``facts`` keep it too where it is kept and the rows do not decide it (else the way to decide)."""
+    group_sizes, t, rows = args[-1], measure.tuner(), None
     if backend is None and a.is_cpu:  # the rule's CPU row, without building a Problem
-        return getattr(loop_backend, _FUNCTION[direction])
-    t, rows = measure.tuner(), None
+        return t.remember(facts, getattr(loop_backend, _FUNCTION[direction]))
     if backend is None:  # what the rule and a measurement read of the rows
         rows, sizes, E = a.shape[0], group_sizes, w_shape[0]
         rows = (measure.bucket_rows(rows, E), rows >= decide.LOOP_MIN_ROWS_PER_GROUP * E,
@@ -114,37 +115,22 @@ def _runner(direction, args: tuple, a, device, dtype, w_shape, w_strides, epilog
         run = _function(direction, choice)
         if p.device_type != "cuda" or (choice[0] != "loop" and (
                 rows is None or not t.enabled or measure.bucket_key(p, group_sizes) in t.table_for(device.index).ms)):
-            t.runners = t.runners if len(t.runners) < 4096 else {}  # bounded: facts that keep changing start over
-            t.runners[key] = run
-    if facts is not None:  # else a call that decides again, from the checked facts
-        t.runners = t.runners if len(t.runners) < 4096 else {}
-        t.runners[facts] = run if rows is None and t.runners.get(key) is run else (
-            lambda *a, b=backend, seen=(device, dtype, w_shape): _forward(*a[:6], b, a[6], seen))  # (no closure)
+            t.remember(key, run)
+    if facts is not None:
+        t.remember(facts, run if rows is None and t.runners.get(key) is run else (
+            lambda *a, b=backend, seen=(device, dtype, w_shape): _dispatch(direction, a[:-1], b, a[-1], seen)))
     return run
 
 
-def _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, group_sizes=None, seen=None,
-             facts=None):
-    """``seen``: what validation read (its checks' second answer), else read here; ``out_dtype`` as given."""
-    device, dtype, w_shape = seen or (x_TK.device, x_TK.dtype, w_EKN.shape)
-    args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
-    return _runner("fwd", args, x_TK, device, dtype, w_shape, w_EKN.stride(),
-                   bias_EN is not None or row_scale_T is not None, backend, facts)(*args)
-
-
-def _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes=None, seen=None):
-    device, dtype, w_shape = seen or (dy_TN.device, dy_TN.dtype, w_EKN.shape)
-    args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
-    return _runner("dgrad", args, dy_TN, device, dtype, w_shape, w_EKN.stride(), row_scale_T is not None, backend)(*args)
-
-
-def _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes=None, seen=None):
-    device, dtype, dw_shape = seen or (x_TK.device, x_TK.dtype, (num_groups, x_TK.shape[1], dy_TN.shape[1]))
-    args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
-    return _runner("wgrad", args, x_TK, device, dtype, dw_shape, None, False, backend)(*args)
-
-
-_DISPATCH = SimpleNamespace(forward=_forward, dgrad=_dgrad, wgrad=_wgrad)  # handed to the autograd function
+def _dispatch(direction, args: tuple, backend, group_sizes=None, seen=None, facts=None):
+    """Runs ``args`` (the direction's arguments through the output dtype) with ``_runner``'s function: autograd's
+    path, and a public call's first (``seen``: what its checks read, else read here; ``facts``: what they passed)."""
+    a, b, wgrad = args[0], args[1], direction == "wgrad"
+    device, dtype, w_shape = seen or (a.device, a.dtype, (args[3], a.shape[1], b.shape[1]) if wgrad else b.shape)
+    epilogue = not wgrad and (args[3] is not None or (direction == "fwd" and args[4] is not None))
+    args += (group_sizes,)
+    return _runner(direction, args, a, device, dtype, w_shape, None if wgrad else b.stride(), epilogue, backend,
+                   facts)(*args)
 
 
 def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
@@ -158,26 +144,26 @@ def grouped_mm(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dt
     no offsets; they must agree with the offsets (checked against the row count, never read from the device)."""
     sizes, _ = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
                                         group_sizes)
-    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _DISPATCH, sizes)
+    return GroupedMM.apply(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, _dispatch, sizes)
 
 
 def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None, out_dtype=None, backend=None,
                        check_offsets=None, group_sizes=None) -> torch.Tensor:
     """Forward only (no autograd graph): y = row_scale * (x @ w[e]) + bias[e]; arguments as grouped_mm."""
     try:
-        (T, K), w_shape, (num_offsets,) = x_TK.shape, w_EKN.shape, offsets_E.shape
-        facts = (x_TK.__class__, w_EKN.__class__, offsets_E.__class__, x_TK.dtype, x_TK.device, w_EKN.dtype,
-                 w_EKN.device, offsets_E.dtype, offsets_E.device, K, w_shape, num_offsets, w_EKN.stride(), out_dtype,
-                 bias_EN is None or (bias_EN.__class__, bias_EN.dtype, bias_EN.device, bias_EN.shape), backend,
-                 row_scale_T is None or (row_scale_T.__class__, row_scale_T.dtype, row_scale_T.device, row_scale_T.dim()),
-                 group_sizes is None, _settings.generation, support.generation)
-        run = measure.tuner().runners.get(facts)
+        (T, K), w_shape = x_TK.shape, w_EKN.shape
+        facts = ("fwd", x_TK.__class__, w_EKN.__class__, offsets_E.__class__, x_TK.dtype, x_TK.device, w_EKN.dtype,
+                 w_EKN.device, offsets_E.dtype, offsets_E.device, K, w_shape, offsets_E.shape, out_dtype, backend,
+                 backend == "cutlass" and w_EKN.stride(), group_sizes is None, _settings.generation, support.generation,
+                 bias_EN is None or (bias_EN.__class__, bias_EN.dtype, bias_EN.device, bias_EN.shape),
+                 row_scale_T is None or (row_scale_T.__class__, row_scale_T.dtype, row_scale_T.device,
+                                         row_scale_T.shape == (T,)))
+        run = _HELD["t"].runners.get(facts)
     except Exception:  # noqa: BLE001 - the checks word it
         facts = run = None
-    if run is None or (row_scale_T is not None and row_scale_T.shape[0] != T):
-        sizes, seen = validation.check_forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, check_offsets,
-                                               group_sizes)
-        return _forward(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, backend, sizes, seen, facts)
+    if run is None:  # (the arguments as a tuple only here: a like call passes them on as they came)
+        args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
+        return _dispatch("fwd", args, backend, *validation.check_forward(*args, check_offsets, group_sizes), facts)
     if check_offsets is not False or group_sizes is not None:
         group_sizes = validation.check_rows(offsets_E, w_shape[0], T, check_offsets, group_sizes)
     return run(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
@@ -187,9 +173,24 @@ def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=Non
                      check_offsets=None, group_sizes=None, validate: bool = True) -> torch.Tensor:
     """dx = row_scale * (dy @ w[e]^T) for the rows of each expert; arguments as grouped_mm.
     ``validate=False`` skips the checks: only for a backward whose forward validated its operands."""
-    group_sizes, seen = validation.check_dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, check_offsets,
-                                               group_sizes) if validate else (group_sizes, None)
-    return _dgrad(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, backend, group_sizes, seen)
+    if not validate:
+        return _dispatch("dgrad", (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype), backend, group_sizes)
+    try:
+        (T, N), w_shape = dy_TN.shape, w_EKN.shape
+        facts = ("dgrad", dy_TN.__class__, w_EKN.__class__, offsets_E.__class__, dy_TN.dtype, dy_TN.device,
+                 w_EKN.dtype, w_EKN.device, offsets_E.dtype, offsets_E.device, N, w_shape, offsets_E.shape, out_dtype,
+                 backend, backend == "cutlass" and w_EKN.stride(), group_sizes is None, _settings.generation,
+                 support.generation, row_scale_T is None or (row_scale_T.__class__, row_scale_T.dtype,
+                                                             row_scale_T.device, row_scale_T.shape == (T,)))
+        run = _HELD["t"].runners.get(facts)
+    except Exception:  # noqa: BLE001 - the checks word it
+        facts = run = None
+    if run is None:
+        args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
+        return _dispatch("dgrad", args, backend, *validation.check_dgrad(*args, check_offsets, group_sizes), facts)
+    if check_offsets is not False or group_sizes is not None:
+        group_sizes = validation.check_rows(offsets_E, w_shape[0], T, check_offsets, group_sizes)
+    return run(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
 
 
 def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None, out_dtype=None, backend=None,
@@ -198,21 +199,30 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
     weight's layout); experts without rows get zeros. Arguments as grouped_mm_dgrad."""
     if num_groups is None:
         num_groups = offsets_E.numel() if isinstance(offsets_E, torch.Tensor) else -1
-    group_sizes, seen = validation.check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets,
-                                               group_sizes) if validate else (group_sizes, None)
-    return _wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, backend, group_sizes, seen)
-
-
-def _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue) -> decide.Problem:
-    strides = None if direction == "wgrad" else w_EKN.stride()
-    return _problem(direction, x_TK, w_EKN.shape, strides, out_dtype or x_TK.dtype, group_sizes, epilogue)
+    if not validate:
+        return _dispatch("wgrad", (x_TK, dy_TN, offsets_E, num_groups, out_dtype), backend, group_sizes)
+    try:
+        (T, K), (dy_T, N) = x_TK.shape, dy_TN.shape
+        facts = ("wgrad", x_TK.__class__, dy_TN.__class__, offsets_E.__class__, x_TK.dtype, x_TK.device, dy_TN.dtype,
+                 dy_TN.device, offsets_E.dtype, offsets_E.device, K, N, T == dy_T, num_groups.__class__, num_groups,
+                 offsets_E.shape, out_dtype, backend, group_sizes is None, _settings.generation, support.generation)
+        run = _HELD["t"].runners.get(facts)
+    except Exception:  # noqa: BLE001 - the checks word it
+        facts = run = None
+    if run is None:
+        args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype)
+        return _dispatch("wgrad", args, backend, *validation.check_wgrad(*args, check_offsets, group_sizes), facts)
+    if check_offsets is not False or group_sizes is not None:
+        group_sizes = validation.check_rows(offsets_E, num_groups, T, check_offsets, group_sizes)
+    return run(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
 
 
 def select_backend(direction: str, x_TK, w_EKN, *, out_dtype=None, backend=None, group_sizes=None,
                    epilogue: bool = False) -> str:
     """The backend the rule picks for a call with these operands without a measurement (benchmarks,
     logs). ``x_TK``: the call's row operand (dgrad: dy); ``epilogue``: a bias or row scale is given."""
-    p = _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue)
+    p = _problem(direction, x_TK, w_EKN.shape, None if direction == "wgrad" else w_EKN.stride(),
+                 out_dtype or x_TK.dtype, group_sizes, epilogue)
     return _choose(p, x_TK.device, backend, group_sizes, None)[0]
 
 
@@ -220,7 +230,8 @@ def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=
     """What such a call runs and why: ``"cutlass:2 measured"``, ``"torch static"``. Measures nothing."""
     if group_sizes is not None:
         group_sizes = tuple(group_sizes)
-    p = _static_problem(direction, x_TK, w_EKN, out_dtype, group_sizes, epilogue)
+    p = _problem(direction, x_TK, w_EKN.shape, None if direction == "wgrad" else w_EKN.stride(),
+                 out_dtype or x_TK.dtype, group_sizes, epilogue)
     t = measure.tuner()
     ms = t.entry(p, x_TK.device.index, group_sizes) if p.device_type == "cuda" and t.enabled else None
     choice = decide.pick_measured(ms, p) if ms else None

@@ -20,10 +20,13 @@ from .loop_backend import expert_rows
 __all__ = ["forward", "dgrad", "wgrad"]
 
 
-def _row_gemms(a, a_scale, b_data, b_scales, b_one_scale, out_cols, out_dtype, group_sizes):
-    """out[rows of e] = a[rows of e] @ b_data[e]^T; per-tensor when ``b_one_scale`` is given, else
-    1x128 scales of a (made M-major, as cuBLAS reads 1x128 ones: the same shape, strides (1, rows)) by
-    the 128x128 tables ``b_scales[e]`` laid [out/128, contraction/128]."""
+def _row_gemms(aq, wq, b_data, b_scales, out_cols, out_dtype, group_sizes):
+    """out[rows of e] = a[rows of e] @ b_data[e]^T (``b_data`` a copy of the prepared weight ``wq``); per-tensor
+    scales where ``aq`` and ``wq`` have them, else 1x128 scales of a (made M-major, as cuBLAS reads 1x128 ones: the
+    same shape, strides (1, rows)) by the 128x128 tables ``b_scales[e]`` laid [out/128, contraction/128]."""
+    per_tensor = tensor_scales(aq, wq)
+    a, a_scale = rowwise_operand(aq, scale_tables=not per_tensor)
+    b_one_scale = one_scale(wq) if per_tensor else None
     out = torch.empty(a.shape[0], out_cols, device=a.device, dtype=out_dtype)
     for e, (s, t) in enumerate(expert_rows(None, group_sizes)):
         if t > s:
@@ -36,26 +39,19 @@ def _row_gemms(a, a_scale, b_data, b_scales, b_one_scale, out_cols, out_dtype, g
 
 def forward(xq, wq, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=torch.bfloat16, group_sizes=None):
     """y[rows of e] = x[rows of e] @ w[e]^T (the selector routes calls with an epilogue elsewhere)."""
-    per_tensor = tensor_scales(xq, wq)
-    x, x_scale = rowwise_operand(xq, scale_tables=not per_tensor)
     # w rowwise [E, N, K]; its scales [E, N/128, K/128] are the ones prepare_weight files as dgrad_scale
-    return _row_gemms(x, x_scale, wq.fwd_data, wq.dgrad_scale, one_scale(wq) if per_tensor else None, wq.shape[1],
-                      out_dtype, group_sizes)
+    return _row_gemms(xq, wq, wq.fwd_data, wq.dgrad_scale, wq.shape[1], out_dtype, group_sizes)
 
 
 def dgrad(dyq, wq, offsets_E, out_dtype=torch.bfloat16, group_sizes=None):
     """dx[rows of e] = dy[rows of e] @ w[e]."""
-    per_tensor = tensor_scales(dyq, wq)
-    dy, dy_scale = rowwise_operand(dyq, scale_tables=not per_tensor)
     # w columnwise [E, K, N]; its scales [E, K/128, N/128] are the ones prepare_weight files as fwd_scale
-    return _row_gemms(dy, dy_scale, wq.dgrad_data, wq.fwd_scale, one_scale(wq) if per_tensor else None, wq.shape[2],
-                      out_dtype, group_sizes)
+    return _row_gemms(dyq, wq, wq.dgrad_data, wq.fwd_scale, wq.shape[2], out_dtype, group_sizes)
 
 
 def wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_sizes=None):
     """dw[e] = dy_e^T @ x_e as [E, N, K] from the columnwise copies (zeros for experts without rows)."""
-    T, K = xq.shape
-    N = dyq.shape[1]
+    (T, K), N = xq.shape, dyq.shape[1]
     per_tensor = tensor_scales(xq, dyq)
     dyT, dyT_scale = columnwise_operand(dyq, scale_tables=not per_tensor)  # [N, T]
     xT, xT_scale = columnwise_operand(xq, scale_tables=not per_tensor)  # [K, T]

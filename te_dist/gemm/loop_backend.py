@@ -84,12 +84,8 @@ def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=No
 
 
 def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
-    """dx[rows of e] = row_scale * (dy @ w[e]^T)."""
-    out_dtype = out_dtype or dy_TN.dtype
-    if dy_TN.shape[0] == 0:
-        return torch.empty(0, w_EKN.shape[1], device=dy_TN.device, dtype=out_dtype)
-    acc_TK = _mm_rows(dy_TN, w_EKN.transpose(1, 2), offsets_E, _compute_dtype(dy_TN), group_sizes)
-    return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype)
+    """dx[rows of e] = row_scale * (dy @ w[e]^T): the forward against the weight's [E, N, K] view."""
+    return forward(dy_TN, w_EKN.transpose(1, 2), offsets_E, None, row_scale_T, out_dtype, group_sizes)
 
 
 def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=None) -> torch.Tensor:
@@ -101,8 +97,7 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=N
     dy = dy_TN if dy_TN.dtype == cdt else dy_TN.to(cdt)
     if x.shape[0] and num_groups and N % 4 == 0 and _use_native(x, K):
         # dy^T per expert: the C++ loop writes [E, N, K] and zero-fills experts without rows.
-        dw_ENK = torch_backend.grouped_mm(dy.t(), x, offsets_E)
-        return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)
+        return torch_backend.wgrad(x, dy, offsets_E, num_groups, out_dtype)
     # Every expert's slice is written below (zeros for those without rows): no full zero pass first.
     dw_ENK = torch.empty(num_groups, N, K, device=x.device, dtype=out_dtype)
     direct = out_dtype == cdt

@@ -180,6 +180,13 @@ class Tuner:
         self._warned: set = set()
         self.runners: Dict[tuple, Callable] = {}  # the call path's memo (entry._runner); emptied with the tables
 
+    def remember(self, key, run: Callable) -> Callable:
+        """``run``, kept under ``key`` (None: not) in the call path's memo; past 4096 entries it starts over."""
+        if key is not None:
+            self.runners = self.runners if len(self.runners) < 4096 else {}
+            self.runners[key] = run
+        return run
+
     @property
     def enabled(self) -> bool:
         """Measuring is on (``te_dist.settings.tune``)."""

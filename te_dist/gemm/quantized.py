@@ -87,8 +87,7 @@ def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype
     check_quantized("dyq", dyq, 2)
     if xq.shape[0] != dyq.shape[0]:
         raise ValueError(f"xq has {xq.shape[0]} rows but dyq has {dyq.shape[0]}")
-    T, K = xq.shape
-    N = dyq.shape[1]
+    (T, K), N = xq.shape, dyq.shape[1]
     device = xq.device
     check_offsets_tensor(offsets_E, num_groups, "xq", device)
     name = decide.choose_quantized(

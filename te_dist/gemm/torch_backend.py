@@ -51,12 +51,10 @@ def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=No
 
 
 def dgrad(dy_TN, w_EKN, offsets_E, row_scale_T=None, out_dtype=None, group_sizes=None) -> torch.Tensor:
-    acc_TK = grouped_mm(dy_TN, w_EKN.transpose(1, 2), offsets_E)
-    return apply_epilogue(acc_TK, offsets_E, None, row_scale_T, out_dtype or dy_TN.dtype)
+    return forward(dy_TN, w_EKN.transpose(1, 2), offsets_E, None, row_scale_T, out_dtype)
 
 
 def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=None) -> torch.Tensor:
     """dw[e] = (dy_e^T @ x_e) as [E, N, K]; returned transposed as [E, K, N]."""
-    out_dtype = out_dtype or x_TK.dtype
     dw_ENK = grouped_mm(dy_TN.t(), x_TK, offsets_E)
-    return (dw_ENK if dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)
+    return (dw_ENK if out_dtype is None or dw_ENK.dtype == out_dtype else dw_ENK.to(out_dtype)).transpose(1, 2)

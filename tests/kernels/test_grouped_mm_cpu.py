@@ -167,7 +167,7 @@ def test_validation_happens_before_any_work(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("backend", ["torch", "loop"])  # (the CPU rule's loop is not remembered)
+@pytest.mark.parametrize("backend", ["torch", "loop", None])  # (None: the CPU rule's loop, remembered too)
 def test_a_call_like_a_checked_one_skips_the_checks_but_still_checks_its_rows(monkeypatch, backend):
     """grouped_mm_forward remembers the facts a call was checked on: a like call (other rows, other
     offsets) is not checked again, but its row scale, offsets' values and host sizes are, worded alike."""
