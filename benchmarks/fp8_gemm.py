@@ -17,9 +17,10 @@ the timing, as the layer quantizes once per tensor):
                 float32 GEMM of the dequantized operands (relative Frobenius).
 ``tiles``: every FP8 tile of cutlass_kernels.heuristics.FP8_CONFIGS that fits the call, forced per call
 (``te_dist.settings.fp8_tile``), on our grouped kernels (never the per-expert loop), TFLOP/s interleaved in one
-process (``timing.interleaved_ms``), beside the rule's own tile (fast accumulation off); ``err``: the best and the rule's
-tile against float32 GEMMs of the same quantized values (relative Frobenius). ``--instances`` prints the instance names the sweep needs (to build them
-ahead: ``python -m cutlass_kernels --jobs 16 --only ...``). Tensor scales use Float8CurrentScaling (HYBRID).
+process (``timing.interleaved_ms``), beside the rule's own tile (fast accumulation off); ``err``: the best and the
+rule's tile against float32 GEMMs of the same quantized values (relative Frobenius). ``--instances`` prints the
+instance names the sweep needs (to build them ahead: ``python -m cutlass_kernels --jobs 16 --only ...``). Tensor
+scales use Float8CurrentScaling (HYBRID).
 Splits: "even", and "ragged" (Zipf-like sizes, an empty expert, every size a multiple of 128 as the
 layer pads them).
 
@@ -268,7 +269,8 @@ def tile_rows(name, split, args, gen) -> list:
                     print(f"{name} {scaling} {direction} tile {inst.config}: {type(exc).__name__}: {str(exc)[:160]}")
             ms = timing.interleaved_ms(fns, iters=args.iters, warmup=3, rounds=args.rounds)
             best = min(ms, key=ms.get)
-            rule = fp8_config(direction, T, E, tensor_scales=scaling == "tensor", contraction=Kin if direction == "fwd" else N)
+            rule = fp8_config(direction, T, E, tensor_scales=scaling == "tensor",
+                              contraction=Kin if direction == "fwd" else N)
             exact, err = reference(direction, *q, sizes), {}
             for c in {best, rule} & set(fns):
                 err[c] = rel(fns[c](), exact)

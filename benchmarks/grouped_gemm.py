@@ -3,7 +3,6 @@
     python benchmarks/grouped_gemm.py [--rounds 5] [--json PATH] [--skip-backward]   # the model shapes
     python benchmarks/grouped_gemm.py --only layer       # the MoE-layer shapes of benchmarks/moe_layer.py
     python benchmarks/grouped_gemm.py --ragged [--seed 300]   # those rows with router-like group sizes
-    python benchmarks/grouped_gemm.py --only small_m_E64 --candidates 11,12   # candidate tiles too
     python benchmarks/grouped_gemm.py --sweep [--seed 100] [--shapes 24] [--json PATH]   # drawn shapes: auto vs torch
     python benchmarks/grouped_gemm.py --sweep --smoke | --dry-run    # 3 small shapes, checked | the shapes, no GPU
     python benchmarks/grouped_gemm.py --sweep --write-shapes FILE   # the sweep's shapes, for `te-dist tune`
@@ -163,20 +162,6 @@ def heuristic(direction, x, w, dy, off):
     return lambda: cutlass_backend.wgrad(x, dy, off, w.shape[0])
 
 
-def candidate_ids(ck, spec):
-    """The candidate tiles ``--candidates`` names: none, "all", or comma-separated ids."""
-    if spec is None:
-        return []
-    if spec == "all":
-        return sorted(ck.CANDIDATES)
-    ids = [int(c) if c.strip().isdigit() else c for c in spec.split(",")]
-    unknown = [c for c in ids if c not in ck.CANDIDATES]
-    if unknown:
-        raise SystemExit(f"--candidates expects ids of cutlass_kernels.CANDIDATES {sorted(ck.CANDIDATES)}, "
-                         f"received {unknown}")
-    return ids
-
-
 def shape_cases(args):
     cases = [(n, E, [m] * E, K, N) for n, E, m, K, N in SHAPES]
     for n, E, T, K, N in DECODE:
@@ -197,7 +182,7 @@ def tables(args) -> dict:
     from te_dist.gemm import cutlass_backend, epilogue, torch_backend
 
     ck = cutlass_backend.kernels_module()
-    tiles = sorted(ck.CONFIGS) + candidate_ids(ck, args.candidates)
+    tiles = sorted(ck.CONFIGS)
     cases = shape_cases(args)
     auto_sizes = (lambda splits: splits) if args.ragged else (lambda splits: None)
     timed = dict(iters=args.iters, warmup=args.warmup, rounds=args.rounds)
@@ -504,8 +489,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-backward", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated shape names, 'layer' for the MoE-layer shapes; "
                                                  "with --ragged LAYER_ROWS names")
-    ap.add_argument("--candidates", nargs="?", const="all", default=None,
-                    help="also time cutlass_kernels.CANDIDATES tiles: all, or comma-separated ids (e.g. 11,12)")
     ap.add_argument("--ragged", action="store_true", help="the MoE-layer rows with router-like group sizes")
     ap.add_argument("--seed", type=int, default=100, help="--ragged: seed of the group sizes (row i uses seed + i); "
                                                           "--sweep: seed of the shapes")

@@ -6,8 +6,8 @@ tile config per problem shape. Nothing here touches CUDA or runs nvcc at import 
 """
 
 from . import fp8_block
-from .heuristics import CANDIDATES, CONFIGS, choose_config
+from .heuristics import CONFIGS, choose_config
 from .build import Instance, BuildError, build_instance, find_cutlass, find_nvcc, load
 
-__all__ = ["CONFIGS", "CANDIDATES", "choose_config", "Instance", "BuildError", "build_instance", "find_cutlass",
+__all__ = ["CONFIGS", "choose_config", "Instance", "BuildError", "build_instance", "find_cutlass",
            "find_nvcc", "load"]

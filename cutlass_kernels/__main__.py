@@ -5,7 +5,7 @@ choices of a list of shapes ahead of a run (``te_dist/tune.py``), started as its
 measures through te_dist, and this package imports nothing of te_dist.
 
 Every instance: the bf16 grouped GEMMs (``te_gg_*``) and the FP8 block-scaled ones (``te_fb_*``).
-``--only`` names instances, candidate tiles included (e.g. ``te_gg_fwd_c5_bf16``).
+``--only`` names instances, FP8 tiles outside the default set included (e.g. ``te_fb_fwd_c8_e4m3xe4m3_bf16_tensor``).
 
 Used before GPU test/benchmark runs so the first call does not pay for compilation.
 """
@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .build import BuildError, Instance, all_instances, build_instance, cache_dir
 from .fp8_block import all_fp8_instances, build_fp8_instance, fp8_candidate_instances
-from .heuristics import CANDIDATES
 
 
 def main(argv=None) -> int:
@@ -32,9 +31,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.only is None:
         insts = all_instances() + all_fp8_instances()
-    else:  # names may also pick candidate tiles (heuristics.CANDIDATES) for a sweep
-        known = all_instances() + [Instance(d, c, f) for d in ("fwd", "dgrad", "wgrad") for c in sorted(CANDIDATES)
-                                   for f in (False, True)] + all_fp8_instances() + fp8_candidate_instances()
+    else:  # names may also pick FP8 tiles the rule does not build by default, for a sweep
+        known = all_instances() + all_fp8_instances() + fp8_candidate_instances()
         insts = list({i.name: i for i in known if i.name in args.only}.values())  # a name listed twice builds once
         unknown = sorted(set(args.only) - {i.name for i in insts})
         if unknown:

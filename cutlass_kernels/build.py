@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from .cache import BuildError, build_cached, entry_is_whole, open_cached
-from .heuristics import CONFIGS, TILES
+from .heuristics import CONFIGS
 
 __all__ = ["ARCH_FLAGS", "BASE_FLAGS", "DEVICE_FLAGS", "KINDS", "SCHEDULES", "SOURCE", "Instance", "BuildError",
            "GemmLibrary", "Libraries", "cache_dir", "find_nvcc", "find_cutlass",
@@ -50,8 +50,8 @@ class Instance:
     def __post_init__(self):
         if self.direction not in KINDS:
             raise ValueError(f"direction must be one of {tuple(KINDS)}, received {self.direction!r}")
-        if self.config not in TILES:
-            raise ValueError(f"config must be one of {sorted(TILES)}, received {self.config!r}")
+        if self.config not in CONFIGS:
+            raise ValueError(f"config must be one of {sorted(CONFIGS)}, received {self.config!r}")
 
     @property
     def name(self) -> str:
@@ -59,7 +59,7 @@ class Instance:
 
     @property
     def macros(self) -> Tuple[str, ...]:
-        schedule, tile_m, tile_n, tile_k, (cluster_m, cluster_n) = TILES[self.config]
+        schedule, tile_m, tile_n, tile_k, (cluster_m, cluster_n) = CONFIGS[self.config]
         return (f"-DTE_GG_KIND={KINDS[self.direction]}", f"-DTE_GG_CONFIG={self.config}",
                 f"-DTE_GG_OUT_F32={int(self.out_f32)}", f"-DTE_GG_SCHEDULE={SCHEDULES[schedule]}",
                 f"-DTE_GG_TILE_M={tile_m}", f"-DTE_GG_TILE_N={tile_n}", f"-DTE_GG_TILE_K={tile_k}",

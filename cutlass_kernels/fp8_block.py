@@ -5,10 +5,8 @@ One instance per (direction, tile config, A format, B format, output dtype, scal
 DelayedScaling, Float8CurrentScaling), which the epilogue applies, so per-tensor operands need no scale tables and the
 mainloop no per-block multiply. The build and disk cache are the bf16 kernels' (``build.py``).
 
-Tiles and their rule: ``heuristics.py`` (``FP8_CONFIGS``, ``fp8_config``).
-
-A caller may force one config for every call (``choose_fp8_config(..., forced=id)``: te_dist passes
-its ``te_dist.settings.fp8_tile`` for tile sweeps); a config that wins moves into the rule.
+Tiles and their rule: ``heuristics.py``. A caller may force one tile for every call (``choose_fp8_config(...,
+forced=id)``: te_dist passes its ``te_dist.settings.fp8_tile``, for tile sweeps).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .build import KINDS, SCHEDULES, GemmLibrary, Libraries, build_cutlass_source, open_cutlass_source
-from .heuristics import FP8_CONFIGS, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_TENSOR_FWD_CONFIG, config_fits, fp8_config
+from .heuristics import FP8_CONFIGS, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_TENSOR_CONFIG, config_fits, fp8_config
 
 __all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config_fits", "load_fp8",
            "build_fp8_instance"]
@@ -106,8 +104,7 @@ def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32:
 
 
 def fp8_candidate_instances():
-    """Every config that fits each direction, in every format and scaling the recipes use: what a
-    tile sweep may build."""
+    """Every config that fits each direction, in every format and scaling the recipes use: what a sweep may build."""
     return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for d in KINDS
             for c in sorted(FP8_CONFIGS) if config_fits(d, c, t)
             for a_format in (("e4m3",) if d == "fwd" else FORMATS)]
@@ -118,4 +115,5 @@ def all_fp8_instances():
     HYBRID's e5m2 gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output; the tensor-scaled fwd tiles."""
     return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for c in (0, 1) for d in KINDS
             if d != "wgrad" or c == 0 for a_format in (("e4m3",) if d == "fwd" else FORMATS)] + [
-        Fp8Instance("fwd", c, tensor_scales=True) for c in (FP8_TENSOR_FWD_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K)]
+        Fp8Instance("fwd", c, tensor_scales=True) for c in (FP8_TENSOR_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K)] + [
+        Fp8Instance("dgrad", FP8_TENSOR_CONFIG, a_format, tensor_scales=True) for a_format in FORMATS]

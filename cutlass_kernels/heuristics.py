@@ -10,39 +10,32 @@ bf16 tiles compiled from grouped_gemm.cu (``CONFIGS``; id: schedule, tile M x N 
 | 3  | cooperative | 256 x 128 x 64 | 1x2x1  | large M, wide N-multicast alternative to 0 |
 | 10 | ping-pong   | 64 x 256 x 64  | 1x1x1  | ragged groups: 64-row padding, no cluster rounding, the widest wgmma per warpgroup |
 
-``CANDIDATES`` (4-9, 11-15) are further tiles for sweeps, not built by default; ids never change meaning (a candidate
-that wins moves into CONFIGS under its id). ``RULES`` picks one per call (first match wins) from the average rows per
-expert (the GEMM's M for fwd/dgrad, its K for wgrad), the contraction, each group's output size and whether the host
-sizes are unequal. These rules were fitted on one GPU's sweeps (docs/kernels.md "Tiles"): te_dist runs them by default
-only for calls whose fused epilogue torch lacks, and otherwise where a measurement on the device says so.
+Ids 4-9 and 11-15 were candidates that lost their sweeps; ids never change meaning. ``RULES`` picks one per call (first
+match wins) from the average rows per expert (the GEMM's M for fwd/dgrad, its K for wgrad), the contraction, each
+group's output size and whether the host sizes are unequal, fitted on one GPU's sweeps (docs/kernels.md "Tiles"):
+te_dist runs them by default only for calls whose fused epilogue torch lacks, or where a measurement says so.
 
-FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale block, 128):
+FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale block, 128), picked by ``fp8_config``:
 
 | id | schedule    | tile M x N | cluster | meant for |
 |----|-------------|------------|---------|-----------|
-| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert, and every wgrad (its M is the out-features) |
+| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: block-scaled fwd and dgrad, every wgrad |
 | 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= ``FP8_SMALL_M_ROWS`` on average): 64-row padding |
-| 2  | cooperative | 128 x 128  | 2 x 1   | candidate: B multicast along M instead of A along N |
-| 3  | cooperative | 128 x 192  | 1 x 1   | candidate, wgrad only (B's scales are per column there, not 128-blocks) |
-| 4  | ping-pong   | 128 x 96   | 1 x 1   | candidate, wgrad: epilogue overlapped |
-| 5  | cooperative, fast | 128 x 128 | 1 x 2 | candidate, tensor-scaled fwd: config 0 without the promotion |
-| 6, 7 | cooperative, fast | 128 x 256 | 2 x 1, 1 x 2 | candidates, tensor-scaled fwd: no second accumulator, so a wide tile fits |
-| 8  | ping-pong, fast | 128 x 128 | 1 x 2   | candidate, tensor-scaled fwd: each warpgroup a whole tile |
-| 9  | ping-pong, fast | 64 x 128  | 1 x 1   | candidate, tensor-scaled fwd: config 1 without the promotion |
+| 3  | cooperative | 128 x 192  | 1 x 1   | tensor-scaled fwd and dgrad (192 columns split block scales' weight blocks) |
+| 7  | cooperative, fast | 128 x 256 | 1 x 2 | tensor-scaled fwd with ``fast`` over ``FP8_FAST_MAX_SHORT_K`` of contraction |
+| 8  | ping-pong, fast | 128 x 128 | 1 x 2 | the same up to it: a short mainloop, so the overlapped epilogue pays |
 
-Fast accumulation (``_fast``) keeps all of K in the tensor cores' accumulator, never promoted into a second fp32 one:
-TransformerEngine's default for the forward GEMM of its per-tensor recipes (split accumulation in dgrad and wgrad).
-
-An FP8 tile's N must be a multiple of B's scale block along N: 128 for the weights of block-scaled
-fwd and dgrad, 1 for wgrad and for tensor scales (``config_fits``).
+Fast (``_fast``): all of K in the tensor cores' accumulator, never promoted into a second fp32 one (TE's forward
+default; te_dist.settings.fp8_fprop_fast_accum), which frees the registers these wider tiles need. Ids 2, 4-6, 9:
+candidates that lost (docs/kernels.md "FP8 tiles and fast accumulation").
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-__all__ = ["CONFIGS", "CANDIDATES", "TILES", "Rule", "RULES", "choose_config", "FP8_CONFIGS", "FP8_WGRAD_CONFIG",
-           "FP8_SMALL_M_ROWS", "FP8_TENSOR_FWD_CONFIG", "FP8_FAST_LONG_K", "FP8_FAST_SHORT_K",
+__all__ = ["CONFIGS", "Rule", "RULES", "choose_config", "FP8_CONFIGS", "FP8_WGRAD_CONFIG",
+           "FP8_SMALL_M_ROWS", "FP8_TENSOR_CONFIG", "FP8_FAST_LONG_K", "FP8_FAST_SHORT_K",
            "FP8_FAST_MAX_SHORT_K", "config_fits", "fp8_config"]
 
 # id: (schedule, tile M, tile N, tile K, (cluster M, cluster N)); build.py turns these into macros.
@@ -53,20 +46,6 @@ CONFIGS = {
     3: ("cooperative", 256, 128, 64, (1, 2)),
     10: ("pingpong", 64, 256, 64, (1, 1)),
 }
-CANDIDATES = {  # built only when a sweep asks (``benchmarks/grouped_gemm.py --candidates``)
-    4: ("pingpong", 128, 128, 64, (1, 1)),
-    5: ("cooperative", 128, 128, 128, (1, 1)),
-    6: ("pingpong", 128, 128, 128, (1, 1)),
-    7: ("cooperative", 128, 128, 64, (1, 2)),
-    8: ("cooperative", 128, 256, 64, (1, 1)),  # config 0 without its cluster
-    9: ("cooperative", 128, 256, 64, (1, 2)),
-    11: ("pingpong", 128, 128, 64, (1, 4)),    # small-M: A multicast to 4 N tiles
-    12: ("pingpong", 128, 128, 64, (2, 2)),    # short-K wgrad, both operands multicast
-    13: ("cooperative", 256, 128, 64, (2, 2)),  # short-K wgrad, bigger tile
-    14: ("pingpong", 64, 256, 64, (1, 2)),     # ragged groups: config 10 with A multicast
-    15: ("pingpong", 64, 256, 64, (2, 1)),     # small-M, B multicast to its two 64-row tiles
-}
-TILES = {**CONFIGS, **CANDIDATES}
 
 
 class Rule(NamedTuple):
@@ -123,42 +102,33 @@ def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int
 FP8_CONFIGS = {
     0: ("cooperative", 128, 128, (1, 2)),
     1: ("pingpong", 64, 128, (1, 1)),
-    2: ("cooperative", 128, 128, (2, 1)),
     3: ("cooperative", 128, 192, (1, 1)),
-    4: ("pingpong", 128, 96, (1, 1)),
-    5: ("cooperative_fast", 128, 128, (1, 2)),
-    6: ("cooperative_fast", 128, 256, (2, 1)),
     7: ("cooperative_fast", 128, 256, (1, 2)),
     8: ("pingpong_fast", 128, 128, (1, 2)),
-    9: ("pingpong_fast", 64, 128, (1, 1)),
 }
-FP8_WGRAD_CONFIG = 0
-FP8_SMALL_M_ROWS = 192
+FP8_WGRAD_CONFIG, FP8_SMALL_M_ROWS = 0, 192
 
 
 def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:
-    """The FP8 tile's N covers whole scale blocks of B: 128-column weight blocks in block-scaled fwd/dgrad;
-    fast accumulation runs tensor-scaled forward GEMMs only (split accumulation in the backward, as TE's)."""
+    """The tile's N covers 128-column weight scale blocks in block-scaled fwd/dgrad; fast tiles: tensor-scaled fwd."""
     if FP8_CONFIGS[config][0].endswith("_fast"):
         return tensor_scales and direction == "fwd"
     return direction == "wgrad" or tensor_scales or FP8_CONFIGS[config][2] % 128 == 0
 
 
-FP8_TENSOR_FWD_CONFIG = 3  # tensor-scaled fwd, promoted: no weight scale blocks, so a 192-wide tile fits
-FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_FAST_MAX_SHORT_K = 7, 8, 3072  # fast tiles by the fwd's contraction
+FP8_TENSOR_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_FAST_MAX_SHORT_K = 3, 7, 8, 3072
 
 
 def fp8_config(direction: str, num_rows: int, num_groups: int, *, tensor_scales: bool = False, fast: bool = False,
                contraction: int = 0) -> int:
-    """FP8 tile for one call: by the rows per expert for fwd/dgrad (wgrad's M is the out-features). A
-    tensor-scaled fwd of many rows takes the 128x192 tile, or with ``fast`` a fast tile: ping-pong, whose
-    epilogue overlaps the next tile's mainloop, up to ``FP8_FAST_MAX_SHORT_K``, else the 128x256 one."""
+    """FP8 tile for one call (the table above): by the rows per expert for fwd/dgrad (wgrad's M is the
+    out-features), then tensor scales' own tiles, a fast fwd's by its contraction."""
     if direction == "wgrad":
         return FP8_WGRAD_CONFIG
     if num_rows <= FP8_SMALL_M_ROWS * max(num_groups, 1):
         return 1
-    if direction != "fwd" or not tensor_scales:
+    if not tensor_scales:
         return 0
-    if fast:
+    if fast and direction == "fwd":
         return FP8_FAST_SHORT_K if contraction <= FP8_FAST_MAX_SHORT_K else FP8_FAST_LONG_K
-    return FP8_TENSOR_FWD_CONFIG
+    return FP8_TENSOR_CONFIG

@@ -174,7 +174,7 @@ class Settings:
             "as one group (te_dist.ops.basic.dense_fp8) where they run. False: the emulated path "
             "(fake-quantize, then the GEMM in the input's dtype).")
     fp8_fprop_fast_accum: bool = _field(
-        False, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "
             "accumulate all of K in the tensor cores' accumulator, never promoted into a second fp32 one "
             "(TransformerEngine's default for the forward GEMM; dgrad and wgrad keep the promotion), and take the "

@@ -167,7 +167,7 @@ def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, 
     tensor-scaled instances), else block-scale tables."""
     fb = kernels_module().fp8_block
     config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, forced=_forced_fp8_tile(fb),
-                                  tensor_scales=per_tensor, fast=_settings.current().fp8_fprop_fast_accum, contraction=k)
+                                  contraction=k, tensor_scales=per_tensor, fast=_settings.current().fp8_fprop_fast_accum)
     lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
     scratch = None
     if direction != "wgrad" and not per_tensor:

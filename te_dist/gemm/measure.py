@@ -344,7 +344,7 @@ def _versions_tag() -> str:
     ck = _kernels()
     cut = ck.find_cutlass()
     h = hashlib.sha256(ck.build.SOURCE.read_bytes())
-    h.update(repr(sorted(ck.heuristics.TILES.items())).encode())
+    h.update(repr(sorted(ck.heuristics.CONFIGS.items())).encode())
     h.update(str(cut[2] if cut else "no-cutlass").encode())
     return f"torch {torch.__version__} kernels {h.hexdigest()[:16]}"
 

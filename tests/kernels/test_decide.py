@@ -223,19 +223,19 @@ def test_tile_rules_end_with_a_catch_all_and_fp8_tiles_sit_beside_them():
     assert h.fp8_config("wgrad", 64, 8) == h.FP8_WGRAD_CONFIG
     assert h.fp8_config("fwd", h.FP8_SMALL_M_ROWS * 8, 8) == 1 and h.fp8_config("fwd", h.FP8_SMALL_M_ROWS * 8 + 1, 8) == 0
     assert fp8_block.choose_fp8_config("fwd", 64, 8, forced=2) == 2 and fp8_block.choose_fp8_config("fwd", 64, 8) == 1
-    # tensor scales: a fwd of many rows takes the 192-wide tile, or a fast tile by its contraction; dgrad, wgrad,
-    # block scales and few rows never do
+    # tensor scales: fwd and dgrad of many rows take the 192-wide tile, a fast fwd a fast tile by its contraction;
+    # wgrad, block scales and few rows never do
     many = h.FP8_SMALL_M_ROWS * 8 + 1
-    assert h.fp8_config("fwd", many, 8, tensor_scales=True) == h.FP8_TENSOR_FWD_CONFIG
+    assert h.fp8_config("fwd", many, 8, tensor_scales=True) == h.FP8_TENSOR_CONFIG
     assert h.fp8_config("fwd", many, 8, tensor_scales=True, fast=True, contraction=h.FP8_FAST_MAX_SHORT_K) == \
         h.FP8_FAST_SHORT_K
     assert h.fp8_config("fwd", many, 8, tensor_scales=True, fast=True, contraction=7168) == h.FP8_FAST_LONG_K
     for fast_tile in (h.FP8_FAST_SHORT_K, h.FP8_FAST_LONG_K):
         assert h.FP8_CONFIGS[fast_tile][0].endswith("_fast") and h.config_fits("fwd", fast_tile, tensor_scales=True)
-    assert h.config_fits("fwd", h.FP8_TENSOR_FWD_CONFIG, tensor_scales=True)
+    assert h.config_fits("fwd", h.FP8_TENSOR_CONFIG, tensor_scales=True)
     for kwargs in (dict(), dict(fast=True, contraction=7168)):  # block scales
         assert h.fp8_config("fwd", many, 8, **kwargs) == 0
-    assert h.fp8_config("dgrad", many, 8, tensor_scales=True, fast=True) == 0
+    assert h.fp8_config("dgrad", many, 8, tensor_scales=True, fast=True) == h.FP8_TENSOR_CONFIG
     assert h.fp8_config("fwd", 64, 8, tensor_scales=True, fast=True) == 1
     assert h.fp8_config("wgrad", many, 8, tensor_scales=True, fast=True) == h.FP8_WGRAD_CONFIG
     assert fp8_block.choose_fp8_config("fwd", 64, 8, forced=2, fast=True) == 2
