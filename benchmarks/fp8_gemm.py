@@ -161,17 +161,22 @@ def _torch_rowwise(x, w, dy, offs):
     return ok
 
 
-def grouped_rows(name, split, args, gen) -> list:
-    from te_dist import kernels as K
-    from te_dist.gemm import decide
-
+def shape_operands(name, split, gen):
+    """(E, K, N, sizes, T, offsets, x, w [E, N, K], dy) of one shape and split: bf16 on the GPU."""
     E, rows, Kin, N = SHAPES[name]
     sizes = splits_for(split, E, rows, gen)
     T, dev = sum(sizes), torch.device("cuda")
     offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
     x = torch.randn(T, Kin, device=dev, dtype=torch.bfloat16)
     w = torch.randn(E, N, Kin, device=dev, dtype=torch.bfloat16) / math.sqrt(Kin)
-    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+    return E, Kin, N, sizes, T, offs, x, w, torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+
+
+def grouped_rows(name, split, args, gen) -> list:
+    from te_dist import kernels as K
+    from te_dist.gemm import decide
+
+    E, Kin, N, sizes, T, offs, x, w, dy = shape_operands(name, split, gen)
     quantized, w_EKN = quantized_operands(x, w, dy), w.transpose(1, 2)
     bf16 = {"fwd": lambda: K.grouped_mm_forward(x, w_EKN, offs, group_sizes=sizes),
             "dgrad": lambda: K.grouped_mm_dgrad(dy, w_EKN, offs, group_sizes=sizes),
@@ -246,13 +251,7 @@ def tile_rows(name, split, args, gen) -> list:
     from te_dist.gemm import decide
     from cutlass_kernels.fp8_block import fp8_config
 
-    E, rows, Kin, N = SHAPES[name]
-    sizes = splits_for(split, E, rows, gen)
-    T, dev = sum(sizes), torch.device("cuda")
-    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-    x = torch.randn(T, Kin, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(E, N, Kin, device=dev, dtype=torch.bfloat16) / math.sqrt(Kin)
-    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+    E, Kin, N, sizes, T, offs, x, w, dy = shape_operands(name, split, gen)
     quantized, flops, out = quantized_operands(x, w, dy, args.scalings.split(",")), 2 * T * Kin * N, []
     for scaling in args.scalings.split(","):
         q = quantized[scaling]
