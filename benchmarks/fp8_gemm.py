@@ -212,14 +212,20 @@ def grouped_rows(name, split, args, gen) -> list:
     return out
 
 
-def grouped(args) -> list:
+def over_shapes(args, rows_of) -> list:
+    """``rows_of(name, split, args, gen)`` for every ``--shapes`` x ``--splits``, from the same seeds."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     rows = []
     for name in args.shapes.split(","):
         for split in args.splits.split(","):
-            rows += grouped_rows(name, split, args, gen)
+            rows += rows_of(name, split, args, gen)
             torch.cuda.empty_cache()
+    return rows
+
+
+def grouped(args) -> list:
+    rows = over_shapes(args, grouped_rows)
     print(f"\nFP8 grouped GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__}), TFLOP/s; other: the "
           "backend the selector did not pick")
     print(f"{'shape':<12} {'split':<7} {'dir':<6} {'block':>7} {'other':>7} {'tensor':>7} {'other':>7} {'bf16':>7} "
@@ -280,8 +286,6 @@ def tile_rows(name, split, args, gen) -> list:
                    "loop_picked": decide.fp8_loop_wins(T, Kin, N, E, scaling == "block")}
             out.append(row)
             print("row " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    del x, w, dy, quantized
-    torch.cuda.empty_cache()
     return out
 
 
@@ -292,13 +296,7 @@ def tiles(args) -> list:
         return []
     from cutlass_kernels.fp8_block import FP8_CONFIGS
 
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    rows = []
-    for name in args.shapes.split(","):
-        for split in args.splits.split(","):
-            rows += tile_rows(name, split, args, gen)
-    configs = sorted(FP8_CONFIGS)
+    rows, configs = over_shapes(args, tile_rows), sorted(FP8_CONFIGS)
     print(f"\nFP8 tiles on {torch.cuda.get_device_name()} (torch {torch.__version__}), TFLOP/s per tile (interleaved "
           f"{args.rounds} rounds); rule: heuristics.fp8_config's tile; best/rule: its speed-up")
     print(f"{'shape':<18} {'split':<6} {'scale':<6} {'dir':<6} " + "".join(f"{c:>6}" for c in configs)
