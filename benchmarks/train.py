@@ -60,9 +60,13 @@ def te_dist_train(out: Path, nproc: int, *extra, cwd=None, timeout=None) -> list
 def throughput(args) -> list:
     results = []
     for spec in args.variants:
-        recipe, _, ep = spec.partition(":")
+        recipe, _, rest = spec.partition(":")
+        ep, _, settings = rest.partition(":")
         extra = ["--steps", args.steps, "--recipe", recipe, "--ep", ep or args.nproc, "--no-checkpoint",
                  "--log-every", args.steps]
+        for setting in filter(None, settings.split("+")):  # SECTION.KEY=VALUE: the job's --SECTION.KEY VALUE
+            key, _, value = setting.partition("=")
+            extra += [f"--{key}", value]
         extra += ["--config", args.config] if args.config else []
         extra += ["--device", args.device] if args.device else []
         extra += ["--seed", args.seed] if args.seed is not None else []
@@ -72,17 +76,18 @@ def throughput(args) -> list:
             rows = te_dist_train(Path(out), args.nproc, *extra)
             wall = time.perf_counter() - t0
         steady = [r["tokens_per_s"] for r in rows if r["step"] > 2] or [r["tokens_per_s"] for r in rows]
-        results.append({"recipe": recipe, "ep": int(ep or args.nproc), "tokens_per_s": statistics.mean(steady),
+        results.append({"recipe": recipe, "ep": int(ep or args.nproc), "settings": settings, "tokens_per_s": statistics.mean(steady),
                         "median_tokens_per_s": statistics.median(steady), "first_loss": rows[0]["loss"],
                         "last_loss": rows[-1]["loss"], "job_wall_s": wall})
     base = results[0]["tokens_per_s"]
     print(f"te-dist train throughput: nproc={args.nproc} steps={args.steps} config={args.config or 'defaults'}")
     print(f"{'recipe':<10}{'ep':>4}{'tokens/s':>14}{'median':>12}{'ratio':>8}{'loss first->last':>22}"
-          f"{'job wall s':>12}")
+          f"{'job wall s':>12}  settings")
     for r in results:
         r["ratio"] = r["tokens_per_s"] / base
         print(f"{r['recipe']:<10}{r['ep']:>4}{r['tokens_per_s']:>14,.0f}{r['median_tokens_per_s']:>12,.0f}"
-              f"{r['ratio']:>8.2f}{r['first_loss']:>11.4f} -> {r['last_loss']:<7.4f}{r['job_wall_s']:>12.1f}")
+              f"{r['ratio']:>8.2f}{r['first_loss']:>11.4f} -> {r['last_loss']:<7.4f}{r['job_wall_s']:>12.1f}  "
+              f"{r['settings']}")
     print(fp8_ceiling(args.config, {"model.fp8_dense": True} if args.fp8_dense else None))
     return results
 
@@ -238,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-dense", action="store_true",
                    help="FP8 variants also quantize the attention projections and LM head (model.fp8_dense)")
     p.add_argument("--variants", nargs="+", default=["none:2", "none:1", "current:2", "delayed:2"],
-                   help="recipe:ep pairs (ep defaults to --nproc); the first is the baseline")
+                   help="recipe:ep[:SECTION.KEY=VALUE+...] (ep defaults to --nproc; the settings are passed to "
+                        "that job as --SECTION.KEY VALUE); the first is the baseline")
     p = sub.add_parser("resume-drift", help="loss drift of a run resumed on other rank counts")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the reference job")
     p.add_argument("--reshard", type=int, nargs="+", default=[1, 4], help="rank counts to resume on")

@@ -128,6 +128,10 @@ class TrainConfig:
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr")
     warmup_steps: int = _f(4, "linear warm-up steps")
     weight_decay: float = _f(0.0, "AdamW weight decay")
+    fused_optimizer: bool = _f(True, "CUDA: AdamW's fused kernel, one pass over weights, gradients and states (false: "
+                                     "foreach); CPU runs keep the plain loop")
+    fused_loss: bool = _f(True, "CUDA: the loss's cross-entropy in te_dist.train.cross_entropy's kernels (float32 "
+                                "math over the bf16 logits, no float32 copy); false: F.cross_entropy on float32 logits")
     seed: int = _f(0, "model initialisation seed")
     micro_batches: int = _f(1, "micro-batches per optimizer step (gradient accumulation; each rank's share of "
                                "the global batch is split evenly); FP8 weights are cast once per step")

@@ -147,6 +147,15 @@ class _Job:
     reducer: GradientReducer
     ep_size: int
     micro_batches: int
+    fused_loss: bool
+
+
+def _optimizer_impl(device: torch.device, fused: bool) -> dict:
+    """AdamW's implementation keywords: on CUDA the fused kernel (the FP8 weight copies follow its writes,
+    docs/quantization.md) or foreach; elsewhere the plain loop."""
+    if device.type != "cuda":
+        return {"foreach": False}
+    return {"fused": True} if fused else {"foreach": True}
 
 
 def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *, announce: bool) -> _Job:
@@ -172,9 +181,10 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
     model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device,
                         transport=cfg.parallel.transport)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=t.weight_decay,
-                                  foreach=rt.device.type == "cuda")  # CPU: the plain loop, as in every CPU run
-    return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches)
+                                  weight_decay=t.weight_decay,  # CPU: the plain loop, as in every CPU run
+                                  **_optimizer_impl(rt.device, t.fused_optimizer))
+    return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches,
+                t.fused_loss)
 
 
 def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
@@ -190,7 +200,7 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
         if micro > 1:  # the FP8 expert weights: cast at the first micro-batch, reused by the others
             set_first_microbatch(model, i == 0)
         with autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
-            micro_loss = model.loss(x_bS, y_bS) / micro
+            micro_loss = model.loss(x_bS, y_bS, fused=job.fused_loss) / micro
         micro_loss.backward()
         loss += micro_loss.detach().float()
     # A non-finite local loss still enters every collective below; the all-reduced loss then
@@ -222,7 +232,7 @@ def _evaluate(job: _Job, cfg: JobConfig) -> float:
     with torch.no_grad(), autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
         for index in range(cfg.train.eval_batches):
             x_BS, y_BS = (b.to(rt.device) for b in job.data.val_batch(index, rt.rank, rt.world_size))
-            total += model.loss(x_BS, y_BS).double().cpu()
+            total += model.loss(x_BS, y_BS, fused=job.fused_loss).double().cpu()
     if dist.is_initialized():
         wait_collective(dist.all_reduce(total, async_op=True), "validation loss all-reduce", None)
     return float(total) / (cfg.train.eval_batches * rt.world_size)

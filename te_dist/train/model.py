@@ -116,10 +116,12 @@ class MoETransformer(nn.Module):
             x_BSH = block(x_BSH)
         return self.head(self.norm(x_BSH))
 
-    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over this rank's tokens, in fp32."""
-        logits_BSV = self(tokens_BS)
-        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+    def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        """Mean next-token cross-entropy over this rank's tokens, in fp32 (``fused``: cross_entropy.py's kernels
+        on CUDA, the same math without an fp32 copy of the logits)."""
+        from .cross_entropy import cross_entropy
+
+        return cross_entropy(self(tokens_BS).flatten(0, 1), targets_BS.flatten(), fused=fused)
 
 
 def build_model(cfg: ModelConfig, *, seed: int, ep_group=None, device: Optional[torch.device] = None,

@@ -1,0 +1,111 @@
+"""The language-model loss: mean next-token cross-entropy in float32 math over low-precision logits.
+
+Why a kernel of our own: ``F.cross_entropy(logits.float(), targets)`` over a [T, V] bf16 logit matrix moves about
+34 bytes per logit (the float32 copy, log-softmax forward and backward in float32, the copy's backward); at 32k
+tokens x 32k vocabulary that is 11-17 ms of an H100 step, the same in every recipe's arm. The fused path reads the
+bf16 logits once forward (an online max and sum of exponentials per row, float32) and once backward, writing the
+bf16 gradient ``(softmax - onehot) * g / T`` directly: 6 bytes per logit. Same float32 math, so the same loss to
+rounding. Triton is imported on the first fused call only (CUDA); elsewhere the reference path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cross_entropy", "fused_available"]
+
+_BLOCK = 4096  # logits of one row read per loop iteration (bf16: 8 KiB)
+_kernels = None  # (forward, backward) once compiled
+
+
+def _build():
+    """The two Triton kernels (one program per row; the vocabulary walked in ``BLOCK`` chunks)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _cross_entropy_forward(logits, row_stride, targets, loss, lse, V, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits + row * row_stride
+        offs = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max and sum of exp(x - m)
+        s = tl.zeros([BLOCK], tl.float32)
+        for i in range(CHUNKS):
+            start = i * BLOCK
+            x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+            s = tl.where(m_new == float("-inf"), 0.0, s)  # lanes that saw only padding
+            m = m_new
+        row_max = tl.max(m, 0)
+        total = tl.sum(s * tl.exp(m - row_max), 0)
+        row_lse = row_max + tl.log(total)
+        target = tl.load(targets + row)
+        picked = tl.load(base + target).to(tl.float32)
+        tl.store(lse + row, row_lse)
+        tl.store(loss + row, row_lse - picked)
+
+    @triton.jit
+    def _cross_entropy_backward(logits, row_stride, targets, lse, grad_loss, grad_logits, V, CHUNKS: tl.constexpr, inv_rows, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits + row * row_stride
+        out = grad_logits + row * V
+        offs = tl.arange(0, BLOCK)
+        scale = tl.load(grad_loss).to(tl.float32) * inv_rows
+        row_lse = tl.load(lse + row)
+        target = tl.load(targets + row)
+        for i in range(CHUNKS):
+            cols = i * BLOCK + offs
+            inside = cols < V
+            x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+            g = (tl.exp(x - row_lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+            tl.store(out + cols, g.to(grad_logits.dtype.element_ty), mask=inside)
+
+    return _cross_entropy_forward, _cross_entropy_backward
+
+
+def fused_available(logits_TV: torch.Tensor) -> bool:
+    """Whether the fused path takes these logits: on CUDA, 2-D with unit column stride, Triton importable."""
+    if not (logits_TV.is_cuda and logits_TV.dim() == 2 and logits_TV.stride(1) == 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_TV, targets_T):
+        global _kernels
+        if _kernels is None:
+            _kernels = _build()
+        T, V = logits_TV.shape
+        loss_T = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
+        lse_T = torch.empty_like(loss_T)
+        _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, V, -(-V // _BLOCK), BLOCK=_BLOCK, num_warps=8)
+        ctx.save_for_backward(logits_TV, targets_T, lse_T)
+        return loss_T.sum() / T
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits_TV, targets_T, lse_T = ctx.saved_tensors
+        T, V = logits_TV.shape
+        grad_TV = torch.empty((T, V), device=logits_TV.device, dtype=logits_TV.dtype)
+        _kernels[1][(T,)](logits_TV, logits_TV.stride(0), targets_T, lse_T, grad.contiguous(), grad_TV, V, -(-V // _BLOCK), 1.0 / T,
+                          BLOCK=_BLOCK, num_warps=8)
+        return grad_TV, None
+
+
+def cross_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
+    """Mean cross-entropy of ``logits_TV`` [T, V] against class indices ``targets_T`` [T] (all in [0, V)), a float32
+    scalar. ``fused``: the Triton kernels where :func:`fused_available` says so, else ``F.cross_entropy`` on the
+    logits cast to float32 (the reference; also the CPU path)."""
+    if logits_TV.dim() != 2 or targets_T.shape != logits_TV.shape[:1]:
+        raise ValueError(f"cross_entropy expects logits [T, V] and targets [T], received {tuple(logits_TV.shape)} "
+                         f"and {tuple(targets_T.shape)}")
+    if fused and fused_available(logits_TV):
+        return _FusedCrossEntropy.apply(logits_TV, targets_T.contiguous())
+    return F.cross_entropy(logits_TV.float(), targets_T)
