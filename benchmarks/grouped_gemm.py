@@ -289,9 +289,9 @@ def host_cpu(args) -> dict:
     row = SimpleNamespace(device=torch.device("cuda", 0), dtype=x.dtype, shape=x.shape, is_cuda=True, is_cpu=False)
     stmts = {"raw": "torch._grouped_mm(x, w, offs=off)",
              "torch": "kernels.grouped_mm_forward(x, w, off, backend='torch', check_offsets=False)",
-             "dgrad raw": "torch._grouped_mm(dy, w.transpose(1, 2), offs=off)",
+             "dgrad raw": "torch._grouped_mm(dy, w.mT, offs=off)",
              "dgrad torch": "kernels.grouped_mm_dgrad(dy, w, off, backend='torch', check_offsets=False)",
-             "wgrad raw": "torch._grouped_mm(dy.t(), x, offs=off).transpose(1, 2)",
+             "wgrad raw": "torch._grouped_mm(dy.mT, x, offs=off).mT",
              "wgrad torch": "kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, backend='torch', check_offsets=False)",
              "decide": "entry._runner('fwd', args, row, row.device, x.dtype, w.shape, w.stride(), False, None)",
              "decide sizes": "entry._runner('fwd', args_sizes, row, row.device, x.dtype, w.shape, w.stride(), False, None)"}
@@ -418,10 +418,10 @@ def _calls(direction, x, w, dy, off, sizes) -> dict:
                 "torch": lambda: kernels.grouped_mm_forward(x, w, off, backend="torch"),
                 "auto": lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes)}
     if direction == "dgrad":
-        return {"raw": lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=off),
+        return {"raw": lambda: torch._grouped_mm(dy, w.mT, offs=off),
                 "torch": lambda: kernels.grouped_mm_dgrad(dy, w, off, backend="torch"),
                 "auto": lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes)}
-    return {"raw": lambda: torch._grouped_mm(dy.t(), x, offs=off).transpose(1, 2),
+    return {"raw": lambda: torch._grouped_mm(dy.mT, x, offs=off).mT,
             "torch": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, backend="torch"),
             "auto": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, group_sizes=sizes)}
 

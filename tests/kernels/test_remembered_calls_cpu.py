@@ -174,3 +174,27 @@ def test_wgrad_remembers_the_weight_shape_it_was_checked_on():
     assert want.shape == (E, K, N)
     got = grouped_mm_wgrad(x[:, :4], dy, off, num_groups=E, backend="torch")
     assert got.shape == (E, 4, N) and torch.equal(got, want[:, :4])
+
+
+class _DeviceOffsets(torch.Tensor):
+    """CPU offsets that read as a device's (``is_cpu`` False): their values are read only when asked, as on CUDA."""
+
+    is_cpu = property(lambda self: False)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "dgrad", "wgrad"])
+def test_a_like_call_on_device_offsets_checks_its_rows_where_there_is_something_to_check(monkeypatch, direction):
+    x, w, dy, off = _operands()
+    off = off.as_subclass(_DeviceOffsets)
+    want = _call(direction, x, w, dy, off, backend="torch")
+    _call(direction, x, w, dy, off, backend="torch", group_sizes=(2, 0, 3))
+    calls, real = [], validation.check_rows
+    monkeypatch.setattr(validation, "check_rows", lambda *a: calls.append(a) or real(*a))
+    assert torch.equal(_call(direction, x, w, dy, off, backend="torch"), want)
+    assert calls == []  # nothing to check: no call on the like path
+    bad = _offsets((2, 0, 2)).as_subclass(_DeviceOffsets)
+    with pytest.raises(ValueError, match=r"offsets_E\[-1\]=4 != num_rows=5"):
+        _call(direction, x, w, dy, bad, backend="torch", check_offsets=True)
+    with pytest.raises(ValueError, match="group_sizes sum to 4 but there are 5 rows"):
+        _call(direction, x, w, dy, off, backend="torch", group_sizes=(2, 0, 2))
+    assert len(calls) == 2
