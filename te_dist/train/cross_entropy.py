@@ -42,7 +42,8 @@ def _build():
         total = tl.sum(s * tl.exp(m - row_max), 0)
         row_lse = row_max + tl.log(total)
         target = tl.load(targets + row)
-        picked = tl.load(base + target).to(tl.float32)
+        inside = (target >= 0) & (target < V)  # else no read off the row: a NaN loss, which the loop reports
+        picked = tl.load(base + target, mask=inside, other=float("nan")).to(tl.float32)
         tl.store(lse + row, row_lse)
         tl.store(loss + row, row_lse - picked)
 
@@ -100,9 +101,10 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
-    """Mean cross-entropy of ``logits_TV`` [T, V] against class indices ``targets_T`` [T] (all in [0, V)), a float32
-    scalar. ``fused``: the Triton kernels where :func:`fused_available` says so, else ``F.cross_entropy`` on the
-    logits cast to float32 (the reference; also the CPU path)."""
+    """Mean cross-entropy of ``logits_TV`` [T, V] against class indices ``targets_T`` [T], a float32 scalar.
+    ``fused``: the Triton kernels where :func:`fused_available` says so, else ``F.cross_entropy`` on the logits cast
+    to float32 (the reference; also the CPU path). Targets belong in [0, V): the fused path has no ``ignore_index``
+    and gives a NaN loss for a target outside (read on the GPU, so without a host sync)."""
     if logits_TV.dim() != 2 or targets_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"cross_entropy expects logits [T, V] and targets [T], received {tuple(logits_TV.shape)} "
                          f"and {tuple(targets_T.shape)}")

@@ -53,6 +53,14 @@ def test_fused_kernels_match_the_reference_in_the_interpreter():
     _check_fused(torch.device("cpu"), ce._FusedCrossEntropy.apply)
 
 
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss_in_the_interpreter():
+    x, y = _logits(3, 37, torch.bfloat16, torch.device("cpu"))
+    for bad in (37, -100):
+        y[1] = bad
+        assert torch.isnan(ce._FusedCrossEntropy.apply(x, y)), bad
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_fused_kernels_match_the_reference_on_cuda(cuda_device):
