@@ -8,6 +8,7 @@
     python benchmarks/grouped_gemm.py --sweep --write-shapes FILE   # the sweep's shapes, for `te-dist tune`
     python benchmarks/grouped_gemm.py --summary PATH                 # a saved sweep's closing lines
     python benchmarks/grouped_gemm.py --host-cpu [--rounds 5]        # no GPU: our host time per call over raw torch
+    python benchmarks/grouped_gemm.py --host-gpu [--rounds 5]        # the same calls on CUDA tensors
 
 Tables (TFLOP/s): cN = CUTLASS tile config N, ``cut`` = the tile table's pick from the shape alone,
 ``auto`` = ``te_dist.kernels`` (validation + backend selection), ``loop`` = cuBLAS per expert, then
@@ -47,6 +48,11 @@ time the decision of the same call on a faked SM 9.0 GPU (the capability hook; m
 bucket already measured, so the remembered function: ``entry._runner``, its operand a stand-in whose
 attributes read faster than a tensor's), without and with host sizes. Median and best µs per call
 over ``--rounds`` x 20 interleaved repeats.
+
+``--host-gpu``: the same pairs on CUDA tensors of the same shapes, with the offsets left unread (a GPU caller's
+default): every call queues torch's kernels, which run in a few µs, faster than the host queues them, so the time
+per call is the host's, launches included, and the pairs differ by our host work (no ``decide`` columns: the
+real device decides). Unlike the sweep's ``busy_host_us`` (20 calls per column per shape), 2000 calls per repeat.
 """
 
 from __future__ import annotations
@@ -276,15 +282,17 @@ def print_step_sums(results):
               + f"{acc['best'] / acc['auto']:10.3f}{acc['cutlass'] / acc['auto']:10.3f}")
 
 
-def host_cpu(args) -> dict:
-    """--host-cpu (module doc): {column: (median, best) µs per call}, printed with the differences."""
+def host_cpu(args, dev: str = "cpu") -> dict:
+    """--host-cpu (module doc): {column: (median, best) µs per call}, printed with the differences; ``dev`` "cuda":
+    --host-gpu, the same calls on CUDA tensors, offsets left unread as a GPU caller leaves them (the tiny GEMMs run
+    faster than the host queues them, so the per-call wall time is the host's)."""
     from te_dist import kernels, support
     from te_dist.gemm import entry, measure
 
     torch.set_num_threads(1)  # torch's share stays one core's, as the wrapper's is
     sizes = (2, 0, 3, 3)
     E, K, N = len(sizes), 16, 16
-    x, w, dy, off = operands(E, list(sizes), K, N, dev="cpu")
+    x, w, dy, off = operands(E, list(sizes), K, N, dev=dev)
     # x as the decision sees a CUDA row operand (its attributes read faster than a tensor's)
     row = SimpleNamespace(device=torch.device("cuda", 0), dtype=x.dtype, shape=x.shape, is_cuda=True, is_cpu=False)
     stmts = {"raw": "torch._grouped_mm(x, w, offs=off)",
@@ -299,6 +307,8 @@ def host_cpu(args) -> dict:
                  args=(x, w, off, None, None, x.dtype, None), args_sizes=(x, w, off, None, None, x.dtype, sizes))
     measure.reset(measure.Tuner(measure.TunerSettings(persist=False), identity=lambda index: ("cpu proxy", 132),
                                 timer=lambda fn, calls: 1.0))  # a miss "times" every candidate alike
+    if dev == "cuda":  # the real device decides; the decision's stand-in row is the CPU proxy's
+        stmts = {k: v.replace(", check_offsets=False", "") for k, v in stmts.items() if not k.startswith("decide")}
     with support.set_capability_lookup(lambda d: (9, 0) if d.type == "cuda" else None):
         for stmt in stmts.values():
             eval(stmt, names)  # the first call of a bucket looks it up (measures) once
@@ -309,7 +319,8 @@ def host_cpu(args) -> dict:
                 runs[key].append(pair)
     measure.reset()
     out = {k: (timing.median(m for m, _ in v), min(b for _, b in v)) for k, v in runs.items()}
-    print(f"# host µs per call on CPU ({torch.__version__}, one thread): E={E} K={K} N={N} T={sum(sizes)} bf16\n"
+    where = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
+    print(f"# host µs per call on {where} ({torch.__version__}, one thread): E={E} K={K} N={N} T={sum(sizes)} bf16\n"
           f"{'column':<20}{'median':>8}{'best':>8}")
     for key, (median, best) in out.items():
         print(f"{key:<20}{median:8.2f}{best:8.2f}")
@@ -320,7 +331,8 @@ def host_cpu(args) -> dict:
         print(f"{direction + ' torch over raw':<20}{over[direction][0]:8.2f}{over[direction][1]:8.2f}")
     timing.write_json(args.json, {"host_us": {k: {"median": m, "best": b} for k, (m, b) in out.items()},
                                   "torch_over_raw_us": {d: {"median": m, "best": b} for d, (m, b) in over.items()}},
-                      dtype="bfloat16", benchmark="grouped_gemm --host-cpu", rounds=args.rounds)
+                      dtype="bfloat16", benchmark=f"grouped_gemm --host-{'gpu' if dev == 'cuda' else 'cpu'}",
+                      rounds=args.rounds)
     return out
 
 
@@ -503,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--sweep: write the shapes as JSON for `te-dist tune` and exit")
     ap.add_argument("--summary", default=None, metavar="FILE", help="print a saved --sweep --json FILE's summary")
     ap.add_argument("--host-cpu", action="store_true", help="no GPU: our host time per call over raw torch, on CPU")
+    ap.add_argument("--host-gpu", action="store_true", help="--host-cpu's calls on CUDA tensors (2000 per repeat)")
     return ap
 
 
@@ -512,8 +525,8 @@ def main(argv=None) -> int:
         with open(args.summary) as f:
             data = json.load(f)
         print(f"{args.summary}: {data['meta']}\n" + "\n".join(summary_lines(data["sweep"])))
-    elif args.host_cpu:
-        host_cpu(args)
+    elif args.host_cpu or args.host_gpu:
+        host_cpu(args, "cuda" if args.host_gpu else "cpu")
     elif args.sweep:
         sweep(args)
     else:
