@@ -308,7 +308,8 @@ def host_cpu(args, dev: str = "cpu") -> dict:
     measure.reset(measure.Tuner(measure.TunerSettings(persist=False), identity=lambda index: ("cpu proxy", 132),
                                 timer=lambda fn, calls: 1.0))  # a miss "times" every candidate alike
     if dev == "cuda":  # the real device decides; the decision's stand-in row is the CPU proxy's
-        stmts = {k: v.replace(", check_offsets=False", "") for k, v in stmts.items() if not k.startswith("decide")}
+        stmts = {k: v.replace(", check_offsets=False", "") for k, v in stmts.items()
+                 if not k.startswith("decide")}
     with support.set_capability_lookup(lambda d: (9, 0) if d.type == "cuda" else None):
         for stmt in stmts.values():
             eval(stmt, names)  # the first call of a bucket looks it up (measures) once

@@ -76,9 +76,9 @@ def throughput(args) -> list:
             rows = te_dist_train(Path(out), args.nproc, *extra)
             wall = time.perf_counter() - t0
         steady = [r["tokens_per_s"] for r in rows if r["step"] > 2] or [r["tokens_per_s"] for r in rows]
-        results.append({"recipe": recipe, "ep": int(ep or args.nproc), "settings": settings, "tokens_per_s": statistics.mean(steady),
-                        "median_tokens_per_s": statistics.median(steady), "first_loss": rows[0]["loss"],
-                        "last_loss": rows[-1]["loss"], "job_wall_s": wall})
+        results.append({"recipe": recipe, "ep": int(ep or args.nproc), "settings": settings,
+                        "tokens_per_s": statistics.mean(steady), "median_tokens_per_s": statistics.median(steady),
+                        "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "job_wall_s": wall})
     base = results[0]["tokens_per_s"]
     print(f"te-dist train throughput: nproc={args.nproc} steps={args.steps} config={args.config or 'defaults'}")
     print(f"{'recipe':<10}{'ep':>4}{'tokens/s':>14}{'median':>12}{'ratio':>8}{'loss first->last':>22}"

@@ -48,7 +48,8 @@ def _build():
         tl.store(loss + row, row_lse - picked)
 
     @triton.jit
-    def _cross_entropy_backward(logits, row_stride, targets, lse, grad_loss, grad_logits, V, CHUNKS: tl.constexpr, inv_rows, BLOCK: tl.constexpr):
+    def _cross_entropy_backward(logits, row_stride, targets, lse, grad_loss, grad_logits, V, CHUNKS: tl.constexpr,
+                                inv_rows, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         out = grad_logits + row * V
@@ -86,7 +87,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         T, V = logits_TV.shape
         loss_T = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
         lse_T = torch.empty_like(loss_T)
-        _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, V, -(-V // _BLOCK), BLOCK=_BLOCK, num_warps=8)
+        _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, V, -(-V // _BLOCK), BLOCK=_BLOCK,
+                          num_warps=8)
         ctx.save_for_backward(logits_TV, targets_T, lse_T)
         return loss_T.sum() / T
 
@@ -95,8 +97,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         logits_TV, targets_T, lse_T = ctx.saved_tensors
         T, V = logits_TV.shape
         grad_TV = torch.empty((T, V), device=logits_TV.device, dtype=logits_TV.dtype)
-        _kernels[1][(T,)](logits_TV, logits_TV.stride(0), targets_T, lse_T, grad.contiguous(), grad_TV, V, -(-V // _BLOCK), 1.0 / T,
-                          BLOCK=_BLOCK, num_warps=8)
+        _kernels[1][(T,)](logits_TV, logits_TV.stride(0), targets_T, lse_T, grad.contiguous(), grad_TV, V,
+                          -(-V // _BLOCK), 1.0 / T, BLOCK=_BLOCK, num_warps=8)
         return grad_TV, None
 
 

@@ -20,6 +20,8 @@ try:
 except ImportError:
     HAS_TRITON = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
+                                       reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
 
 # vocabularies below one block, over several blocks with a ragged tail, and a float32 one
 SHAPES = [(5, 37, torch.bfloat16), (3, 9000, torch.bfloat16), (4, 100, torch.float32), (6, 4096, torch.float16)]
@@ -48,12 +50,12 @@ def _check_fused(device, apply):
         assert (x.grad.float() - ref_grad.float()).abs().max().item() <= ulp * ref_grad.abs().max().item(), (T, V)
 
 
-@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
+@needs_interpreter
 def test_fused_kernels_match_the_reference_in_the_interpreter():
     _check_fused(torch.device("cpu"), ce._FusedCrossEntropy.apply)
 
 
-@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
+@needs_interpreter
 def test_a_target_outside_the_vocabulary_gives_a_nan_loss_in_the_interpreter():
     x, y = _logits(3, 37, torch.bfloat16, torch.device("cpu"))
     for bad in (37, -100):
