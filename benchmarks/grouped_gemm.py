@@ -38,7 +38,7 @@ a fresh process's table); a second run with the same ``--tune-dir`` gives the wa
 ``--smoke`` runs three small shapes once and checks every column against torch; ``--dry-run`` prints
 the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
 
-``--host-cpu``: the host time our wrapper adds to a call, on any machine (``host_cpu``). torch runs
+``--host-cpu``: the host time our wrapper adds to a call, on any machine (``host_time``). torch runs
 ``torch._grouped_mm`` on CPU too, so on tiny bf16 operands ``raw`` (torch's call) and ``torch``
 (``grouped_mm_forward(..., backend="torch", check_offsets=False)``: validation, decision, torch's
 call) differ by our host work; ``dgrad raw``/``dgrad torch`` and ``wgrad raw``/``wgrad torch`` are the
@@ -282,7 +282,7 @@ def print_step_sums(results):
               + f"{acc['best'] / acc['auto']:10.3f}{acc['cutlass'] / acc['auto']:10.3f}")
 
 
-def host_cpu(args, dev: str = "cpu") -> dict:
+def host_time(args, dev: str = "cpu") -> dict:
     """--host-cpu (module doc): {column: (median, best) µs per call}, printed with the differences; ``dev`` "cuda":
     --host-gpu, the same calls on CUDA tensors, offsets left unread as a GPU caller leaves them (the tiny GEMMs run
     faster than the host queues them, so the per-call wall time is the host's)."""
@@ -527,7 +527,7 @@ def main(argv=None) -> int:
             data = json.load(f)
         print(f"{args.summary}: {data['meta']}\n" + "\n".join(summary_lines(data["sweep"])))
     elif args.host_cpu or args.host_gpu:
-        host_cpu(args, "cuda" if args.host_gpu else "cpu")
+        host_time(args, "cuda" if args.host_gpu else "cpu")
     elif args.sweep:
         sweep(args)
     else:

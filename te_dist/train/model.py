@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, model_dtype
+from .cross_entropy import cross_entropy
 
 __all__ = ["CausalSelfAttention", "MoEBlock", "MoETransformer", "build_model"]
 
@@ -119,8 +120,6 @@ class MoETransformer(nn.Module):
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         """Mean next-token cross-entropy over this rank's tokens, in fp32 (``fused``: cross_entropy.py's kernels
         on CUDA, the same math without an fp32 copy of the logits)."""
-        from .cross_entropy import cross_entropy
-
         return cross_entropy(self(tokens_BS).flatten(0, 1), targets_BS.flatten(), fused=fused)
 
 
