@@ -65,6 +65,9 @@ SHAPES = {  # name: (experts, rows per expert, K in, N out)
     "gptoss_layer_fc1": (32, 512, 2880, 5760),
     "gptoss_layer_fc2": (32, 512, 2880, 2880),
     "decode_fc1": (64, 64, 7168, 4096),
+    # te-dist train --config launchers/configs/deepseek_like.yaml: 32768 tokens x top-8 over 64 experts
+    "dstrain_fc1": (64, 4096, 2048, 2048),
+    "dstrain_fc2": (64, 4096, 1024, 2048),
 }
 FP8_FLOP_PER_CLOCK_PER_SM = 8192
 E4M3_MAX = 448.0
@@ -275,7 +278,7 @@ def tile_rows(name, split, args, gen) -> list:
             ms = timing.interleaved_ms(fns, iters=args.iters, warmup=3, rounds=args.rounds)
             best = min(ms, key=ms.get)
             rule = fp8_config(direction, T, E, tensor_scales=scaling == "tensor",
-                              contraction=Kin if direction == "fwd" else N)
+                              contraction=Kin if direction == "fwd" else N, columns=N if direction == "fwd" else Kin)
             exact, err = reference(direction, *q, sizes), {}
             for c in {best, rule} & set(fns):
                 err[c] = rel(fns[c](), exact)

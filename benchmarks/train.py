@@ -299,16 +299,17 @@ def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, s
         for _ in range(2):
             step()
         sync()
-    per_kernel, per_kind = collections.Counter(), collections.Counter()
+    per_kernel, per_kind, calls = collections.Counter(), collections.Counter(), collections.Counter()
     for event in prof.key_averages():
         us = event.device_time_total if device.type == "cuda" else event.self_cpu_time_total
         if us > 0:
             per_kernel[event.key] += us / 2e3  # ms per step
             per_kind[kind_of(event.key)] += us / 2e3
+            calls[event.key] += event.count / 2
     print(f"== {config} {recipe_name}: {ms:.2f} ms/step, {B * S / ms * 1e3:,.0f} tokens/s, kernels "
           f"{sum(per_kind.values()):.2f} ms\n   " + "  ".join(f"{k} {t:.2f}" for k, t in per_kind.most_common()))
     for name, t in per_kernel.most_common(top):
-        print(f"   {t:7.2f}  {name[:150]}")
+        print(f"   {t:7.2f} ms {calls[name]:5.0f} calls  {name[:150]}")
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -10,10 +10,9 @@ bf16 tiles compiled from grouped_gemm.cu (``CONFIGS``; id: schedule, tile M x N 
 | 3  | cooperative | 256 x 128 x 64 | 1x2x1  | large M, wide N-multicast alternative to 0 |
 | 10 | ping-pong   | 64 x 256 x 64  | 1x1x1  | ragged groups: 64-row padding, no cluster rounding, the widest wgmma per warpgroup |
 
-Ids 4-9 and 11-15 were candidates that lost their sweeps; ids never change meaning. ``RULES`` picks one per call (first
-match wins) from the average rows per expert (the GEMM's M for fwd/dgrad, its K for wgrad), the contraction, each
-group's output size and whether the host sizes are unequal, fitted on one GPU's sweeps (docs/kernels.md "Tiles"):
-te_dist runs them by default only for calls whose fused epilogue torch lacks, or where a measurement says so.
+Ids 4-9, 11-15: candidates that lost (ids keep their meaning). ``RULES`` picks a tile per call (first match) by rows per
+expert (fwd/dgrad's M, wgrad's K), contraction, output per group and ragged host sizes, fitted on sweeps (docs/kernels.md
+"Tiles"); te_dist runs them by default only where torch lacks the fused epilogue, or where a measurement says so.
 
 FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale block, 128), picked by ``fp8_config``:
 
@@ -21,12 +20,12 @@ FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale 
 |----|-------------|------------|---------|-----------|
 | 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: block-scaled fwd and dgrad, every wgrad |
 | 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= ``FP8_SMALL_M_ROWS`` on average): 64-row padding |
-| 3  | cooperative | 128 x 192  | 1 x 1   | tensor-scaled fwd and dgrad (192 columns split block scales' weight blocks) |
+| 3  | cooperative | 128 x 192  | 1 x 1   | tensor-scaled fwd and dgrad whose N fills 192-column tiles (``FP8_MIN_FILL``) |
 | 7  | cooperative, fast | 128 x 256 | 1 x 2 | tensor-scaled fwd with ``fast`` over ``FP8_FAST_MAX_SHORT_K`` of contraction |
 | 8  | ping-pong, fast | 128 x 128 | 1 x 2 | the same up to it: a short mainloop, so the overlapped epilogue pays |
 
 Fast (``_fast``): all of K in the tensor cores' accumulator, never promoted into a second fp32 one (TE's forward
-default; te_dist.settings.fp8_fprop_fast_accum), which frees the registers these wider tiles need. Ids 2, 4-6, 9:
+default; te_dist.settings.fp8_fprop_fast_accum), which frees the registers these wider tiles need. Ids 2, 4-6, 9, 10:
 candidates that lost (docs/kernels.md "FP8 tiles and fast accumulation").
 """
 
@@ -36,7 +35,7 @@ from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["CONFIGS", "Rule", "RULES", "choose_config", "FP8_CONFIGS", "FP8_WGRAD_CONFIG",
            "FP8_SMALL_M_ROWS", "FP8_TENSOR_CONFIG", "FP8_FAST_LONG_K", "FP8_FAST_SHORT_K",
-           "FP8_FAST_MAX_SHORT_K", "config_fits", "fp8_config"]
+           "FP8_FAST_MAX_SHORT_K", "FP8_MIN_FILL", "config_fits", "fp8_config"]
 
 # id: (schedule, tile M, tile N, tile K, (cluster M, cluster N)); build.py turns these into macros.
 CONFIGS = {
@@ -116,13 +115,13 @@ def config_fits(direction: str, config: int, tensor_scales: bool = False) -> boo
     return direction == "wgrad" or tensor_scales or FP8_CONFIGS[config][2] % 128 == 0
 
 
-FP8_TENSOR_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_FAST_MAX_SHORT_K = 3, 7, 8, 3072
+FP8_TENSOR_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_FAST_MAX_SHORT_K, FP8_MIN_FILL = 3, 7, 8, 3072, 0.95
 
 
 def fp8_config(direction: str, num_rows: int, num_groups: int, *, tensor_scales: bool = False, fast: bool = False,
-               contraction: int = 0) -> int:
-    """FP8 tile for one call (the table above): by the rows per expert for fwd/dgrad (wgrad's M is the
-    out-features), then tensor scales' own tiles, a fast fwd's by its contraction."""
+               contraction: int = 0, columns: int = 0) -> int:
+    """FP8 tile for one call (the table above): by the rows per expert for fwd/dgrad (wgrad's M: out-features), then
+    tensor scales' tiles: a fast fwd's by its contraction, 192 columns where ``columns`` fill them to ``FP8_MIN_FILL``."""
     if direction == "wgrad":
         return FP8_WGRAD_CONFIG
     if num_rows <= FP8_SMALL_M_ROWS * max(num_groups, 1):
@@ -131,4 +130,4 @@ def fp8_config(direction: str, num_rows: int, num_groups: int, *, tensor_scales:
         return 0
     if fast and direction == "fwd":
         return FP8_FAST_SHORT_K if contraction <= FP8_FAST_MAX_SHORT_K else FP8_FAST_LONG_K
-    return FP8_TENSOR_CONFIG
+    return FP8_TENSOR_CONFIG if columns <= 0 or columns / (-(-columns // 192) * 192) >= FP8_MIN_FILL else 0

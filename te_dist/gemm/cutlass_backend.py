@@ -1,12 +1,12 @@
 """Our CUTLASS SM90 grouped GEMMs (cutlass_kernels/) behind the backend interface, bf16 and FP8.
 
-What they add over torch's kernels: the fused epilogue (row scale + per-expert bias in the GEMM's output pass),
-float32 outputs, block-scaled and tensor-scaled FP8 (torch has no block-scaled grouped FP8 GEMM), and a tile per shape
+What they add over torch's kernels: the fused epilogue (row scale + per-expert bias in the GEMM's output pass), float32
+outputs, block-scaled and tensor-scaled FP8 (torch has no block-scaled grouped FP8 GEMM), and a tile per shape
 (cutlass_kernels/heuristics.py). Kernels are built on first use, launched through a C ABI on the current stream with a
 caller-allocated workspace: no host sync, CUDA-graph capturable. A bf16 build that fails warns once, disables the bf16
 kernels and the call runs on torch._grouped_mm; an FP8 instance that fails to build warns once and its calls run
-emulated; an FP8 library that fails to load marks the FP8 kernels unavailable (the support predicates then answer
-False) and ``te-dist env`` shows why.
+emulated; an FP8 library that fails to load marks the FP8 kernels unavailable (the support predicates then answer False)
+and ``te-dist env`` shows why.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, 
     tensor-scaled instances), else block-scale tables."""
     fb = kernels_module().fp8_block
     config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, forced=_forced_fp8_tile(fb),
-                                  contraction=k, tensor_scales=per_tensor, fast=_settings.current().fp8_fprop_fast_accum)
+                                  contraction=k, columns=n if direction == "fwd" else k, tensor_scales=per_tensor,
+                                  fast=_settings.current().fp8_fprop_fast_accum)
     lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
     scratch = None
     if direction != "wgrad" and not per_tensor:

@@ -22,6 +22,21 @@
 //   fmt: 0 = E4M3, 1 = E5M2. x is bfloat16 (dtype 0) or float16 (dtype 1) or float32 (dtype 2).
 //   te_cr_cast_on_host(x, out, out_t, scale, amax_bits or NULL, B, R, C, fmt, fmt_max): the same two
 //   phases on the host, for the CPU tests (bfloat16 x; host pointers; no CUDA call).
+//
+// The 1x128 block cast (Float8BlockScaling's activations and gradients) writing both copies from one read:
+// each row's 1x128 blocks scaled by their own amax (out [R, C], scales [R, C/128]), and each column's
+// 128x1 blocks (out_t [C, R], scales [C, R/128] or M-major [R/128 + 1, C] with a zero last row, the FP8
+// wgrad kernel's layout). Semantics of triton_casts._cast_tile_kernel with G = 128 (its _block_scale):
+// scale = fmt_max * (1 / amax) (reciprocal correctly rounded, +Inf -> FLT_MAX, amax 0 / Inf / NaN -> 1),
+// optionally rounded down to a power of two; the stored scale is 1 / scale. A gather index makes row r
+// source row idx[r] (negative: a zero row), so gathered rows are never written in bf16.
+// Tiling: a block of 256 threads owns 128 rows x 128 columns; thread t loads rows 8q..8q+7 (q = t / 16)
+// of column octet j = t % 16. The row and column amaxes reduce through shared memory (thread t < 128
+// finishes row t, t >= 128 column t - 128), then each thread writes its rowwise bytes and packs its
+// columns into words for the transposed tile, whose rows go out as 128 contiguous bytes.
+//   te_cr_blocks(x, idx or NULL, out or NULL, row_s, out_t, col_s, R, C, dtype, fmt, fmt_max, pow2,
+//                col_scales_t, stream): R % 128 == 0 and C % 128 == 0 (R: the rows cast, idx's length)
+//   te_cr_blocks_on_host(...): its phases on the host (bfloat16 x), for the CPU tests.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -57,24 +72,42 @@ struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
 template <>
 struct Pair<__half> { using type = __half2; };
 
+// Eight consecutive elements of x as loaded (one 16-byte load for 16-bit types, two for float), turned
+// into floats on demand: the block cast keeps its patch this way, in half the registers.
+template <typename T>
+struct Raw8 {
+  uint4 bits;
+  __host__ __device__ __forceinline__ void load(const T* p) { bits = *reinterpret_cast<const uint4*>(p); }
+  __host__ __device__ __forceinline__ void get(float* v) const {
+    typename Pair<T>::type pairs[4];
+    memcpy(pairs, &bits, sizeof(bits));  // register moves; a pointer cast here breaks host strict aliasing
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = to_float2(pairs[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+};
+
+template <>
+struct Raw8<float> {
+  float4 a, b;
+  __host__ __device__ __forceinline__ void load(const float* p) {
+    a = reinterpret_cast<const float4*>(p)[0];
+    b = reinterpret_cast<const float4*>(p)[1];
+  }
+  __host__ __device__ __forceinline__ void get(float* v) const {
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+};
+
 template <typename T>
 __host__ __device__ __forceinline__ void load8(const T* p, float* v) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);  // one 16-byte load
-  typename Pair<T>::type pairs[4];
-  memcpy(pairs, &raw, sizeof(raw));  // register moves; a pointer cast here breaks host strict aliasing
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = to_float2(pairs[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-__host__ __device__ __forceinline__ void load8(const float* p, float* v) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0];
-  const float4 b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  Raw8<T> raw;
+  raw.load(p);
+  raw.get(v);
 }
 
 // fp8 byte of clamp(v * scale, -max, max); NaN stays NaN (the comparisons are false for it).
@@ -194,6 +227,176 @@ int launch_fmt(int fmt, const void* x, void* out, void* out_t, const float* scal
   return launch<T, __NV_E5M2>(x, out, out_t, scale, amax_bits, B, R, C, fmt_max, stream);
 }
 
+
+// ---------------------------------------------------------------------------------------------- 1x128 blocks
+constexpr int kBlk = 128;                   // block length, tile rows and tile columns
+constexpr int kBlkStride = kBlk / 4 + 1;    // words of one transposed tile row, +1 against bank conflicts
+
+struct BlockSmem {
+  union {  // the partial amaxes (phases 1-2), then the transposed tile (phases 3-4): a barrier apart
+    struct {
+      int row_part[kBlk][17];               // [row][column octet]: the octet's amax bits (+1: banks)
+      int col_part[16][kBlk];               // [row group][column]: the group's 8-row amax bits
+    } amax;
+    uint32_t tile_t[kBlk * kBlkStride];      // [column][word of 4 rows]
+  };
+  float row_mult[kBlk], col_mult[kBlk];
+};
+
+struct BlockArgs {
+  const int64_t* idx;                       // the gather index or nullptr
+  uint8_t* out;                             // rowwise copy or nullptr
+  float* row_s;
+  uint8_t* out_t;
+  float* col_s;
+  int64_t R, C;
+  float fmt_max;
+  bool pow2, col_scales_t;
+};
+
+__host__ __device__ __forceinline__ float bits_float(int bits) {
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+__host__ __device__ __forceinline__ int float_bits(float f) {
+  int bits;
+  memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+// The multiplier of a block from its amax bits: triton_casts._fp8_scale (margin 0, fallback 1).
+__host__ __device__ __forceinline__ float block_mult(int amax_bits, float fmt_max, bool pow2) {
+  const int bits = amax_bits & 0x7FFFFFFF;
+  const bool valid = bits > 0 && bits < 0x7F800000;
+  float scale = static_cast<float>(1.0 / static_cast<double>(valid ? bits_float(bits) : 1.0f)) * fmt_max;
+  if (float_bits(scale) == 0x7F800000) scale = 3.4028234663852886e38f;
+  if (!valid) scale = 1.0f;
+  if (pow2) scale = bits_float(max(float_bits(scale), 0x00800000) & 0x7F800000);
+  return scale;
+}
+
+// Phase 1 of thread t: load its 8 x 8 patch into raw (all eight loads issued first), record its row and
+// column partial amaxes.
+template <typename T>
+__host__ __device__ __forceinline__ void blocks_load(const T* x, const BlockArgs& a, BlockSmem& sm, int64_t r0,
+                                                     int64_t c0, int t, Raw8<T> (&raw)[8]) {
+  const int j = t % 16, q = t / 16;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t r = r0 + 8 * q + i;
+    const int64_t src = a.idx == nullptr ? r : a.idx[r];
+    if (src < 0) memset(&raw[i], 0, sizeof(raw[i]));  // a zero row: +0 in every input dtype
+    else raw[i].load(x + src * a.C + c0 + 8 * j);
+  }
+  int col_amax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float v[8];
+    raw[i].get(v);
+    int row_amax = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int b = abs_bits(v[k]);
+      row_amax = max(row_amax, b);
+      col_amax[k] = max(col_amax[k], b);
+    }
+    sm.amax.row_part[8 * q + i][j] = row_amax;
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sm.amax.col_part[q][8 * j + k] = col_amax[k];
+}
+
+// Phase 2 of thread t: row t's (t < 128) or column t - 128's amax, its multiplier and its stored scale.
+__host__ __device__ __forceinline__ void blocks_scale(const BlockArgs& a, BlockSmem& sm, int64_t r0, int64_t c0,
+                                                      int t) {
+  int amax = 0;
+  if (t < kBlk) {
+    for (int j = 0; j < 16; ++j) amax = max(amax, sm.amax.row_part[t][j]);
+    const float mult = block_mult(amax, a.fmt_max, a.pow2);
+    sm.row_mult[t] = mult;
+    if (a.out != nullptr) a.row_s[(r0 + t) * (a.C / kBlk) + c0 / kBlk] = static_cast<float>(1.0 / static_cast<double>(mult));
+  } else {
+    const int c = t - kBlk;
+    for (int q = 0; q < 16; ++q) amax = max(amax, sm.amax.col_part[q][c]);
+    const float mult = block_mult(amax, a.fmt_max, a.pow2);
+    sm.col_mult[c] = mult;
+    const int64_t at = a.col_scales_t ? (r0 / kBlk) * a.C + c0 + c : (c0 + c) * (a.R / kBlk) + r0 / kBlk;
+    a.col_s[at] = static_cast<float>(1.0 / static_cast<double>(mult));
+    if (a.col_scales_t && r0 + kBlk == a.R) a.col_s[(a.R / kBlk) * a.C + c0 + c] = 0.0f;  // the zero row
+  }
+}
+
+// Phase 3 of thread t: its rowwise bytes (8-byte stores), its columns packed into words in tile_t.
+template <typename T, __nv_fp8_interpretation_t kFmt>
+__host__ __device__ __forceinline__ void blocks_store_rows(const BlockArgs& a, BlockSmem& sm, int64_t r0, int64_t c0,
+                                                           int t, const Raw8<T> (&raw)[8]) {
+  const int j = t % 16, q = t / 16;
+  uint32_t words[8][2] = {};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float rm = sm.row_mult[8 * q + i];
+    float v[8];
+    raw[i].get(v);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t rb = fp8_byte<kFmt>(v[k], rm, a.fmt_max);
+      if (k < 4) lo |= rb << (8 * k); else hi |= rb << (8 * (k - 4));
+      words[k][i / 4] |= fp8_byte<kFmt>(v[k], sm.col_mult[8 * j + k], a.fmt_max) << (8 * (i % 4));
+    }
+    if (a.out != nullptr) *reinterpret_cast<uint2*>(a.out + (r0 + 8 * q + i) * a.C + c0 + 8 * j) = make_uint2(lo, hi);
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q] = words[k][0];
+    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q + 1] = words[k][1];
+  }
+}
+
+// Phase 4 of thread t: half h of transposed row c (64 bytes = words 16h .. 16h+15).
+__host__ __device__ __forceinline__ void blocks_store_cols(const BlockArgs& a, const BlockSmem& sm, int64_t r0,
+                                                           int64_t c0, int t) {
+  const int c = t / 2, h = t % 2;
+  uint4* dst = reinterpret_cast<uint4*>(a.out_t + (c0 + c) * a.R + r0 + 64 * h);
+  const uint32_t* w = sm.tile_t + c * kBlkStride + 16 * h;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+}
+
+// Four blocks per SM (<= 64 registers a thread, ~18 KB of shared memory a block): while one block stores,
+// the others' loads are in flight.
+template <typename T, __nv_fp8_interpretation_t kFmt>
+__global__ void __launch_bounds__(kThreads, 4) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
+  __shared__ BlockSmem sm;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kBlk, c0 = static_cast<int64_t>(blockIdx.y) * kBlk;
+  Raw8<T> raw[8];
+  blocks_load<T>(x, a, sm, r0, c0, threadIdx.x, raw);
+  __syncthreads();
+  blocks_scale(a, sm, r0, c0, threadIdx.x);
+  __syncthreads();
+  blocks_store_rows<T, kFmt>(a, sm, r0, c0, threadIdx.x, raw);
+  __syncthreads();
+  blocks_store_cols(a, sm, r0, c0, threadIdx.x);
+}
+
+template <typename T>
+int launch_blocks(int fmt, const void* x, const BlockArgs& a, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(a.R / kBlk), static_cast<unsigned>(a.C / kBlk));
+  const T* xt = static_cast<const T*>(x);
+  if (fmt == 0) cast_blocks_kernel<T, __NV_E4M3><<<grid, kThreads, 0, stream>>>(xt, a);
+  else cast_blocks_kernel<T, __NV_E5M2><<<grid, kThreads, 0, stream>>>(xt, a);
+  return record(cudaGetLastError(), "te_cr_blocks");
+}
+
+BlockArgs block_args(const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R, int64_t C,
+                     float fmt_max, int pow2, int col_scales_t) {
+  return BlockArgs{static_cast<const int64_t*>(idx), static_cast<uint8_t*>(out), static_cast<float*>(row_s),
+                   static_cast<uint8_t*>(out_t), static_cast<float*>(col_s), R, C, fmt_max, pow2 != 0,
+                   col_scales_t != 0};
+}
+
 }  // namespace
 
 extern "C" {
@@ -237,6 +440,46 @@ int te_cr_cast(const void* x, void* out, void* out_t, const float* scale, int* a
     case 0: return launch_fmt<__nv_bfloat16>(fmt, x, out, out_t, scale, amax_bits, B, R, C, fmt_max, stream);
     case 1: return launch_fmt<__half>(fmt, x, out, out_t, scale, amax_bits, B, R, C, fmt_max, stream);
     default: return launch_fmt<float>(fmt, x, out, out_t, scale, amax_bits, B, R, C, fmt_max, stream);
+  }
+}
+
+// The block kernel's four phases on the host, block by block and thread by thread, each phase over all
+// threads before the next (as __syncthreads orders them): the CPU tests' check. bfloat16 x only.
+int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
+                         int64_t C, int fmt, float fmt_max, int pow2, int col_scales_t) {
+  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1)) return 1;
+  static BlockSmem sm;
+  static Raw8<__nv_bfloat16> raw[kThreads][8];
+  const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
+  const __nv_bfloat16* xt = static_cast<const __nv_bfloat16*>(x);
+  for (int64_t r0 = 0; r0 < R; r0 += kBlk) {
+    for (int64_t c0 = 0; c0 < C; c0 += kBlk) {
+      for (int t = 0; t < kThreads; ++t) blocks_load(xt, a, sm, r0, c0, t, raw[t]);
+      for (int t = 0; t < kThreads; ++t) blocks_scale(a, sm, r0, c0, t);
+      for (int t = 0; t < kThreads; ++t) {
+        if (fmt == 0) blocks_store_rows<__nv_bfloat16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
+        else blocks_store_rows<__nv_bfloat16, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
+      }
+      for (int t = 0; t < kThreads; ++t) blocks_store_cols(a, sm, r0, c0, t);
+    }
+  }
+  return 0;
+}
+
+int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
+                 int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, cudaStream_t stream) {
+  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || dtype < 0 || dtype > 2 ||
+      R / kBlk > 0x7FFFFFFF || C / kBlk > 65535) {
+    snprintf(g_error, sizeof(g_error),
+             "te_cr_blocks: R=%lld C=%lld dtype=%d fmt=%d (R %% %d == 0, C %% %d == 0, dtype 0-2, fmt 0-1 needed)",
+             static_cast<long long>(R), static_cast<long long>(C), dtype, fmt, kBlk, kBlk);
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
+  switch (dtype) {
+    case 0: return launch_blocks<__nv_bfloat16>(fmt, x, a, stream);
+    case 1: return launch_blocks<__half>(fmt, x, a, stream);
+    default: return launch_blocks<float>(fmt, x, a, stream);
   }
 }
 

@@ -1,11 +1,12 @@
-"""The per-tensor FP8 cast writing both GEMM layouts from one read (``cast_rowcol.cu``), for the
-fused per-tensor casts of stacks of matrices (a grouped weight's fprop and dgrad copies).
+"""The FP8 casts writing both GEMM layouts from one read (``cast_rowcol.cu``): the per-tensor cast of
+stacks of matrices (a grouped weight's fprop and dgrad copies), and the 1x128 block cast of activations and
+gradients (rows, optionally gathered through an index).
 
 Why CUDA here: the cast-then-transpose path reads the FP8 bytes back (5 bytes moved per element
 instead of 4), and the Triton kernel that wrote both copies in one pass placed bytes wrongly on
 Hopper GPUs; this kernel moves the transposed tile through shared memory as whole words.
 
-Behind ``te_dist.settings.cuda_rowcol_cast`` (on by default: docs/settings.md). The library is
+Behind ``te_dist.settings.cuda_rowcol_cast`` (on by default) and ``cuda_block_cast`` (docs/settings.md). The library is
 compiled into the kernel cache on first use, like the grouped GEMMs; a failed build warns once and
 the callers keep the Triton two-pass path. Nothing here runs at import.
 """
@@ -23,10 +24,12 @@ import torch
 
 from .. import settings
 
-__all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "fits", "enabled_for", "cast_rowcol"]
+__all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "BLOCK", "fits", "enabled_for", "cast_rowcol", "blocks_fit",
+           "blocks_enabled_for", "cast_blocks"]
 
 SOURCE = Path(__file__).resolve().parent / "cast_rowcol.cu"
 TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): R and C must be multiples
+BLOCK = 128  # the 1x128 block cast's block length and square tile: its R and C must be multiples
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
@@ -45,6 +48,12 @@ class _Library:
         lib.te_cr_cast_on_host.restype = c.c_int
         lib.te_cr_cast_on_host.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_float, c.c_void_p, c.c_int64,
                                            c.c_int64, c.c_int64, c.c_int, c.c_float]
+        lib.te_cr_blocks.restype = c.c_int
+        lib.te_cr_blocks.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_float, c.c_int,
+                                                        c.c_int, c.c_void_p]
+        lib.te_cr_blocks_on_host.restype = c.c_int
+        lib.te_cr_blocks_on_host.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_float, c.c_int,
+                                                                c.c_int]
         self._lib = lib
 
     def cast(self, *args) -> None:
@@ -68,6 +77,28 @@ class _Library:
         if rc != 0:
             raise ValueError(f"te_cr_cast_on_host refused x {tuple(x.shape)} -> {fp8_dtype}")
         return data, data_t
+
+
+    def blocks(self, *args) -> None:
+        if self._lib.te_cr_blocks(*args) != 0:
+            raise RuntimeError(f"cast_rowcol block launch failed: {self._lib.te_cr_last_error().decode(errors='replace')}")
+
+    def blocks_on_host(self, x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *,
+                       rowwise: bool = True, col_scales_t: bool = False, gather: Optional[torch.Tensor] = None):
+        """The block kernel's four phases on the host over a CPU bf16 x [R, C] (the CPU tests' check of its
+        tiling, scales and layouts): :func:`cast_blocks`'s outputs."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise ValueError(f"blocks_on_host takes a CPU bf16 x [R, C], received {tuple(x.shape)} {x.dtype} on {x.device}")
+        x = x.contiguous()
+        idx = None if gather is None else gather.to(torch.int64).contiguous()
+        outs = _block_outputs(x, idx, fp8_dtype, rowwise, col_scales_t)
+        rows, cols = outs[2].shape[1], outs[2].shape[0]
+        rc = self._lib.te_cr_blocks_on_host(x.data_ptr(), None if idx is None else idx.data_ptr(),
+                                            *(None if t is None else t.data_ptr() for t in outs), rows, cols,
+                                            _FORMATS[fp8_dtype], fmt_max, int(power_2), int(col_scales_t))
+        if rc != 0:
+            raise ValueError(f"te_cr_blocks_on_host refused x {tuple(x.shape)} -> {fp8_dtype}")
+        return outs
 
 
 def _library() -> Optional[_Library]:
@@ -127,3 +158,60 @@ def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fm
                  None if amax_bits is None else amax_bits.data_ptr(), matrices, rows, cols, _DTYPES[x.dtype],
                  _FORMATS[fp8_dtype], float(fmt_max), torch.cuda.current_stream(x.device).cuda_stream)
     return data, data_t
+
+
+def _block_outputs(x, idx, fp8_dtype, rowwise: bool, col_scales_t: bool):
+    """(row data, row scales, col data, col scales) for :func:`cast_blocks` (None for a copy not asked for)."""
+    rows, cols = (x.shape[0] if idx is None else idx.shape[0]), x.shape[1]
+    row = col = None, None
+    if rowwise:
+        row = (torch.empty((rows, cols), dtype=fp8_dtype, device=x.device),
+               torch.empty((rows, cols // BLOCK), dtype=torch.float32, device=x.device))
+    col_scale_shape = (rows // BLOCK + 1, cols) if col_scales_t else (cols, rows // BLOCK)
+    col = (torch.empty((cols, rows), dtype=fp8_dtype, device=x.device),
+           torch.empty(col_scale_shape, dtype=torch.float32, device=x.device))
+    return (*row, *col)
+
+
+def blocks_fit(x: torch.Tensor, fp8_dtype: torch.dtype, gather: Optional[torch.Tensor] = None) -> bool:
+    """Whether the block kernel takes x [R, C] (or its rows ``gather``, a 1-D int64 index on x's device): a 2-D
+    CUDA tensor of a supported dtype, the rows cast and C multiples of ``BLOCK`` (no build, no device query)."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in _DTYPES and fp8_dtype in _FORMATS and x.numel() > 0):
+        return False
+    if gather is not None and (gather.dtype != torch.int64 or gather.dim() != 1 or gather.device != x.device):
+        return False
+    rows = x.shape[0] if gather is None else gather.shape[0]
+    return rows > 0 and rows % BLOCK == 0 and x.shape[1] % BLOCK == 0
+
+
+def blocks_enabled_for(x: torch.Tensor, fp8_dtype: torch.dtype, gather: Optional[torch.Tensor] = None) -> bool:
+    """The switch is on, x fits and the library is available (built on the first call that asks)."""
+    return settings.current().cuda_block_cast and blocks_fit(x, fp8_dtype, gather) and _library() is not None
+
+
+def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *, rowwise: bool = True,
+                col_scales_t: bool = False, gather: Optional[torch.Tensor] = None):
+    """The 1x128 block cast of x [R, C] (or of its rows ``gather``, int64, negative: a zero row) writing the
+    columnwise copy and, with ``rowwise``, the rowwise one: (row data [R, C] or None, row scale_inv [R, C/128]
+    or None, col data [C, R], col scale_inv [C, R/128], or M-major [R/128 + 1, C] with a zero last row with
+    ``col_scales_t``), the values of triton_casts.cast_fp8_blocks. Call only where :func:`blocks_enabled_for`."""
+    if not blocks_fit(x, fp8_dtype, gather):
+        got = "none" if gather is None else f"{gather.dtype} {tuple(gather.shape)} on {gather.device}"
+        raise ValueError(f"cast_blocks takes a CUDA x [R, C] of {tuple(_DTYPES)} with the rows cast and C multiples "
+                         f"of {BLOCK}, a 1-D int64 gather on its device and an FP8 dtype of {tuple(_FORMATS)}, "
+                         f"received {tuple(x.shape)} {x.dtype} on {x.device} -> {fp8_dtype}, gather {got}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the one-pass FP8 cast is unavailable: {_state.get('error')}")
+    x = x.contiguous()
+    idx = None if gather is None else gather.contiguous()
+    outs = _block_outputs(x, idx, fp8_dtype, rowwise, col_scales_t)
+    rows, cols = outs[2].shape[1], outs[2].shape[0]
+    on_x = x.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if on_x else torch.cuda.device(x.device):
+        lib.blocks(x.data_ptr(), None if idx is None else idx.data_ptr(),
+                   *(None if t is None else t.data_ptr() for t in outs), rows, cols, _DTYPES[x.dtype],
+                   _FORMATS[fp8_dtype], float(fmt_max), int(power_2), int(col_scales_t),
+                   torch.cuda.current_stream(x.device).cuda_stream)
+    return outs
+

@@ -236,6 +236,13 @@ def test_tile_rules_end_with_a_catch_all_and_fp8_tiles_sit_beside_them():
     for kwargs in (dict(), dict(fast=True, contraction=7168)):  # block scales
         assert h.fp8_config("fwd", many, 8, **kwargs) == 0
     assert h.fp8_config("dgrad", many, 8, tensor_scales=True, fast=True) == h.FP8_TENSOR_CONFIG
+    # the 192-column tile only where N fills its tiles (N 1024 leaves 11% of the last tile's columns idle)
+    for columns, tile in ((2048, h.FP8_TENSOR_CONFIG), (2880, h.FP8_TENSOR_CONFIG), (768, h.FP8_TENSOR_CONFIG),
+                          (7168, h.FP8_TENSOR_CONFIG), (1024, 0), (512, 0), (640, 0)):
+        assert h.fp8_config("dgrad", many, 8, tensor_scales=True, columns=columns) == tile, columns
+        assert h.fp8_config("fwd", many, 8, tensor_scales=True, columns=columns) == tile, columns
+    assert h.fp8_config("fwd", many, 8, tensor_scales=True, fast=True, contraction=1024, columns=1024) == \
+        h.FP8_FAST_SHORT_K
     assert h.fp8_config("fwd", 64, 8, tensor_scales=True, fast=True) == 1
     assert h.fp8_config("wgrad", many, 8, tensor_scales=True, fast=True) == h.FP8_WGRAD_CONFIG
     assert fp8_block.choose_fp8_config("fwd", 64, 8, forced=2, fast=True) == 2

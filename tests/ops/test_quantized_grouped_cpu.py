@@ -286,8 +286,9 @@ def fake_fp8_library(monkeypatch):
 
         @staticmethod
         def choose_fp8_config(direction, rows, groups, sizes=None, *, forced=None, tensor_scales=False, fast=False,
-                              contraction=0):
-            rule.update(direction=direction, tensor_scales=tensor_scales, fast=fast, contraction=contraction)
+                              contraction=0, columns=0):
+            rule.update(direction=direction, tensor_scales=tensor_scales, fast=fast, contraction=contraction,
+                        columns=columns)
             return 0 if forced is None else forced
 
         @staticmethod
@@ -364,8 +365,8 @@ def test_the_fp8_tile_setting_reaches_every_launch(fake_fp8_library):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_the_tile_rule_hears_the_scaling_the_contraction_and_the_fast_switch(fake_fp8_library, recipe):
-    """What each launch tells the tile rule: its scaling, the fwd contraction (K) and
-    settings.fp8_fprop_fast_accum as it stands."""
+    """What each launch tells the tile rule: its scaling, the fwd contraction (K), the output columns (fwd N,
+    dgrad K) and settings.fp8_fprop_fast_accum as it stands."""
     from te_dist import settings
     from te_dist.gemm import cutlass_backend as cb
 
@@ -384,6 +385,7 @@ def test_the_tile_rule_hears_the_scaling_the_contraction_and_the_fast_switch(fak
     assert [(r["direction"], r["fast"]) for r in rules] == [(d, f) for f in (False, True) for d in ("fwd", "dgrad", "wgrad")]
     assert all(r["tensor_scales"] == per_tensor for r in rules)
     assert rules[0]["contraction"] == 384
+    assert (rules[0]["columns"], rules[1]["columns"]) == (128, 384)
 
 
 def test_mixed_scalings_broadcast_the_per_tensor_scale():
