@@ -11,10 +11,10 @@ New tensors are assigned only after every step succeeded, so an error leaves the
 
 On CUDA the casts run as fused Triton kernels when available (see :mod:`.fused`): DelayedScaling
 casts and records amax in one pass, then one tiny kernel updates history and scale; current
-scaling runs an amax pass and a cast pass that derives the scale on the device. Asked for the
-columnwise usage of x [..., R, C] (R % 4 == 0), the cast pass also writes the transposed data
-(``data_t``: each matrix transposed; an activation's wgrad operand, a weight's dgrad operand) from the
-same read.
+scaling runs an amax pass (none where the kernel that wrote x told its amax: :mod:`.amax_hints`)
+and a cast pass that derives the scale on the device. Asked for the columnwise usage of x
+[..., R, C] (R % 4 == 0), the cast pass also writes the transposed data (``data_t``: each matrix
+transposed; an activation's wgrad operand, a weight's dgrad operand) from the same read.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import DelayedScaling, Float8CurrentScaling
+from . import amax_hints
 from .cast import cast_fp8_per_tensor, current_scaling_quantize, delayed_scale_update, delayed_scaling_step
 from .compile import dispatch
 from .formats import FP8_MAX, format_for_role, fp8_dtype
@@ -164,6 +165,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
     """Scale from this tensor's own amax (all-reduced MAX over ``group`` when one is given)."""
 
     recipe_type = Float8CurrentScaling
+    takes_amax_hint = True
 
     def __init__(self, recipe: Float8CurrentScaling, role: str, *, group=None):
         super().__init__(recipe, role, group=group)
@@ -177,7 +179,8 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         key = (x.dtype, self.fp8_dtype, self.use_power_2_scales)
         # the casts that also write the transposed data (te_dist.quantization.triton_rowcol)
         rowcol = fused_casts_for(x, "rowcol") if kernels is not None and columnwise and x.dim() >= 2 else None
-        if self.group is None:
+        hinted = amax_hints.take(x)  # max |x| from the kernel that wrote x: no amax pass
+        if self.group is None and hinted is None:
             result = None
             if rowcol is not None:
                 result = run_fused(("current_scaling_quantize_rowcol", *key), rowcol.current_scaling_quantize_rowcol,
@@ -194,7 +197,9 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
                 result = dispatch(current_scaling_quantize, x, self.fp8_dtype, self.fmt_max, self.use_power_2_scales)
             data, scale_inv = result
             return Float8Tensor(data, scale_inv, self.fmt, x.dtype)
-        amax = None if kernels is None else run_fused(("compute_amax", x.dtype), kernels.compute_amax, x)
+        amax = hinted
+        if amax is None and kernels is not None:
+            amax = run_fused(("compute_amax", x.dtype), kernels.compute_amax, x)
         amax = reduce_amax(compute_amax(x) if amax is None else amax, self.group)
         result = None
         if rowcol is not None:

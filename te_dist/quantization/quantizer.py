@@ -32,6 +32,8 @@ class Quantizer:
     recipe_type: type = Recipe
     #: (rows, cols) multiples a copy's own layout [..., R, C] must have (C = quantized dim)
     block_shape: Tuple[int, int] = (1, 1)
+    #: whether ``_quantize`` takes max |x| from the kernel that wrote x (.amax_hints), so producers compute it
+    takes_amax_hint: bool = False
 
     def __init__(self, recipe: Recipe, role: str, *, group=None):
         if not isinstance(recipe, self.recipe_type):

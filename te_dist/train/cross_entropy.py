@@ -5,13 +5,19 @@ Why a kernel of our own: ``F.cross_entropy(logits.float(), targets)`` over a [T,
 tokens x 32k vocabulary that is 11-17 ms of an H100 step, the same in every recipe's arm. The fused path reads the
 bf16 logits once forward (an online max and sum of exponentials per row, float32) and once backward, writing the
 bf16 gradient ``(softmax - onehot) * g / T`` directly: 6 bytes per logit. Same float32 math, so the same loss to
-rounding. Triton is imported on the first fused call only (CUDA); elsewhere the reference path runs.
+rounding. Triton is imported on the first fused call only (CUDA); elsewhere the reference path runs. Under
+Float8CurrentScaling the backward also finds max |gradient| for the LM head's cast of it (te_dist.quantization.amax_hints:
+no amax pass over the [T, V] gradient).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..autocast import get_active_recipe
+from ..quantization import amax_hints
+from ..recipe import Float8CurrentScaling
 
 __all__ = ["cross_entropy", "fused_available"]
 
@@ -48,8 +54,8 @@ def _build():
         tl.store(loss + row, row_lse - picked)
 
     @triton.jit
-    def _cross_entropy_backward(logits, row_stride, targets, lse, grad_loss, grad_logits, V, CHUNKS: tl.constexpr,
-                                inv_rows, BLOCK: tl.constexpr):
+    def _cross_entropy_backward(logits, row_stride, targets, lse, grad_loss, grad_logits, amax, V,
+                                CHUNKS: tl.constexpr, inv_rows, AMAX: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         out = grad_logits + row * V
@@ -57,12 +63,21 @@ def _build():
         scale = tl.load(grad_loss).to(tl.float32) * inv_rows
         row_lse = tl.load(lse + row)
         target = tl.load(targets + row)
+        top = tl.zeros([BLOCK], tl.int32)
         for i in range(CHUNKS):
             cols = i * BLOCK + offs
             inside = cols < V
             x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
             g = (tl.exp(x - row_lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-            tl.store(out + cols, g.to(grad_logits.dtype.element_ty), mask=inside)
+            stored = g.to(grad_logits.dtype.element_ty)
+            tl.store(out + cols, stored, mask=inside)
+            if AMAX:  # max |grad| as stored, as int32 float32 bits (quantization.amax_hints)
+                bits = stored.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                top = tl.maximum(top, tl.where(inside, bits, 0))
+        if AMAX:
+            row_top = tl.max(top, 0)
+            if row_top > tl.load(amax):  # an atomic only where it raises the value read
+                tl.atomic_max(amax, row_top)
 
     return _cross_entropy_forward, _cross_entropy_backward
 
@@ -90,6 +105,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, V, -(-V // _BLOCK), BLOCK=_BLOCK,
                           num_warps=8)
         ctx.save_for_backward(logits_TV, targets_T, lse_T)
+        # under current scaling the LM head's backward casts this gradient: its amax comes from the kernel
+        ctx.tell_amax = isinstance(get_active_recipe(), Float8CurrentScaling)
         return loss_T.sum() / T
 
     @staticmethod
@@ -97,8 +114,11 @@ class _FusedCrossEntropy(torch.autograd.Function):
         logits_TV, targets_T, lse_T = ctx.saved_tensors
         T, V = logits_TV.shape
         grad_TV = torch.empty((T, V), device=logits_TV.device, dtype=logits_TV.dtype)
-        _kernels[1][(T,)](logits_TV, logits_TV.stride(0), targets_T, lse_T, grad.contiguous(), grad_TV, V,
-                          -(-V // _BLOCK), 1.0 / T, BLOCK=_BLOCK, num_warps=8)
+        bits = amax_hints.new_bits(grad_TV.device) if ctx.tell_amax else lse_T
+        _kernels[1][(T,)](logits_TV, logits_TV.stride(0), targets_T, lse_T, grad.contiguous(), grad_TV, bits, V,
+                          -(-V // _BLOCK), 1.0 / T, AMAX=ctx.tell_amax, BLOCK=_BLOCK, num_warps=8)
+        if ctx.tell_amax:
+            amax_hints.offer(grad_TV, bits)
         return grad_TV, None
 
 

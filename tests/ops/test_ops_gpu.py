@@ -125,7 +125,7 @@ def test_scaled_swiglu_backward_triton_kernel_matches_the_fp32_function(cuda_dev
     # The grouped MLP's backward takes this kernel on CUDA (compilation enabled by default there).
     seen = []
     original = swiglu_triton.scaled_swiglu_backward
-    swiglu_triton.scaled_swiglu_backward = lambda *a: seen.append(1) or original(*a)
+    swiglu_triton.scaled_swiglu_backward = lambda *a, **kw: seen.append(1) or original(*a, **kw)
     try:
         swiglu.scaled_swiglu_backward(da, h, probs, limit)
     finally:

@@ -87,16 +87,18 @@ class Fp8Input(NamedTuple):
         return blocks.view(rows, width).to(self.dtype)
 
 
-def scaled_swiglu_forward_keeping_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+def scaled_swiglu_forward_keeping_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
+                                      tell_amax: bool = False):
     """``(swiglu(h) * probs[:, None], Fp8Input)`` from one pass over h (the Triton kernel of
     :mod:`.swiglu_triton`), or None where that kernel cannot run (not CUDA, no Triton, compilation
-    off, F not a multiple of 128): the caller then keeps h itself."""
+    off, F not a multiple of 128): the caller then keeps h itself. ``tell_amax``: the pass also finds
+    max |swiglu(h) * probs| for a current-scaling cast of it (te_dist.quantization.amax_hints)."""
     if not (h.is_cuda and h.dim() == 2 and (h.shape[1] // 2) % 128 == 0 and _compile_module().compile_enabled(h.device)):
         return None
     triton_module = _triton_module()
     if triton_module is None:
         return None
-    scaled, data, scale_inv = triton_module.scaled_swiglu_forward_fp8(h, probs, limit)
+    scaled, data, scale_inv = triton_module.scaled_swiglu_forward_fp8(h, probs, limit, tell_amax)
     return scaled, Fp8Input(data, scale_inv, h.dtype)
 
 
@@ -123,7 +125,7 @@ def _scaled_swiglu_backward_kernel(da: torch.Tensor, h: torch.Tensor, probs: tor
 
 
 def scaled_swiglu_backward(da: torch.Tensor, h, probs: torch.Tensor, limit: Optional[float],
-                           want_scaled: bool = True):
+                           want_scaled: bool = True, tell_amax: bool = False):
     """Backward of ``y = swiglu(h) * probs[:, None]`` given ``da = dL/dy``, in one pass over h and da
     (h a tensor, or the :class:`Fp8Input` the forward kept: read as FP8 by the Triton kernel,
     dequantized first elsewhere).
@@ -132,19 +134,20 @@ def scaled_swiglu_backward(da: torch.Tensor, h, probs: torch.Tensor, limit: Opti
     GEMM needs for its weight gradient, formed here so it costs one write instead of another pass
     (None when not ``want_scaled``: a quantized fc2 saved its FP8 copy in the forward).
     On CUDA it runs the Triton kernel of :mod:`.swiglu_triton` when compilation is enabled (one
-    kernel instead of Inductor's two), else the compiled function, else eager ops.
+    kernel instead of Inductor's two), else the compiled function, else eager ops. ``tell_amax``: the Triton
+    kernel also finds max |dh| for a current-scaling cast of dh (te_dist.quantization.amax_hints).
     """
     if isinstance(h, Fp8Input):
         triton_module = _triton_module() if _compile_module().compile_enabled(h.data.device) else None
         if h.data.is_cuda and triton_module is not None:
             return triton_module.scaled_swiglu_backward(da, h.data, probs, limit, want_scaled, h_scale_inv=h.scale_inv,
-                                                        out_dtype=h.dtype)
+                                                        out_dtype=h.dtype, tell_amax=tell_amax)
         h = h.dequantize()
     if _compile_module().compile_enabled(h.device):
         if h.is_cuda and h.dim() == 2:
             triton_module = _triton_module()
             if triton_module is not None:
-                return triton_module.scaled_swiglu_backward(da, h, probs, limit, want_scaled)
+                return triton_module.scaled_swiglu_backward(da, h, probs, limit, want_scaled, tell_amax=tell_amax)
         out = _fused(_scaled_swiglu_backward_kernel, da, h, probs, limit)
     else:
         out = _scaled_swiglu_backward_eager(da, h, probs, limit)

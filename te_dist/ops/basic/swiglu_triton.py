@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...quantization import amax_hints
 from ...quantization.triton_casts import _abs_bits, _block_scale, _saturate
 from ...quantization.triton_launch import launch, next_power_of_2
 
@@ -33,6 +34,21 @@ FP8_BLOCK = 128  # columns per scale block of the FP8 copy of h; F must be a mul
 _E4M3_MAX = tl.constexpr(448.0)  # a global a jit function reads must be a constexpr
 
 _MAX_BLOCK = 1024  # columns per loop step: 8 bf16 (16 bytes) per thread with 4 warps
+
+
+@triton.jit
+def _merge_amax(amax_ptr, row_amax):
+    """max(*amax_ptr, row_amax) on int32 amax bits, with an atomic only where it raises the value read (one
+    address for the whole tensor: atomics on it serialize, reads do not; a stale read costs an extra atomic)."""
+    if row_amax > tl.load(amax_ptr):
+        tl.atomic_max(amax_ptr, row_amax)
+
+
+@triton.jit
+def _rounded_abs_bits(y, mask, out_ptr):
+    """|y| rounded to out_ptr's dtype (what is stored there) as int32 float32 bits, 0 where masked: what an amax
+    pass over the stored tensor sees."""
+    return tl.where(mask, _abs_bits(y.to(out_ptr.dtype.element_ty).to(tl.float32)), 0)
 
 
 @triton.jit
@@ -48,10 +64,11 @@ def _clamp(gate_in, up_in, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _scaled_swiglu_backward_rows(da_ptr, h_ptr, hs_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, F, limit,
+def _scaled_swiglu_backward_rows(da_ptr, h_ptr, hs_ptr, p_ptr, dh_ptr, s_ptr, dp_ptr, amax_ptr, F, limit,
                                  HAS_LIMIT: tl.constexpr, WRITE_S: tl.constexpr, H_FP8: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-    """H_FP8: h is the FP8 copy, dequantized on load with its 1x128 block scales hs [T, 2F/128]."""
+                                 AMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """H_FP8: h is the FP8 copy, dequantized on load with its 1x128 block scales hs [T, 2F/128]. AMAX: max |dh|
+    merged into amax_ptr (int32 bits; quantization.amax_hints)."""
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * 2 * F
     hs_row = hs_ptr + row * (F // 64)  # 2F / 128 block scales per row
@@ -60,6 +77,7 @@ def _scaled_swiglu_backward_rows(da_ptr, h_ptr, hs_ptr, p_ptr, dh_ptr, s_ptr, dp
     s_row = s_ptr + row * F
     p = tl.load(p_ptr + row).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    top = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, F, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < F
@@ -82,18 +100,24 @@ def _scaled_swiglu_backward_rows(da_ptr, h_ptr, hs_ptr, p_ptr, dh_ptr, s_ptr, dp
             dup = tl.where((up_in >= -limit) & (up_in <= limit), dup, 0.0)
         tl.store(dh_row + cols, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_row + F + cols, dup.to(dh_ptr.dtype.element_ty), mask=mask)
+        if AMAX:
+            top = tl.maximum(top, tl.maximum(_rounded_abs_bits(dgate, mask, dh_ptr),
+                                             _rounded_abs_bits(dup, mask, dh_ptr)))
         if WRITE_S:
             tl.store(s_row + cols, (s * p).to(s_ptr.dtype.element_ty), mask=mask)
     tl.store(dp_ptr + row, tl.sum(acc, axis=0))
+    if AMAX:
+        _merge_amax(amax_ptr, tl.max(top, axis=0))
 
 
 def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
                            want_scaled: bool = True, h_scale_inv: Optional[torch.Tensor] = None,
-                           out_dtype: Optional[torch.dtype] = None):
+                           out_dtype: Optional[torch.dtype] = None, tell_amax: bool = False):
     """``(dh, dprobs_fp32, swiglu(h) * probs)`` for ``h [T, 2F]``, ``da [T, F]``, ``probs [T]`` (CUDA);
     the last is None when not ``want_scaled`` (a quantized fc2 saved its own FP8 copy of it).
     With ``h_scale_inv`` [T, 2F/128], h is the FP8 copy from :func:`scaled_swiglu_forward_fp8` and
-    ``out_dtype`` the dtype of dh (and of the scaled output)."""
+    ``out_dtype`` the dtype of dh (and of the scaled output). ``tell_amax``: max |dh| from the same pass,
+    offered to a current-scaling cast of dh (quantization.amax_hints)."""
     rows, width = h.shape
     half = width // 2
     h, da, probs = h.contiguous(), da.contiguous(), probs.contiguous()
@@ -104,21 +128,25 @@ def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tenso
     if rows and half:
         block = min(_MAX_BLOCK, max(16, next_power_of_2(half)))
         fp8 = h_scale_inv is not None
+        bits = amax_hints.new_bits(h.device) if tell_amax else dprobs
         launch(_scaled_swiglu_backward_rows, (rows,),
             da, h, h_scale_inv.contiguous() if fp8 else probs, probs, dh, dh if scaled is None else scaled, dprobs,
-            half, 0.0 if limit is None else float(limit),
-            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, H_FP8=fp8, BLOCK=block, num_warps=4,
+            bits, half, 0.0 if limit is None else float(limit),
+            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, H_FP8=fp8, AMAX=tell_amax, BLOCK=block, num_warps=4,
         )
+        if tell_amax:
+            amax_hints.offer(dh, bits)
     elif rows:
         dprobs.zero_()
     return dh, dprobs, scaled
 
 
 @triton.jit
-def _scaled_swiglu_forward_fp8_rows(h_ptr, p_ptr, s_ptr, hq_ptr, hs_ptr, F, nblk, limit, HAS_LIMIT: tl.constexpr,
-                                    NB: tl.constexpr):
+def _scaled_swiglu_forward_fp8_rows(h_ptr, p_ptr, s_ptr, hq_ptr, hs_ptr, amax_ptr, F, nblk, limit,
+                                    HAS_LIMIT: tl.constexpr, AMAX: tl.constexpr, NB: tl.constexpr):
     """One row: s = swiglu(h) * p, and h's FP8 copy with one scale per 128 columns (nblk = F / 128
-    blocks per half); NB blocks of the gate half and NB of the up half per step."""
+    blocks per half); NB blocks of the gate half and NB of the up half per step. AMAX: max |s| merged into
+    amax_ptr (int32 bits; quantization.amax_hints)."""
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * 2 * F
     hq_row = hq_ptr + row * 2 * F
@@ -126,6 +154,7 @@ def _scaled_swiglu_forward_fp8_rows(h_ptr, p_ptr, s_ptr, hq_ptr, hs_ptr, F, nblk
     s_row = s_ptr + row * F
     p = tl.load(p_ptr + row).to(tl.float32)
     k = tl.arange(0, 128)
+    top = tl.zeros([NB, 128], dtype=tl.int32)
     for c0 in range(0, F, 128 * NB):
         blk = c0 // 128 + tl.arange(0, NB)
         cols = blk[:, None] * 128 + k[None, :]  # [NB, 128]
@@ -142,12 +171,17 @@ def _scaled_swiglu_forward_fp8_rows(h_ptr, p_ptr, s_ptr, hq_ptr, hs_ptr, F, nblk
         gate, up = _clamp(gate_in, up_in, limit, HAS_LIMIT)
         s = gate * tl.sigmoid(gate) * up * p
         tl.store(s_row + cols, s.to(s_ptr.dtype.element_ty), mask=mask)
+        if AMAX:
+            top = tl.maximum(top, _rounded_abs_bits(s, mask, s_ptr))
+    if AMAX:
+        _merge_amax(amax_ptr, tl.max(tl.max(top, axis=1), axis=0))
 
 
-def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float]):
+def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float], tell_amax: bool = False):
     """``(swiglu(h) * probs[:, None], h_fp8, h_scale_inv)`` for ``h [T, 2F]`` (F a multiple of 128)
     in one pass over h: h_fp8 is E4M3 ``[T, 2F]``, h_scale_inv float32 ``[T, 2F/128]`` (powers of two,
-    one per 1x128 block, ``h ~ h_fp8 * h_scale_inv``)."""
+    one per 1x128 block, ``h ~ h_fp8 * h_scale_inv``). ``tell_amax``: max of the first output's magnitudes from the
+    same pass, offered to a current-scaling cast of it (quantization.amax_hints)."""
     rows, width = h.shape
     half = width // 2
     if half % FP8_BLOCK:
@@ -158,8 +192,11 @@ def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optio
     h_scale_inv = torch.empty(rows, width // FP8_BLOCK, dtype=torch.float32, device=h.device)
     if rows and half:
         nb = min(4, next_power_of_2(half // FP8_BLOCK))
+        bits = amax_hints.new_bits(h.device) if tell_amax else h_scale_inv
         launch(_scaled_swiglu_forward_fp8_rows, (rows,),
-            h, probs, scaled, h_fp8, h_scale_inv, half, half // FP8_BLOCK, 0.0 if limit is None else float(limit),
-            HAS_LIMIT=limit is not None, NB=nb, num_warps=4,
+            h, probs, scaled, h_fp8, h_scale_inv, bits, half, half // FP8_BLOCK, 0.0 if limit is None else float(limit),
+            HAS_LIMIT=limit is not None, AMAX=tell_amax, NB=nb, num_warps=4,
         )
+        if tell_amax:
+            amax_hints.offer(scaled, bits)
     return scaled, h_fp8, h_scale_inv

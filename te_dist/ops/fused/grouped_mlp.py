@@ -12,7 +12,9 @@ dtype and device, the host sizes' alignment) and both GEMMs follow that answer: 
 quantized path or the emulated one (see GroupedLinear). On the native path the SwiGLU input h
 ``[T, 2F]``, the largest tensor the MLP keeps for the backward, is kept as E4M3 with 1x128 block
 scales (:class:`~te_dist.ops.basic.swiglu.Fp8Input`, written by the pass that forms fc2's input),
-so the FP8 recipes hold less than bf16 for the whole MLP, not only for the GEMM operands.
+so the FP8 recipes hold less than bf16 for the whole MLP, not only for the GEMM operands. Under current
+scaling that pass and the backward's also find max |fc2's input| and max |dh| for their casts
+(te_dist.quantization.amax_hints), which then skip their amax passes.
 
 fc1's split may carry ``rows_in`` and fc2's ``rows_out`` (te_dist.ops.RowGather: the MoE layer's expand
 gather and combine at EP size 1); each GEMM takes its own, fc2 reads fc1's output as it is.
@@ -61,7 +63,8 @@ class GroupedMLP(FusedOperation):
             if fc2.quantizers.active:
                 fused = None
                 if native and c2.requires_grad and getattr(recipe, "fp8_swiglu_input", True):
-                    fused = scaled_swiglu_forward_keeping_fp8(h, probs, act.limit)
+                    fused = scaled_swiglu_forward_keeping_fp8(h, probs, act.limit,
+                                                              tell_amax=_takes_amax(fc2.quantizers.input))
                 if fused is None:
                     a = scaled_swiglu_forward(h, probs, act.limit)
                 else:
@@ -97,7 +100,8 @@ class GroupedMLP(FusedOperation):
             h, probs, probs_shape, probs_rg = c2.saved
             c2.saved = ()
             da, dw2, db2 = fc2.grouped_backward(c3, dy)
-            dh, dprobs, _ = scaled_swiglu_backward(da, h, probs, act.limit, want_scaled=False)
+            dh, dprobs, _ = scaled_swiglu_backward(da, h, probs, act.limit, want_scaled=False,
+                                                   tell_amax=_takes_amax(fc1.quantizers.grad_output))
             act_extra = (dprobs.to(probs.dtype).reshape(probs_shape) if probs_rg else None,)
         else:
             da, dw2, db2 = fc2.grouped_backward(c3, dy)
@@ -123,6 +127,11 @@ def _same_split(a, b) -> bool:
     """Two GroupSplits of the same offsets and sizes objects (the MoE layer hands fc2 fc1's split
     with its rows the other way round): validated once."""
     return isinstance(a, GroupSplits) and isinstance(b, GroupSplits) and a.offsets is b.offsets and a.sizes is b.sizes
+
+
+def _takes_amax(quantizer) -> bool:
+    """Whether the cast of a tensor takes its amax from the kernel that writes it (current scaling: amax_hints)."""
+    return quantizer is not None and quantizer.takes_amax_hint
 
 
 def _op_fuser_predicate():
