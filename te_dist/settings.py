@@ -149,10 +149,9 @@ class Settings:
             "path where it cannot be). False: the Triton cast, then the Triton byte transpose.")
     cuda_block_cast: bool = _field(
         True, env="TE_DIST_CUDA_BLOCK_CAST", parse=_flag, check=_is_bool,
-        doc="Float8BlockScaling's 1x128 casts of gathered rows (the MoE experts' input and output gradient at EP "
-            "size 1), both copies, run in the CUDA kernel of te_dist.quantization.cuda_rowcol (128x128 tiles, built "
-            "on first use; the Triton tile cast where it cannot run, and for rows not gathered, where it is faster). "
-            "False: the Triton tile cast.")
+        doc="Float8BlockScaling's 1x128 casts that write the columnwise copy (activations and gradients of bf16 or "
+            "fp16, gathered rows too) run in the CUDA kernel of te_dist.quantization.cuda_rowcol (128x128 tiles, "
+            "built on first use; the Triton tile cast where it cannot run). False: the Triton tile cast.")
     megatron_row_padding: bool = _field(
         True, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "

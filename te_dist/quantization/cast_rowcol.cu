@@ -30,10 +30,11 @@
 // scale = fmt_max * (1 / amax) (reciprocal correctly rounded, +Inf -> FLT_MAX, amax 0 / Inf / NaN -> 1),
 // optionally rounded down to a power of two; the stored scale is 1 / scale. A gather index makes row r
 // source row idx[r] (negative: a zero row), so gathered rows are never written in bf16.
-// Tiling: a block of 256 threads owns 128 rows x 128 columns; thread t loads rows 8q..8q+7 (q = t / 16)
-// of column octet j = t % 16. The row and column amaxes reduce through shared memory (thread t < 128
-// finishes row t, t >= 128 column t - 128), then each thread writes its rowwise bytes and packs its
-// columns into words for the transposed tile, whose rows go out as 128 contiguous bytes.
+// Tiling: 128 x 128 tiles; persistent blocks of 256 threads (two per SM) walk them, the next tile copied into a
+// double buffer in shared memory (cp.async) while this one is cast. Thread t reads rows 8q..8q+7 (q = t / 16)
+// of column octet j = t % 16 from the buffer. The row and column amaxes reduce through shared memory (thread
+// t < 128 finishes row t, t >= 128 column t - 128), then each thread writes its rowwise bytes and packs its
+// columns into words for the transposed tile, whose rows go out as 128 contiguous bytes. 16-bit x only.
 //   te_cr_blocks(x, idx or NULL, out or NULL, row_s, out_t, col_s, R, C, dtype, fmt, fmt_max, pow2,
 //                col_scales_t, stream): R % 128 == 0 and C % 128 == 0 (R: the rows cast, idx's length)
 //   te_cr_blocks_on_host(...): its phases on the host (bfloat16 x), for the CPU tests.
@@ -277,22 +278,42 @@ __host__ __device__ __forceinline__ float block_mult(int amax_bits, float fmt_ma
   return scale;
 }
 
-// Phase 1 of thread t: load its 8 x 8 patch into raw (all eight loads issued first), record its row and
-// column partial amaxes.
+// Where thread t's 16 bytes of row i of its patch sit: source row (negative: a zero row) and column.
+__host__ __device__ __forceinline__ int64_t source_row(const BlockArgs& a, int64_t r0, int t, int i) {
+  const int64_t r = r0 + 8 * (t / 16) + i;
+  return a.idx == nullptr ? r : a.idx[r];
+}
+
+// The prefetch of thread t: its 8 rows x 8 columns of tile (r0, c0) into the tile buffer (x 16-bit, [R, C]),
+// 16 bytes a row, zeros for a zero row. On the GPU an asynchronous copy (cp.async, completed by the caller's
+// wait and barrier); on the host a plain copy.
 template <typename T>
-__host__ __device__ __forceinline__ void blocks_load(const T* x, const BlockArgs& a, BlockSmem& sm, int64_t r0,
-                                                     int64_t c0, int t, Raw8<T> (&raw)[8]) {
+__host__ __device__ __forceinline__ void blocks_prefetch(const T* x, const BlockArgs& a, T* buf, int64_t r0,
+                                                         int64_t c0, int t) {
   const int j = t % 16, q = t / 16;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int64_t r = r0 + 8 * q + i;
-    const int64_t src = a.idx == nullptr ? r : a.idx[r];
-    if (src < 0) memset(&raw[i], 0, sizeof(raw[i]));  // a zero row: +0 in every input dtype
-    else raw[i].load(x + src * a.C + c0 + 8 * j);
+    const int64_t src = source_row(a, r0, t, i);
+    T* dst = buf + (8 * q + i) * kBlk + 8 * j;
+    const T* from = x + (src < 0 ? 0 : src) * a.C + c0 + 8 * j;
+#ifdef __CUDA_ARCH__
+    const unsigned dst_s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_s), "l"(from), "r"(src < 0 ? 0 : 16));
+#else
+    if (src < 0) memset(dst, 0, 16);
+    else memcpy(dst, from, 16);
+#endif
   }
+}
+
+// Phase 1 of thread t: its 8 x 8 patch from the tile buffer into raw, its row and column partial amaxes.
+template <typename T>
+__host__ __device__ __forceinline__ void blocks_load(const T* buf, BlockSmem& sm, int t, Raw8<T> (&raw)[8]) {
+  const int j = t % 16, q = t / 16;
   int col_amax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
+    raw[i].load(buf + (8 * q + i) * kBlk + 8 * j);
     float v[8];
     raw[i].get(v);
     int row_amax = 0;
@@ -365,28 +386,57 @@ __host__ __device__ __forceinline__ void blocks_store_cols(const BlockArgs& a, c
   for (int i = 0; i < 4; ++i) dst[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
 }
 
-// Four blocks per SM (<= 64 registers a thread, ~18 KB of shared memory a block): while one block stores,
-// the others' loads are in flight.
+// Persistent blocks, two per SM, each walking tiles blockIdx.x, + gridDim.x, ...: while a tile is reduced and
+// stored, the next one is already on its way into the other half of a double buffer (cp.async), so loads and
+// stores overlap; the four phases of a tile are a barrier apart.
+constexpr int kTileBytes = kBlk * kBlk * 2;  // one 16-bit tile
+constexpr int kBlocksSmem = 2 * kTileBytes + static_cast<int>(sizeof(BlockSmem));
+
 template <typename T, __nv_fp8_interpretation_t kFmt>
-__global__ void __launch_bounds__(kThreads, 4) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
-  __shared__ BlockSmem sm;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kBlk, c0 = static_cast<int64_t>(blockIdx.y) * kBlk;
-  Raw8<T> raw[8];
-  blocks_load<T>(x, a, sm, r0, c0, threadIdx.x, raw);
-  __syncthreads();
-  blocks_scale(a, sm, r0, c0, threadIdx.x);
-  __syncthreads();
-  blocks_store_rows<T, kFmt>(a, sm, r0, c0, threadIdx.x, raw);
-  __syncthreads();
-  blocks_store_cols(a, sm, r0, c0, threadIdx.x);
+__global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* bufs = reinterpret_cast<T*>(smem);
+  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem + 2 * kTileBytes);
+  const int64_t tiles_c = a.C / kBlk, tiles = (a.R / kBlk) * tiles_c;
+  const int t = threadIdx.x;
+  int64_t tile = blockIdx.x;
+  if (tile < tiles) blocks_prefetch(x, a, bufs, (tile / tiles_c) * kBlk, (tile % tiles_c) * kBlk, t);
+  asm volatile("cp.async.commit_group;\n" ::);
+  for (int it = 0; tile < tiles; ++it, tile += gridDim.x) {
+    const int64_t next = tile + gridDim.x;
+    if (next < tiles)
+      blocks_prefetch(x, a, bufs + ((it + 1) & 1) * kBlk * kBlk, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 1;\n" ::);  // this tile's copies landed (the next one's may be in flight)
+    __syncthreads();
+    const int64_t r0 = (tile / tiles_c) * kBlk, c0 = (tile % tiles_c) * kBlk;
+    Raw8<T> raw[8];
+    blocks_load(bufs + (it & 1) * kBlk * kBlk, sm, t, raw);
+    __syncthreads();
+    blocks_scale(a, sm, r0, c0, t);
+    __syncthreads();
+    blocks_store_rows<T, kFmt>(a, sm, r0, c0, t, raw);
+    __syncthreads();
+    blocks_store_cols(a, sm, r0, c0, t);
+    __syncthreads();  // tile_t and this buffer are free again
+  }
 }
 
 template <typename T>
 int launch_blocks(int fmt, const void* x, const BlockArgs& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(a.R / kBlk), static_cast<unsigned>(a.C / kBlk));
-  const T* xt = static_cast<const T*>(x);
-  if (fmt == 0) cast_blocks_kernel<T, __NV_E4M3><<<grid, kThreads, 0, stream>>>(xt, a);
-  else cast_blocks_kernel<T, __NV_E5M2><<<grid, kThreads, 0, stream>>>(xt, a);
+  static int sm_count[64] = {};  // per device, asked once
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess && (device < 0 || device >= 64)) err = cudaErrorInvalidDevice;
+  if (err == cudaSuccess && sm_count[device] == 0)
+    err = cudaDeviceGetAttribute(&sm_count[device], cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return record(err, "te_cr_blocks (device query)");
+  const int64_t tiles = (a.R / kBlk) * (a.C / kBlk), most = 2 * static_cast<int64_t>(sm_count[device]);
+  const unsigned grid = static_cast<unsigned>(tiles < most ? tiles : most);
+  auto kernel = fmt == 0 ? cast_blocks_kernel<T, __NV_E4M3> : cast_blocks_kernel<T, __NV_E5M2>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBlocksSmem);
+  if (err != cudaSuccess) return record(err, "te_cr_blocks (shared memory)");
+  kernel<<<grid, kThreads, kBlocksSmem, stream>>>(static_cast<const T*>(x), a);
   return record(cudaGetLastError(), "te_cr_blocks");
 }
 
@@ -449,12 +499,14 @@ int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s,
                          int64_t C, int fmt, float fmt_max, int pow2, int col_scales_t) {
   if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1)) return 1;
   static BlockSmem sm;
+  static __nv_bfloat16 buf[kBlk * kBlk];
   static Raw8<__nv_bfloat16> raw[kThreads][8];
   const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
   const __nv_bfloat16* xt = static_cast<const __nv_bfloat16*>(x);
   for (int64_t r0 = 0; r0 < R; r0 += kBlk) {
     for (int64_t c0 = 0; c0 < C; c0 += kBlk) {
-      for (int t = 0; t < kThreads; ++t) blocks_load(xt, a, sm, r0, c0, t, raw[t]);
+      for (int t = 0; t < kThreads; ++t) blocks_prefetch(xt, a, buf, r0, c0, t);
+      for (int t = 0; t < kThreads; ++t) blocks_load(buf, sm, t, raw[t]);
       for (int t = 0; t < kThreads; ++t) blocks_scale(a, sm, r0, c0, t);
       for (int t = 0; t < kThreads; ++t) {
         if (fmt == 0) blocks_store_rows<__nv_bfloat16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
@@ -468,19 +520,14 @@ int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s,
 
 int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
                  int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, cudaStream_t stream) {
-  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || dtype < 0 || dtype > 2 ||
-      R / kBlk > 0x7FFFFFFF || C / kBlk > 65535) {
+  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || dtype < 0 || dtype > 1) {
     snprintf(g_error, sizeof(g_error),
-             "te_cr_blocks: R=%lld C=%lld dtype=%d fmt=%d (R %% %d == 0, C %% %d == 0, dtype 0-2, fmt 0-1 needed)",
+             "te_cr_blocks: R=%lld C=%lld dtype=%d fmt=%d (R %% %d == 0, C %% %d == 0, dtype 0-1, fmt 0-1 needed)",
              static_cast<long long>(R), static_cast<long long>(C), dtype, fmt, kBlk, kBlk);
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
-  switch (dtype) {
-    case 0: return launch_blocks<__nv_bfloat16>(fmt, x, a, stream);
-    case 1: return launch_blocks<__half>(fmt, x, a, stream);
-    default: return launch_blocks<float>(fmt, x, a, stream);
-  }
+  return dtype == 0 ? launch_blocks<__nv_bfloat16>(fmt, x, a, stream) : launch_blocks<__half>(fmt, x, a, stream);
 }
 
 }  // extern "C"

@@ -31,6 +31,7 @@ SOURCE = Path(__file__).resolve().parent / "cast_rowcol.cu"
 TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): R and C must be multiples
 BLOCK = 128  # the 1x128 block cast's block length and square tile: its R and C must be multiples
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_BLOCK_DTYPES = (torch.bfloat16, torch.float16)  # the block kernel's 16-bit tiles
 _FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
 _lock = threading.Lock()
@@ -175,8 +176,8 @@ def _block_outputs(x, idx, fp8_dtype, rowwise: bool, col_scales_t: bool):
 
 def blocks_fit(x: torch.Tensor, fp8_dtype: torch.dtype, gather: Optional[torch.Tensor] = None) -> bool:
     """Whether the block kernel takes x [R, C] (or its rows ``gather``, a 1-D int64 index on x's device): a 2-D
-    CUDA tensor of a supported dtype, the rows cast and C multiples of ``BLOCK`` (no build, no device query)."""
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in _DTYPES and fp8_dtype in _FORMATS and x.numel() > 0):
+    CUDA bf16 or fp16 tensor, the rows cast and C multiples of ``BLOCK`` (no build, no device query)."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in _BLOCK_DTYPES and fp8_dtype in _FORMATS and x.numel() > 0):
         return False
     if gather is not None and (gather.dtype != torch.int64 or gather.dim() != 1 or gather.device != x.device):
         return False
@@ -197,7 +198,7 @@ def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2
     ``col_scales_t``), the values of triton_casts.cast_fp8_blocks. Call only where :func:`blocks_enabled_for`."""
     if not blocks_fit(x, fp8_dtype, gather):
         got = "none" if gather is None else f"{gather.dtype} {tuple(gather.shape)} on {gather.device}"
-        raise ValueError(f"cast_blocks takes a CUDA x [R, C] of {tuple(_DTYPES)} with the rows cast and C multiples "
+        raise ValueError(f"cast_blocks takes a CUDA x [R, C] of {_BLOCK_DTYPES} with the rows cast and C multiples "
                          f"of {BLOCK}, a 1-D int64 gather on its device and an FP8 dtype of {tuple(_FORMATS)}, "
                          f"received {tuple(x.shape)} {x.dtype} on {x.device} -> {fp8_dtype}, gather {got}")
     lib = _library()

@@ -545,9 +545,8 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
     columnwise scales come back M-major, [rows/G + 1, cols] with a zero last row (the wgrad layout).
     ``gather`` (2-D x, the columnwise copy asked for): cast rows ``gather`` of x instead (int64 [rows],
     negative for a zero row), read through the index by the tile kernel."""
-    if gather is not None and not mx and group == cuda_rowcol.BLOCK and cuda_rowcol.blocks_enabled_for(x, fp8_dtype,
-                                                                                                     gather):
-        # gathered rows: both copies in CUDA, 128x128 tiles, 1.12x the tile kernel (te_dist.settings.cuda_block_cast)
+    if columnwise and not mx and group == cuda_rowcol.BLOCK and cuda_rowcol.blocks_enabled_for(x, fp8_dtype, gather):
+        # both copies from one read in CUDA, 1.01-1.20x the tile kernel here (te_dist.settings.cuda_block_cast)
         return cuda_rowcol.cast_blocks(x, fp8_dtype, fmt_max, power_2, rowwise=rowwise, col_scales_t=col_scales_t,
                                        gather=gather)
     x = x.contiguous()

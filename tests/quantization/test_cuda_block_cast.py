@@ -113,11 +113,10 @@ def test_the_switch_and_the_checks_before_any_launch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_kernel_equals_the_triton_tile_cast(dtype):
     """On the GPU: the CUDA kernel's copies == the Triton tile cast's, bit for bit, on an expert-sized input,
-    plain and gathered, both scale layouts, with and without the rowwise copy; the cast of gathered rows
-    takes the kernel where the switch is on."""
+    plain and gathered, both scale layouts, with and without the rowwise copy."""
     from te_dist.quantization import triton_casts
 
     x = _values(1536, 2048, seed=3, dtype=dtype).cuda()
