@@ -337,7 +337,8 @@ __host__ __device__ __forceinline__ void blocks_scale(const BlockArgs& a, BlockS
     for (int j = 0; j < 16; ++j) amax = max(amax, sm.amax.row_part[t][j]);
     const float mult = block_mult(amax, a.fmt_max, a.pow2);
     sm.row_mult[t] = mult;
-    if (a.out != nullptr) a.row_s[(r0 + t) * (a.C / kBlk) + c0 / kBlk] = static_cast<float>(1.0 / static_cast<double>(mult));
+    if (a.out != nullptr)
+      a.row_s[(r0 + t) * (a.C / kBlk) + c0 / kBlk] = static_cast<float>(1.0 / static_cast<double>(mult));
   } else {
     const int c = t - kBlk;
     for (int q = 0; q < 16; ++q) amax = max(amax, sm.amax.col_part[q][c]);

@@ -6,9 +6,9 @@ Why CUDA here: the cast-then-transpose path reads the FP8 bytes back (5 bytes mo
 instead of 4), and the Triton kernel that wrote both copies in one pass placed bytes wrongly on
 Hopper GPUs; this kernel moves the transposed tile through shared memory as whole words.
 
-Behind ``te_dist.settings.cuda_rowcol_cast`` (on by default) and ``cuda_block_cast`` (docs/settings.md). The library is
-compiled into the kernel cache on first use, like the grouped GEMMs; a failed build warns once and
-the callers keep the Triton two-pass path. Nothing here runs at import.
+Behind ``te_dist.settings.cuda_rowcol_cast`` and ``cuda_block_cast`` (both on by default: docs/settings.md).
+The library is compiled into the kernel cache on first use, like the grouped GEMMs; a failed build warns
+once and the callers keep the Triton paths. Nothing here runs at import.
 """
 
 from __future__ import annotations
@@ -79,17 +79,18 @@ class _Library:
             raise ValueError(f"te_cr_cast_on_host refused x {tuple(x.shape)} -> {fp8_dtype}")
         return data, data_t
 
-
     def blocks(self, *args) -> None:
         if self._lib.te_cr_blocks(*args) != 0:
-            raise RuntimeError(f"cast_rowcol block launch failed: {self._lib.te_cr_last_error().decode(errors='replace')}")
+            error = self._lib.te_cr_last_error().decode(errors="replace")
+            raise RuntimeError(f"cast_rowcol block launch failed: {error}")
 
     def blocks_on_host(self, x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *,
                        rowwise: bool = True, col_scales_t: bool = False, gather: Optional[torch.Tensor] = None):
         """The block kernel's four phases on the host over a CPU bf16 x [R, C] (the CPU tests' check of its
         tiling, scales and layouts): :func:`cast_blocks`'s outputs."""
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise ValueError(f"blocks_on_host takes a CPU bf16 x [R, C], received {tuple(x.shape)} {x.dtype} on {x.device}")
+            raise ValueError(f"blocks_on_host takes a CPU bf16 x [R, C], received {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}")
         x = x.contiguous()
         idx = None if gather is None else gather.to(torch.int64).contiguous()
         outs = _block_outputs(x, idx, fp8_dtype, rowwise, col_scales_t)

@@ -6,8 +6,8 @@ tokens x 32k vocabulary that is 11-17 ms of an H100 step, the same in every reci
 bf16 logits once forward (an online max and sum of exponentials per row, float32) and once backward, writing the
 bf16 gradient ``(softmax - onehot) * g / T`` directly: 6 bytes per logit. Same float32 math, so the same loss to
 rounding. Triton is imported on the first fused call only (CUDA); elsewhere the reference path runs. Under
-Float8CurrentScaling the backward also finds max |gradient| for the LM head's cast of it (te_dist.quantization.amax_hints:
-no amax pass over the [T, V] gradient).
+Float8CurrentScaling the backward also finds max |gradient| for the LM head's cast of it
+(te_dist.quantization.amax_hints: no amax pass over the [T, V] gradient).
 """
 
 from __future__ import annotations
