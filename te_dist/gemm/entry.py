@@ -8,12 +8,11 @@ x's device, as ``torch._grouped_mm`` takes them)::
 
 differentiable w.r.t. x, w, bias and row_scale. ``w_EKN`` is normally the transposed view of a contiguous [E, N, K]
 weight ([E, out, in], like nn.Linear). Per call: the inputs are checked (:mod:`.validation`), the backend is chosen
-(:mod:`.decide`, with the bucket's measured entry from :mod:`.measure` on CUDA; the tuner remembers the function to
-run, ``_runner``, and under the facts a public call was checked on, so that a like call checks only its rows, with
-no call where they have nothing to check (CUDA offsets by default, no host sizes): the facts are each operand's
-class, dtype, device and shape but the rows, the options, the generations; the weight's strides only for a forced
-cutlass, the one forced backend they decide, as a call left to the rule decides again under ``_runner``'s key,
-which holds them) and run. Legend: T rows (tokens), K in-features, N out-features, E experts.
+(:mod:`.decide`; on CUDA with the bucket's measured entry from :mod:`.measure`) and run. The tuner remembers the
+function to run under ``_runner``'s key and under the facts a public call was checked on (each operand's class,
+dtype, device and shape but the rows; the options; the generations; the weight's strides only for a forced cutlass,
+the one forced backend they decide), so a like call checks only its rows, where there is anything to check (CPU
+offsets by default, host sizes). Legend: T rows (tokens), K in-features, N out-features, E experts.
 """
 
 from __future__ import annotations
@@ -165,7 +164,7 @@ def grouped_mm_forward(x_TK, w_EKN, offsets_E, *, bias_EN=None, row_scale_T=None
     if run is None:  # (the arguments as a tuple only here: a like call passes them on as they came)
         args = (x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype)
         return _dispatch("fwd", args, backend, *validation.check_forward(*args, check_offsets, group_sizes), facts)
-    if check_offsets or (check_offsets is None and offsets_E.is_cpu) or group_sizes is not None:
+    if group_sizes is not None or check_offsets or (check_offsets is None and offsets_E.is_cpu):
         group_sizes = validation.check_rows(offsets_E, w_shape[0], T, check_offsets, group_sizes)
     return run(x_TK, w_EKN, offsets_E, bias_EN, row_scale_T, out_dtype, group_sizes)
 
@@ -189,7 +188,7 @@ def grouped_mm_dgrad(dy_TN, w_EKN, offsets_E, *, row_scale_T=None, out_dtype=Non
     if run is None:
         args = (dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype)
         return _dispatch("dgrad", args, backend, *validation.check_dgrad(*args, check_offsets, group_sizes), facts)
-    if check_offsets or (check_offsets is None and offsets_E.is_cpu) or group_sizes is not None:
+    if group_sizes is not None or check_offsets or (check_offsets is None and offsets_E.is_cpu):
         group_sizes = validation.check_rows(offsets_E, w_shape[0], T, check_offsets, group_sizes)
     return run(dy_TN, w_EKN, offsets_E, row_scale_T, out_dtype, group_sizes)
 
@@ -213,7 +212,7 @@ def grouped_mm_wgrad(x_TK, dy_TN, offsets_E, *, num_groups: Optional[int] = None
     if run is None:
         args = (x_TK, dy_TN, offsets_E, num_groups, out_dtype)
         return _dispatch("wgrad", args, backend, *validation.check_wgrad(*args, check_offsets, group_sizes), facts)
-    if check_offsets or (check_offsets is None and offsets_E.is_cpu) or group_sizes is not None:
+    if group_sizes is not None or check_offsets or (check_offsets is None and offsets_E.is_cpu):
         group_sizes = validation.check_rows(offsets_E, num_groups, T, check_offsets, group_sizes)
     return run(x_TK, dy_TN, offsets_E, num_groups, out_dtype, group_sizes)
 
@@ -229,8 +228,7 @@ def select_backend(direction: str, x_TK, w_EKN, *, out_dtype=None, backend=None,
 
 def describe_choice(direction: str, x_TK, w_EKN, *, out_dtype=None, group_sizes=None, epilogue: bool = False) -> str:
     """What such a call runs and why: ``"cutlass:2 measured"``, ``"torch static"``. Measures nothing."""
-    if group_sizes is not None:
-        group_sizes = tuple(group_sizes)
+    group_sizes = None if group_sizes is None else tuple(group_sizes)
     p = _problem(direction, x_TK, w_EKN.shape, None if direction == "wgrad" else w_EKN.stride(),
                  out_dtype or x_TK.dtype, group_sizes, epilogue)
     t = measure.tuner()

@@ -60,10 +60,6 @@ class QuantizedWeight(NamedTuple):
         return self.source.shape
 
 
-def _is_block(q) -> bool:
-    return isinstance(q, Float8BlockTensor)
-
-
 def _check_block_copy(copy, what: str, block_rows: int) -> None:
     if copy is None:
         raise ValueError(f"{what} copy missing: quantize with that usage for the FP8 grouped GEMM")
@@ -77,9 +73,9 @@ def prepare_weight(wq: QuantizedTensor) -> QuantizedWeight:
     if len(wq.shape) != 3:
         raise ValueError(f"a grouped weight is [E, N, K], received shape {tuple(wq.shape)}")
     E, N, K = wq.shape
-    if (N % BLOCK or K % BLOCK) and (_is_block(wq) or N % 16 or K % 16):  # per-tensor: 16-byte FP8 rows
+    if (N % BLOCK or K % BLOCK) and (isinstance(wq, Float8BlockTensor) or N % 16 or K % 16):  # per-tensor: 16-byte rows
         raise ValueError(f"FP8 grouped GEMM weights need N and K multiples of {BLOCK} (per-tensor: 16), got {N=} {K=}")
-    if _is_block(wq):
+    if isinstance(wq, Float8BlockTensor):
         _check_block_copy(wq.rowwise, "weight rowwise", BLOCK)
         _check_block_copy(wq.columnwise, "weight columnwise", BLOCK)
         return QuantizedWeight(wq.rowwise.data, wq.columnwise.scale_inv.contiguous(), wq.columnwise.data,
@@ -107,7 +103,7 @@ def one_scale(q) -> torch.Tensor:
 def rowwise_operand(q: QuantizedTensor, scale_tables: bool = True):
     """(data [R, C], scales [R, C/128]) of a 2-D quantized activation, quantized along C; a
     per-tensor operand's scales are its one scale when ``scale_tables`` is False."""
-    if _is_block(q):
+    if isinstance(q, Float8BlockTensor):
         _check_block_copy(q.rowwise, "rowwise", 1)
         return q.rowwise.data, q.rowwise.scale_inv.contiguous()
     if isinstance(q, Float8Tensor):
@@ -125,7 +121,7 @@ def columnwise_operand(q: QuantizedTensor, scale_tables: bool = True):
     the wgrad operand, which contracts over rows (per-tensor: its one scale when ``scale_tables`` is False)."""
     R, C = q.shape
     blocks = R // BLOCK + 1
-    if _is_block(q):
+    if isinstance(q, Float8BlockTensor):
         _check_block_copy(q.columnwise, "columnwise", 1)
         if q.columnwise.scale_inv_t is not None:  # the cast wrote this layout too
             return q.columnwise.data, q.columnwise.scale_inv_t
@@ -143,7 +139,7 @@ def columnwise_operand(q: QuantizedTensor, scale_tables: bool = True):
 
 def copy_format(q: QuantizedTensor, usage: str) -> str:
     """The element format of the copy a GEMM of ``usage`` reads (ValueError when it is missing)."""
-    if _is_block(q):
+    if isinstance(q, Float8BlockTensor):
         copy = getattr(q, usage)
         _check_block_copy(copy, usage, 0)
         return fp8_format(copy.data)
@@ -156,4 +152,4 @@ def dequantized(q, usage: str, dtype: torch.dtype) -> torch.Tensor:
     """The operand's values in ``dtype`` from the copy a GEMM of that ``usage`` reads (the
     emulated path: exactly what the native kernels multiply, in high precision)."""
     q = q.source if isinstance(q, QuantizedWeight) else q
-    return q.dequantize(dtype, usage=usage) if _is_block(q) else q.dequantize(dtype)
+    return q.dequantize(dtype, usage=usage) if isinstance(q, Float8BlockTensor) else q.dequantize(dtype)

@@ -24,10 +24,6 @@ from .epilogue import apply_epilogue
 __all__ = ["expert_rows", "forward", "dgrad", "wgrad"]
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.is_cpu else t.dtype
-
-
 def expert_rows(offsets_E: torch.Tensor, group_sizes=None):
     """(start, end) rows of each expert: from ``group_sizes`` (host ints, or a CPU tensor of them)
     when the caller has them, else read from the offsets on the host (the loop's one sync)."""
@@ -66,7 +62,7 @@ def _mm_rows(a_TX, b_EXY, offsets_E, cdt, group_sizes=None) -> torch.Tensor:
     a = a_TX if a_TX.dtype == cdt else a_TX.to(cdt)
     b = b_EXY if b_EXY.dtype == cdt else b_EXY.to(cdt)
     if _use_native(a, b.shape[2]):
-        return torch_backend.grouped_mm(a, b, offsets_E)
+        return torch_backend.forward(a, b, offsets_E)
     acc = torch.empty(a.shape[0], b.shape[2], device=a.device, dtype=cdt)
     for e, (s, t) in enumerate(expert_rows(offsets_E, group_sizes)):
         if t > s:
@@ -79,7 +75,7 @@ def forward(x_TK, w_EKN, offsets_E, bias_EN=None, row_scale_T=None, out_dtype=No
     out_dtype = out_dtype or x_TK.dtype
     if x_TK.shape[0] == 0:
         return torch.empty(0, w_EKN.shape[2], device=x_TK.device, dtype=out_dtype)
-    acc_TN = _mm_rows(x_TK, w_EKN, offsets_E, _compute_dtype(x_TK), group_sizes)
+    acc_TN = _mm_rows(x_TK, w_EKN, offsets_E, torch.float32 if x_TK.is_cpu else x_TK.dtype, group_sizes)
     return apply_epilogue(acc_TN, offsets_E, bias_EN, row_scale_T, out_dtype)
 
 
@@ -92,7 +88,7 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=N
     """dw[e] = x_e^T @ dy_e, returned as [E, K, N] viewing a contiguous [E, N, K] buffer (weight layout)."""
     out_dtype = out_dtype or x_TK.dtype
     K, N = x_TK.shape[1], dy_TN.shape[1]
-    cdt = _compute_dtype(x_TK)
+    cdt = torch.float32 if x_TK.is_cpu else x_TK.dtype  # the compute dtype (module doc)
     x = x_TK if x_TK.dtype == cdt else x_TK.to(cdt)
     dy = dy_TN if dy_TN.dtype == cdt else dy_TN.to(cdt)
     if x.shape[0] and num_groups and N % 4 == 0 and _use_native(x, K):

@@ -163,8 +163,7 @@ def check_wgrad(x_TK, dy_TN, offsets_E, num_groups, out_dtype, check_offsets=Non
     if not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be a non-negative int, received {num_groups!r}")
     check_offsets_tensor(offsets_E, num_groups, "x_TK", device)
-    if out_dtype is not None:
-        _check_row_scale_and_out_dtype(None, "x_TK", T, device, out_dtype)
+    _check_row_scale_and_out_dtype(None, "x_TK", T, device, out_dtype)
     return check_rows(offsets_E, num_groups, T, check_offsets, group_sizes), (device, dtype, (num_groups, K, N))
 
 
