@@ -83,6 +83,15 @@ def _abs_bits(x):
 
 
 @triton.jit
+def _merge_amax(amax_ptr, amax_bits):
+    """max(*amax_ptr, amax_bits) on int32 amax bits, with an atomic only where it raises the value read: for a
+    producer merging one value per row into one address (atomics on it serialize, reads do not; a stale read
+    costs an extra atomic, never a missed one)."""
+    if amax_bits > tl.load(amax_ptr):
+        tl.atomic_max(amax_ptr, amax_bits)
+
+
+@triton.jit
 def _recip(v):
     """Correctly rounded float32 ``1 / v`` (torch's reciprocal), subnormal results kept."""
     return (1.0 / v.to(tl.float64)).to(tl.float32)

@@ -76,7 +76,7 @@ def _build():
                 top = tl.maximum(top, tl.where(inside, bits, 0))
         if AMAX:
             row_top = tl.max(top, 0)
-            if row_top > tl.load(amax):  # an atomic only where it raises the value read
+            if row_top > tl.load(amax):  # triton_casts._merge_amax's rule (these kernels are built without imports)
                 tl.atomic_max(amax, row_top)
 
     return _cross_entropy_forward, _cross_entropy_backward

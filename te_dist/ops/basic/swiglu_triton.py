@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...quantization import amax_hints
-from ...quantization.triton_casts import _abs_bits, _block_scale, _saturate
+from ...quantization.triton_casts import _abs_bits, _block_scale, _merge_amax, _saturate
 from ...quantization.triton_launch import launch, next_power_of_2
 
 __all__ = ["scaled_swiglu_backward", "scaled_swiglu_forward_fp8", "FP8_BLOCK"]
@@ -34,14 +34,6 @@ FP8_BLOCK = 128  # columns per scale block of the FP8 copy of h; F must be a mul
 _E4M3_MAX = tl.constexpr(448.0)  # a global a jit function reads must be a constexpr
 
 _MAX_BLOCK = 1024  # columns per loop step: 8 bf16 (16 bytes) per thread with 4 warps
-
-
-@triton.jit
-def _merge_amax(amax_ptr, row_amax):
-    """max(*amax_ptr, row_amax) on int32 amax bits, with an atomic only where it raises the value read (one
-    address for the whole tensor: atomics on it serialize, reads do not; a stale read costs an extra atomic)."""
-    if row_amax > tl.load(amax_ptr):
-        tl.atomic_max(amax_ptr, row_amax)
 
 
 @triton.jit
