@@ -4,7 +4,6 @@
                                           [--dirs fwd,dgrad,wgrad] [--json PATH]
     python benchmarks/fp8_gemm.py ceiling [--shapes dsv3_fc1,dsv3_fc2,square] [--json PATH]
     python benchmarks/fp8_gemm.py tiles [--shapes dslayer_fc1,...] [--scalings tensor,block] [--instances]
-    python benchmarks/fp8_gemm.py launch [--shapes dstrain_fc1,...] [--options 4:1:0,8:1:0,...]
 
 ``grouped``, one row per (shape, split, direction), TFLOP/s (median of do_bench; quantization outside
 the timing, as the layer quantizes once per tensor):
@@ -24,10 +23,6 @@ instance names the sweep needs (to build them ahead: ``python -m cutlass_kernels
 scales use Float8CurrentScaling (HYBRID).
 Splits: "even", and "ragged" (Zipf-like sizes, an empty expert, every size a multiple of 128 as the
 layer pads them).
-
-``launch``: the rule's tile under each of ``--options`` (promotion:swizzle:raster,
-``cutlass_kernels.fp8_block.Tuning``: tensor core K steps between promotions into the fp32 accumulator, the tile
-scheduler's swizzle and raster order), interleaved, each with its error against float32 GEMMs.
 
 ``ceiling``: what an FP8 GEMM reaches on this GPU. Per (shape, direction) the same FLOPs as
 torch._scaled_mm on one dense GEMM (tensor, row-wise and 1x128 x 128x128 block scales), the same one
@@ -317,56 +312,6 @@ def tiles(args) -> list:
     return rows
 
 
-def option_rows(name, split, args, gen) -> list:
-    """``launch``: the rule's tile of each (scaling, direction) under every launch option of ``--options``."""
-    from te_dist import settings
-    from cutlass_kernels import fp8_block
-
-    options = list(dict.fromkeys(fp8_block.Tuning(*map(int, o.split(":"))) for o in args.options.split(",")))
-    E, Kin, N, sizes, T, offs, x, w, dy = shape_operands(name, split, gen)
-    quantized, flops, out = quantized_operands(x, w, dy, args.scalings.split(",")), 2 * T * Kin * N, []
-    for scaling in args.scalings.split(","):
-        q = quantized[scaling]
-        for direction in args.dirs.split(","):
-            rule = fp8_block.fp8_config(direction, T, E, tensor_scales=scaling == "tensor", contraction=Kin if
-                                        direction == "fwd" else N, columns=N if direction == "fwd" else Kin)
-            fns = {}
-            for option in options:
-                def fn(option=option):
-                    if fp8_block.tuning() != option:
-                        fp8_block.set_tuning(option)
-                    with settings.override(fp8_tile=rule):
-                        return quantized_call(direction, q, offs, E, sizes, "cutlass")
-                fns[option] = fn
-            ms = timing.interleaved_ms(fns, iters=args.iters, warmup=3, rounds=args.rounds)
-            exact = reference(direction, *q, sizes)
-            err = {o: rel(fn(), exact) for o, fn in fns.items()}
-            fp8_block.set_tuning(fp8_block.Tuning())
-            del exact
-            row = {"shape": name, "split": split, "scaling": scaling, "dir": direction, "E": E, "T": T, "K": Kin,
-                   "N": N, "tile": rule, "tflops": {":".join(map(str, o)): flops / t / 1e9 for o, t in ms.items()},
-                   "err": {":".join(map(str, o)): e for o, e in err.items()}}
-            out.append(row)
-            print("row " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    return out
-
-
-def launch(args) -> list:
-    """FP8 launch options (cutlass_kernels.fp8_block.Tuning: promotion:swizzle:raster) on the rule's tile."""
-    rows = over_shapes(args, option_rows)
-    names = list(dict.fromkeys(args.options.split(",")))
-    print(f"\nFP8 launch options (promotion:swizzle:raster) on {torch.cuda.get_device_name()}, TFLOP/s of the rule's "
-          f"tile (interleaved {args.rounds} rounds), each over the first option; err: against float32 GEMMs")
-    print(f"{'shape':<18} {'split':<6} {'scale':<6} {'dir':<6} {'tile':>4} " + "".join(f"{n:>14}" for n in names)
-          + "".join(f"{'err ' + n:>14}" for n in names))
-    for r in rows:
-        base = r["tflops"][names[0]]
-        cells = "".join(f"{r['tflops'][n]:6.0f} ({r['tflops'][n] / base:4.2f})" for n in names)
-        errs = "".join(f"{r['err'][n]:14.2e}" for n in names)
-        print(f"{r['shape']:<18} {r['split']:<6} {r['scaling']:<6} {r['dir']:<6} {r['tile']:4d} {cells}{errs}")
-    return rows
-
-
 # ------------------------------------------------------------------------------------------ ceiling
 class ClockSampler:
     """nvidia-smi's SM clock (MHz) and power (W), stamped on arrival; read back per time window."""
@@ -595,14 +540,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--instances", action="store_true", help="print the instance names the sweep needs, then stop")
-    p = sub.add_parser("launch", help="the rule's tile under each FP8 launch option (promotion, swizzle, raster)")
-    p.add_argument("--shapes", default="dstrain_fc1,dstrain_fc2,dslayer_fc1,dslayer_fc2,mixtral_layer_fc1")
-    p.add_argument("--splits", default="even")
-    p.add_argument("--scalings", default="tensor")
-    p.add_argument("--options", default="4:1:0,8:1:0,16:1:0,4:2:0,4:1:1",
-                   help="promotion:swizzle:raster, comma separated; the first is the baseline")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iters", type=int, default=5)
     p = sub.add_parser("ceiling", help="cuBLAS's dense FP8 GEMMs and the tensor cores' rate beside ours")
     p.add_argument("--shapes", default="dsv3_fc1,dsv3_fc2,square")
     p.add_argument("--per-expert-max", type=int, default=64, help="time cuBLAS per expert up to this many experts")
@@ -623,7 +560,7 @@ def _checked(run):
 
 def main(argv=None) -> int:
     return timing.run_subcommand(build_parser(), {"grouped": _checked(grouped), "ceiling": _checked(ceiling),
-                                                   "tiles": _checked(tiles), "launch": _checked(launch)},
+                                                   "tiles": _checked(tiles)},
                                  "fp8_gemm", argv)
 
 

@@ -209,7 +209,7 @@ class GemmLibrary:
         self.run.restype = c.c_int
         self.run.argtypes = run_argtypes
         self._ws_cache = {}
-        self.path, self.cdll = path, lib
+        self.path = path
 
     def workspace_bytes(self, num_groups: int, sm_count: int) -> int:
         key = (num_groups, sm_count)

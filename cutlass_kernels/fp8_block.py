@@ -14,13 +14,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 from .build import KINDS, SCHEDULES, GemmLibrary, Libraries, build_cutlass_source, open_cutlass_source
 from .heuristics import FP8_CONFIGS, FP8_FAST_LONG_K, FP8_FAST_SHORT_K, FP8_TENSOR_CONFIG, config_fits, fp8_config
 
-__all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "Tuning", "choose_fp8_config", "config_fits", "load_fp8",
-           "build_fp8_instance", "Fp8Library", "set_tuning", "tuning"]
+__all__ = ["FP8_CONFIGS", "FORMATS", "Fp8Instance", "choose_fp8_config", "config_fits", "load_fp8",
+           "build_fp8_instance"]
 
 SOURCE = Path(__file__).resolve().parent / "fp8_block_gemm.cu"
 FORMATS = ("e4m3", "e5m2")
@@ -85,76 +85,20 @@ def _reported(lib) -> tuple:
     return (lib.te_fb_kind(), lib.te_fb_config(), *((formats >> bit) & 1 for bit in range(4)))
 
 
-class Tuning(NamedTuple):
-    """Launch options of an FP8 instance (``te_fb_set_tuning`` in the source): ``promotion``, the tensor-core K steps
-    (32 each) a tensor-scaled promoting kernel accumulates before adding into its fp32 accumulator (4: every 128 of
-    K, CUTLASS's default; block scales always promote per scale block, fast accumulation never); the tile
-    scheduler's ``swizzle`` (1, 2, 4, 8) and ``raster`` (0: along M, 1: along N)."""
-
-    promotion: int = 4
-    swizzle: int = 1
-    raster: int = 0
-
-
-def _checked(tuning) -> Tuning:
-    tuning = Tuning(*tuning)
-    if tuning.promotion <= 0 or tuning.promotion % 4 or tuning.swizzle not in (1, 2, 4, 8) or tuning.raster not in (0, 1):
-        raise ValueError(f"FP8 launch options: promotion a positive multiple of 4, swizzle 1/2/4/8, raster 0/1; "
-                         f"received {tuning}")
-    return tuning
-
-
-class Fp8Library(GemmLibrary):
-    """An FP8 instance's library and the launch options it runs with (each library holds its own: te_dist sets the
-    promotion per direction)."""
-
-    tuning = Tuning()
-
-    def tune(self, tuning) -> None:
-        """Run every later call with ``tuning``; ValueError, nothing changed, for options the kernels do not take."""
-        tuning = _checked(tuning)
-        if self.cdll.te_fb_set_tuning(*tuning) != 0:
-            raise ValueError(f"FP8 launch options {tuning}: {self.last_error()}")
-        self.tuning = tuning
-
-
-_TUNING = {"now": Tuning()}  # what libraries opened from now on start with
-
-
-def tuning() -> Tuning:
-    """The launch options a library opened now starts with."""
-    return _TUNING["now"]
-
-
-def set_tuning(tuning) -> Tuning:
-    """Every FP8 library's launch options from now on, in this process (those opened and those opened later; a
-    library's own ``tune`` may change its own after); returns the options before. ValueError, nothing changed, for
-    options the kernels do not take."""
-    tuning = _checked(tuning)
-    before, _TUNING["now"] = _TUNING["now"], tuning
-    for lib in list(_LIBRARIES.loaded.values()):
-        lib.tune(tuning)
-    return before
-
-
-def _open_instance(key) -> Fp8Library:
-    """The library of one instance (with the process's launch options); one that fails to open is rebuilt once,
-    then BuildError."""
+def _open_instance(key) -> GemmLibrary:
+    """The library of one instance; a library that fails to open is rebuilt once, then BuildError."""
     inst = Fp8Instance(*key)
     expected = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
                 int(inst.out_f32), int(inst.tensor_scales))
-    lib = open_cutlass_source(SOURCE, inst.name, inst.macros,
-                              lambda path: Fp8Library(path, "te_fb", _RUN_ARGTYPES, _reported, expected))
-    if _TUNING["now"] != lib.tuning:
-        lib.tune(_TUNING["now"])
-    return lib
+    return open_cutlass_source(SOURCE, inst.name, inst.macros,
+                               lambda path: GemmLibrary(path, "te_fb", _RUN_ARGTYPES, _reported, expected))
 
 
 _LIBRARIES = Libraries(_open_instance)
 
 
 def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32: bool = False,
-             tensor_scales: bool = False) -> Fp8Library:
+             tensor_scales: bool = False) -> GemmLibrary:
     """The library of one instance, built on first use (``build.Libraries`` says how it is kept)."""
     return _LIBRARIES.get((direction, config, a_format, b_format, out_f32, tensor_scales))
 

@@ -37,9 +37,6 @@
 // legal; wgrad writes zeros for them.
 #include <cuda_runtime.h>
 #include <cstdint>
-#include <atomic>
-#include <type_traits>
-#include <utility>
 #include <cstdio>
 
 #include "cute/tensor.hpp"
@@ -293,27 +290,6 @@ __global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_grou
   if (p.ptr_bias != nullptr) p.ptr_bias[e] = bias + static_cast<int64_t>(e) * n;
 }
 
-// The launch options te_fb_set_tuning sets for the whole process (CUTLASS's defaults until then): how many
-// tensor-core K steps (32 each) tensor-scaled promoting schedules accumulate before adding into the fp32
-// accumulator (4: every scale block of 128), and the tile scheduler's swizzle and raster order (0: along M, 1: along N).
-struct Tuning {
-  int promotion = 4, swizzle = 1, raster = 0;
-};
-static Tuning g_tuning;
-static std::atomic<int> g_tuning_generation{0};  // each thread's prepared Params hold for one generation
-
-// Only the promoting FP8 mainloop has a promotion interval (fast accumulation's mainloop never promotes).
-template <class M, class = void>
-struct HasPromotion : std::false_type {};
-template <class M>
-struct HasPromotion<M, std::void_t<decltype(std::declval<M&>().mma_promotion_interval)>> : std::true_type {};
-template <class M>
-void set_promotion(M& mainloop, int interval) {
-  if constexpr (HasPromotion<M>::value) mainloop.mma_promotion_interval = static_cast<uint32_t>(interval);
-}
-static_assert(!kTensorScales || HasPromotion<typename GemmKernel::MainloopArguments>::value == !kFastAccum,
-              "tensor scales: the promoting mainloop takes the promotion interval, fast accumulation's has none");
-
 static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l, char* ws, bool has_scale,
                                                bool has_bias, int sm_count, int device_id) {
   cutlass::KernelHardwareInfo hw_info;
@@ -323,26 +299,20 @@ static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l
 #if TE_FB_TENSOR_SCALES  // the two branches' Arguments differ in shape: a constexpr if would compile both
   typename Epilogue::Arguments fusion{{p.ptr_scale, 1.0f, {}}, {{{1.0f}, {p.alpha}, {}}, {}, {}}, {p.ptr_bias, 0.0f, {}}, {}};
   typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b};
-  set_promotion(mainloop, g_tuning.promotion);
 #else
   auto fusion = te_grouped::row_scale_bias_arguments<Epilogue>(p.ptr_scale, p.ptr_bias);
   typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_sfa, p.layout_sfa, p.ptr_sfb,
                                             p.layout_sfb};
 #endif
-  typename GemmKernel::TileSchedulerArguments scheduler;
-  scheduler.max_swizzle_size = g_tuning.swizzle;
-  using Raster = decltype(scheduler.raster_order);
-  scheduler.raster_order = g_tuning.raster == 1 ? Raster::AlongN : Raster::AlongM;
   return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
                                   {num_groups, p.shapes, nullptr},
                                   mainloop,
                                   {fusion, nullptr, p.stride_d, p.ptr_d, p.stride_d},
-                                  hw_info, scheduler};
+                                  hw_info};
 }
 
 // Kernel Params per launch key, per host thread (te_grouped::LaunchKey says why they can be reused).
 static thread_local te_grouped::PreparedLaunches<WsLayout, typename GemmKernel::Params> t_prepared;
-static thread_local int t_prepared_generation = 0;
 
 static WsLayout layout_for(int num_groups, int sm_count, int device_id) {
   WsLayout probe = make_layout_for(num_groups, 0);
@@ -361,20 +331,6 @@ int te_fb_formats() {
 }
 
 const char* te_fb_last_error() { return te_grouped::g_error; }
-
-// Launch options for every later call of this library (Tuning above), on every thread: Params prepared under other
-// options are dropped at their thread's next call. Returns 1 (and sets the error) for a promotion that is not a
-// positive multiple of the 4 K steps of a 128-long tile, a swizzle other than 1, 2, 4 or 8, or a raster other than 0/1.
-int te_fb_set_tuning(int promotion, int swizzle, int raster) {
-  if (promotion <= 0 || promotion % 4 != 0) return te_grouped::fail("te_fb_set_tuning", "promotion: a multiple of 4");
-  if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) {
-    return te_grouped::fail("te_fb_set_tuning", "swizzle: 1, 2, 4 or 8");
-  }
-  if (raster != 0 && raster != 1) return te_grouped::fail("te_fb_set_tuning", "raster: 0 (along M) or 1 (along N)");
-  te_fb::g_tuning = te_fb::Tuning{promotion, swizzle, raster};
-  te_fb::g_tuning_generation.fetch_add(1);
-  return 0;
-}
 
 int te_fb_workspace_bytes(int num_groups, int sm_count, size_t* bytes) {
   *bytes = te_fb::layout_for(num_groups, sm_count, 0).total;
@@ -396,10 +352,6 @@ int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const flo
   char* ws = static_cast<char*>(workspace);
   bool has_scale = row_scale != nullptr, has_bias = bias != nullptr;
   te_grouped::LaunchKey key{workspace, num_groups, sm_count, device_id, has_scale, has_bias};
-  if (int generation = g_tuning_generation.load(); generation != t_prepared_generation) {  // options changed
-    for (auto& slot : t_prepared.slots) slot.valid = false;
-    t_prepared_generation = generation;
-  }
   auto* prepared = t_prepared.find(key);
   WsLayout l = prepared != nullptr ? prepared->layout : layout_for(num_groups, sm_count, device_id);
   if (workspace_bytes < l.total) return fail("te_fb_run", "workspace too small");

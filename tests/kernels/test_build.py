@@ -6,11 +6,9 @@ fp32 output (PTX only), all compiled at once: a full build of one instance takes
 core here, and the GPU runs build every instance ahead of time anyway (python -m cutlass_kernels).
 """
 
-import ctypes
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 
@@ -109,43 +107,9 @@ def _fp8_build(tmp_path):
     path = build_fp8_instance(Fp8Instance("wgrad", 0, a_format="e5m2"))
     assert path.exists() and path.parent == tmp_path
     symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
-    for name in ("te_fb_run", "te_fb_workspace_bytes", "te_fb_kind", "te_fb_formats", "te_fb_last_error",
-                 "te_fb_set_tuning"):
+    for name in ("te_fb_run", "te_fb_workspace_bytes", "te_fb_kind", "te_fb_formats", "te_fb_last_error"):
         assert f" T {name}" in symbols, name
-    lib = ctypes.CDLL(str(path))  # the launch options are host code: no GPU needed
-    lib.te_fb_last_error.restype = ctypes.c_char_p
-    assert lib.te_fb_set_tuning(8, 2, 1) == 0 and lib.te_fb_set_tuning(4, 1, 0) == 0
-    for bad, word in (((6, 1, 0), b"promotion"), ((4, 3, 0), b"swizzle"), ((4, 1, 2), b"raster")):
-        assert lib.te_fb_set_tuning(*bad) == 1 and word in lib.te_fb_last_error(), bad
     return path
-
-
-def test_fp8_launch_options_are_checked_before_any_library_hears_them(monkeypatch):
-    """fp8_block.set_tuning: options the kernels do not take are a ValueError naming them, nothing changed; good ones
-    reach every opened library (a fake C library here) and become what libraries opened later start with; the call
-    returns the old ones. A library's own ``tune`` changes that library only."""
-    from cutlass_kernels import fp8_block
-
-    heard = []
-
-    def fake(name):
-        lib = fp8_block.Fp8Library.__new__(fp8_block.Fp8Library)
-        lib.cdll = SimpleNamespace(te_fb_set_tuning=lambda *option: heard.append((name, option)) or 0)
-        return lib
-
-    libs = {("fwd",): fake("fwd"), ("wgrad",): fake("wgrad")}
-    monkeypatch.setattr(fp8_block._LIBRARIES, "loaded", libs)
-    monkeypatch.setitem(fp8_block._TUNING, "now", fp8_block.Tuning())
-    for bad in ((0, 1, 0), (6, 1, 0), (4, 3, 0), (4, 1, 2)):
-        with pytest.raises(ValueError, match="promotion a positive multiple of 4"):
-            fp8_block.set_tuning(fp8_block.Tuning(*bad))
-        with pytest.raises(ValueError, match="promotion a positive multiple of 4"):
-            libs[("wgrad",)].tune(bad)
-    assert heard == [] and fp8_block.tuning() == fp8_block.Tuning()
-    assert fp8_block.set_tuning((8, 2, 1)) == fp8_block.Tuning() and fp8_block.tuning() == (8, 2, 1)
-    assert heard == [("fwd", (8, 2, 1)), ("wgrad", (8, 2, 1))]
-    libs[("wgrad",)].tune(libs[("wgrad",)].tuning._replace(promotion=16))
-    assert heard[-1] == ("wgrad", (16, 2, 1)) and libs[("fwd",)].tuning == (8, 2, 1)
 
 
 def _compile_device_code(inst, out):

@@ -117,35 +117,6 @@ def test_tensor_scaled_forward_tiles_promoted_and_fast(cuda_device, name, Kin):
     assert _rel(got[True], got[False]) <= 6e-3 and not torch.equal(got[True], got[False])
 
 
-def test_launch_options_keep_the_result(cuda_device):
-    """cutlass_kernels.fp8_block.set_tuning: a longer promotion interval changes tensor-scaled dgrad and wgrad by the
-    tensor cores' accumulation only (each within bf16 rounding of float32 GEMMs, and not bit for bit the default's),
-    a swizzle or raster order changes nothing, block scales ignore the interval; the default comes back after."""
-    from cutlass_kernels import fp8_block
-
-    torch.manual_seed(5)
-    E, Kin, N, sizes = 3, 2048, 384, [1024, 0, 1536]
-    for name in ("current", "block"):
-        xq, wq, dyq, offs = _operands(RECIPES[name](), E, Kin, N, sizes, cuda_device)
-        calls = {"dgrad": lambda: K.grouped_mm_quantized_dgrad(dyq, wq, offs, backend="cutlass"),
-                 "wgrad": lambda: K.grouped_mm_quantized_wgrad(xq, dyq, offs, num_groups=E, backend="cutlass")}
-        for direction, call in calls.items():
-            reference, got = _reference(direction, xq, wq, dyq, sizes), {}
-            for option in ((4, 1, 0), (16, 1, 0), (4, 4, 0), (4, 1, 1)):
-                before = fp8_block.set_tuning(fp8_block.Tuning(*option))
-                try:
-                    got[option] = call()
-                finally:
-                    fp8_block.set_tuning(before)
-                assert _rel(got[option], reference) <= 2.5e-3, (name, direction, option)
-            default = got[(4, 1, 0)]
-            assert torch.equal(got[(4, 4, 0)], default) and torch.equal(got[(4, 1, 1)], default), (name, direction)
-            assert torch.equal(got[(16, 1, 0)], default) == (name == "block"), (name, direction)
-            assert torch.equal(call(), default), (name, direction)
-    with pytest.raises(ValueError, match="promotion"):
-        fp8_block.set_tuning(fp8_block.Tuning(6, 1, 0))
-
-
 LOOP_CASES = [(name, case) for name in ("block", "current", "delayed")
               for case in CASES + [(2, 512, 1024, [256, 384])] + (CASES_16 if name != "block" else [])]
 
