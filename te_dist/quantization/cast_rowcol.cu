@@ -14,11 +14,8 @@
 // of 4 rows x 8 columns (four 16-byte loads of bf16), stores its four 8-byte rowwise pieces, and
 // packs the patch column by column into 8 words (the byte of row 4q+i at bit 8i): the transposed
 // tile goes through shared memory as whole words only. Then each thread writes 32 bytes (8 words)
-// of one transposed row, as two 16-byte stores. Needs R % 16 == 0 and C % 128 == 0 (the host
-// checks; other shapes take the Triton path): a matrix has ceil(R / 64) tiles of rows, and its last
-// one may hold only 16, 32 or 48 rows. There a thread whose quad of rows lies past R reads and
-// stores nothing (its rows count as 0 for the amax, a max of |x|), and a 16-byte piece of a
-// transposed row past R is not stored: with R % 16 == 0 each piece lies wholly inside or outside.
+// of one transposed row. Needs R % 64 == 0 and C % 128 == 0 (the host checks; other shapes take
+// the Triton path).
 //
 // C ABI (launch on the given stream; 0 or a cudaError_t, see te_cr_last_error):
 //   te_cr_cast(x, out, out_t, scale, amax_bits or NULL, B, R, C, fmt, fmt_max, stream)
@@ -53,7 +50,6 @@
 namespace {
 
 constexpr int kTileRows = 64;
-constexpr int kRowAlign = 16;                    // R's multiple: one 16-byte store of a transposed row
 constexpr int kTileCols = 128;
 constexpr int kThreads = 256;
 constexpr int kWordsPerCol = kTileRows / 4;      // words of one transposed row within a tile
@@ -130,28 +126,24 @@ __host__ __device__ __forceinline__ int abs_bits(float v) {
   return bits & 0x7FFFFFFF;
 }
 
-// Where block (b, r0, c0) sits: matrix b, rows r0.., columns c0.. of it (rows past R in a matrix's last tile).
+// Where block (b, r0, c0) sits: matrix b, rows r0.., columns c0.. of it.
 struct Tile {
   int64_t b, r0, c0;
 };
 
-__host__ __device__ __forceinline__ int64_t row_tiles(int64_t R) { return (R + kTileRows - 1) / kTileRows; }
-
 __host__ __device__ __forceinline__ Tile tile_of(int64_t block_x, int64_t block_y, int64_t R) {
-  const int64_t tiles_r = row_tiles(R);
+  const int64_t tiles_r = R / kTileRows;
   const int64_t b = block_x / tiles_r;
   return Tile{b, (block_x - b * tiles_r) * kTileRows, block_y * kTileCols};
 }
 
 // Phase 1 of thread t: its 4 x 8 patch (octet j of the tile's columns, quad q of its rows) cast and
-// stored rowwise, its columns packed into words in tile_t; returns the patch's amax bits. A quad past R
-// (R % 4 == 0: wholly past) is neither read nor stored, nor are its tile_t words written (phase 2 skips them).
+// stored rowwise, its columns packed into words in tile_t; returns the patch's amax bits.
 template <typename T, __nv_fp8_interpretation_t kFmt>
 __host__ __device__ __forceinline__ int cast_patch(const T* x, uint8_t* out, uint32_t* tile_t, float scale,
                                                    float fmt_max, int64_t R, int64_t C, Tile tile, int t) {
   const int j = t % (kTileCols / 8);
   const int q = t / (kTileCols / 8);
-  if (tile.r0 + 4 * q >= R) return 0;
   const int64_t base = tile.b * R * C;
   uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int amax = 0;
@@ -175,18 +167,17 @@ __host__ __device__ __forceinline__ int cast_patch(const T* x, uint8_t* out, uin
   return amax;
 }
 
-// Phase 2 of thread t: half h of transposed row c (32 bytes = words 8h .. 8h+7) from tile_t, as two 16-byte
-// stores; a piece starting at or past R (R % 16 == 0: then wholly past R) is neither read nor stored.
+// Phase 2 of thread t: half h of transposed row c (32 bytes = words 8h .. 8h+7) from tile_t.
 __host__ __device__ __forceinline__ void store_transposed(uint8_t* out_t, const uint32_t* tile_t, int64_t R,
                                                           int64_t C, Tile tile, int t) {
   const int c = t / 2;
   const int h = t % 2;
-  const int64_t r = tile.r0 + 32 * h;  // this half's first row: its first byte in the transposed row
-  const uint32_t* w = tile_t + c * kSmemStride + 8 * h;
-  uint4* dst = reinterpret_cast<uint4*>(out_t + tile.b * C * R + (tile.c0 + c) * R + r);
+  uint32_t w[8];
 #pragma unroll
-  for (int p = 0; p < 2; ++p)
-    if (r + 16 * p < R) dst[p] = make_uint4(w[4 * p], w[4 * p + 1], w[4 * p + 2], w[4 * p + 3]);
+  for (int i = 0; i < 8; ++i) w[i] = tile_t[c * kSmemStride + 8 * h + i];
+  uint4* dst = reinterpret_cast<uint4*>(out_t + tile.b * C * R + (tile.c0 + c) * R + tile.r0 + 32 * h);
+  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
 template <typename T, __nv_fp8_interpretation_t kFmt, bool kAmax>
@@ -219,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) cast_rowcol_kernel(const T* __restri
 template <typename T, __nv_fp8_interpretation_t kFmt>
 int launch(const void* x, void* out, void* out_t, const float* scale, int* amax_bits, int64_t B, int64_t R,
            int64_t C, float fmt_max, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(B * row_tiles(R)), static_cast<unsigned>(C / kTileCols));
+  const dim3 grid(static_cast<unsigned>(B * (R / kTileRows)), static_cast<unsigned>(C / kTileCols));
   const T* xt = static_cast<const T*>(x);
   uint8_t* o = static_cast<uint8_t*>(out);
   uint8_t* ot = static_cast<uint8_t*>(out_t);
@@ -468,16 +459,16 @@ const char* te_cr_last_error() { return g_error; }
 // packing and layouts with. bfloat16 x only; amax_bits as in te_cr_cast (or NULL).
 int te_cr_cast_on_host(const void* x, void* out, void* out_t, float scale, int* amax_bits, int64_t B, int64_t R,
                        int64_t C, int fmt, float fmt_max) {
-  if (B <= 0 || R <= 0 || C <= 0 || R % kRowAlign || C % kTileCols || (fmt != 0 && fmt != 1)) return 1;
+  if (B <= 0 || R <= 0 || C <= 0 || R % kTileRows || C % kTileCols || (fmt != 0 && fmt != 1)) return 1;
   static uint32_t tile_t[kTileCols * kSmemStride];
   const __nv_bfloat16* xt = static_cast<const __nv_bfloat16*>(x);
-  for (int64_t bx = 0; bx < B * row_tiles(R); ++bx) {
+  for (int64_t bx = 0; bx < B * (R / kTileRows); ++bx) {
     for (int64_t by = 0; by < C / kTileCols; ++by) {
       const Tile tile = tile_of(bx, by, R);
       for (int t = 0; t < kThreads; ++t) {
-        uint8_t* o = static_cast<uint8_t*>(out);
-        const int amax = fmt == 0 ? cast_patch<__nv_bfloat16, __NV_E4M3>(xt, o, tile_t, scale, fmt_max, R, C, tile, t)
-                                  : cast_patch<__nv_bfloat16, __NV_E5M2>(xt, o, tile_t, scale, fmt_max, R, C, tile, t);
+        const int amax = fmt == 0
+            ? cast_patch<__nv_bfloat16, __NV_E4M3>(xt, static_cast<uint8_t*>(out), tile_t, scale, fmt_max, R, C, tile, t)
+            : cast_patch<__nv_bfloat16, __NV_E5M2>(xt, static_cast<uint8_t*>(out), tile_t, scale, fmt_max, R, C, tile, t);
         if (amax_bits != nullptr && amax > *amax_bits) *amax_bits = amax;
       }
       for (int t = 0; t < kThreads; ++t) store_transposed(static_cast<uint8_t*>(out_t), tile_t, R, C, tile, t);
@@ -488,11 +479,11 @@ int te_cr_cast_on_host(const void* x, void* out, void* out_t, float scale, int* 
 
 int te_cr_cast(const void* x, void* out, void* out_t, const float* scale, int* amax_bits, int64_t B, int64_t R,
                int64_t C, int dtype, int fmt, float fmt_max, cudaStream_t stream) {
-  if (B <= 0 || R <= 0 || C <= 0 || R % kRowAlign || C % kTileCols || (fmt != 0 && fmt != 1) || dtype < 0 ||
-      dtype > 2 || B * row_tiles(R) > 0x7FFFFFFF || C / kTileCols > 65535) {
+  if (B <= 0 || R <= 0 || C <= 0 || R % kTileRows || C % kTileCols || (fmt != 0 && fmt != 1) || dtype < 0 ||
+      dtype > 2 || B * (R / kTileRows) > 0x7FFFFFFF || C / kTileCols > 65535) {
     snprintf(g_error, sizeof(g_error),
              "te_cr_cast: B=%lld R=%lld C=%lld dtype=%d fmt=%d (R %% %d == 0, C %% %d == 0, dtype 0-2, fmt 0-1 needed)",
-             static_cast<long long>(B), static_cast<long long>(R), static_cast<long long>(C), dtype, fmt, kRowAlign,
+             static_cast<long long>(B), static_cast<long long>(R), static_cast<long long>(C), dtype, fmt, kTileRows,
              kTileCols);
     return static_cast<int>(cudaErrorInvalidValue);
   }

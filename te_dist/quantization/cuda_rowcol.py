@@ -24,12 +24,11 @@ import torch
 
 from .. import settings
 
-__all__ = ["SOURCE", "TILE_ROWS", "ROW_ALIGN", "TILE_COLS", "BLOCK", "fits", "enabled_for", "cast_rowcol",
-           "blocks_fit", "blocks_enabled_for", "cast_blocks"]
+__all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "BLOCK", "fits", "enabled_for", "cast_rowcol", "blocks_fit",
+           "blocks_enabled_for", "cast_blocks"]
 
 SOURCE = Path(__file__).resolve().parent / "cast_rowcol.cu"
-TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): C must be a multiple, R need not
-ROW_ALIGN = 16  # R's multiple: a matrix's last tile of rows may be partial, in whole 16-byte transposed pieces
+TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): R and C must be multiples
 BLOCK = 128  # the 1x128 block cast's block length and square tile: its R and C must be multiples
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _BLOCK_DTYPES = (torch.bfloat16, torch.float16)  # the block kernel's 16-bit tiles
@@ -66,9 +65,9 @@ class _Library:
                      amax_bits: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The kernel's two phases run on the host over a CPU bf16 x (the CPU tests' check of its tiling,
         packing and layouts; no GPU needed)."""
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-2] % ROW_ALIGN or x.shape[-1] % TILE_COLS:
-            raise ValueError(f"cast_on_host takes a CPU bf16 x [..., R, C] with R % {ROW_ALIGN} == 0 and "
-                             f"C % {TILE_COLS} == 0, received {tuple(x.shape)} {x.dtype} on {x.device}")
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-2] % TILE_ROWS or x.shape[-1] % TILE_COLS:
+            raise ValueError(f"cast_on_host takes a CPU bf16 x [..., R, C] on the tile, received {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
         x = x.contiguous()
         rows, cols = x.shape[-2], x.shape[-1]
         data = torch.empty(x.shape, dtype=fp8_dtype)
@@ -122,10 +121,9 @@ def _library() -> Optional[_Library]:
 
 def fits(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
     """Whether the kernel takes x [..., R, C]: a CUDA tensor of a supported dtype, R a multiple of
-    ``ROW_ALIGN`` (MoE expert rows padded to 16), C of ``TILE_COLS`` (a pure shape check: no build, no
-    device query)."""
+    ``TILE_ROWS``, C of ``TILE_COLS`` (a pure shape check: no build, no device query)."""
     return (x.is_cuda and x.dim() >= 2 and x.dtype in _DTYPES and fp8_dtype in _FORMATS and x.numel() > 0
-            and x.shape[-2] % ROW_ALIGN == 0 and x.shape[-1] % TILE_COLS == 0)
+            and x.shape[-2] % TILE_ROWS == 0 and x.shape[-1] % TILE_COLS == 0)
 
 
 def enabled_for(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
@@ -139,7 +137,7 @@ def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fm
     float32 one-element tensor on x's device; ``amax_bits``: an int32 tensor whose first element takes
     max(its value, the bits of max|x|). Call only where :func:`enabled_for` is True."""
     if not fits(x, fp8_dtype):
-        raise ValueError(f"cast_rowcol takes a CUDA x [..., R, C] of {tuple(_DTYPES)} with R % {ROW_ALIGN} == 0 and "
+        raise ValueError(f"cast_rowcol takes a CUDA x [..., R, C] of {tuple(_DTYPES)} with R % {TILE_ROWS} == 0 and "
                          f"C % {TILE_COLS} == 0 and an FP8 dtype of {tuple(_FORMATS)}, received {tuple(x.shape)} "
                          f"{x.dtype} on {x.device} -> {fp8_dtype}")
     if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
