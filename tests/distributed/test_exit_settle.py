@@ -19,11 +19,14 @@ WORKER = Path(__file__).resolve().parent / "workers" / "exit_after_collective.py
 ABORT = "terminate called without an active exception"
 
 PROBE = """
-import gc, sys
+import gc, sys, time
 import torch.distributed as dist
 from te_dist.distributed.exit_settle import collective_threads_alive
 seen = [collective_threads_alive()]
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+deadline = time.monotonic() + 10  # a new thread names itself once it runs: on a loaded machine, a moment later
+while not collective_threads_alive() and time.monotonic() < deadline:
+    time.sleep(0.02)
 seen.append(collective_threads_alive())
 dist.destroy_process_group()
 gc.collect()
