@@ -242,11 +242,13 @@ def token_memory(args) -> list:
 
 
 # kinds of kernels by the words of their names, the first match wins (attention before GEMMs: cuDNN's flash
-# kernels are wgmma GEMMs too; FP8 GEMMs before bf16 ones)
+# kernels are wgmma GEMMs too; casts and SwiGLU before FP8 GEMMs: their signatures name FP8 types; FP8 GEMMs before
+# bf16 ones)
 KINDS = (("attention", ("flash", "fmha", "sdpa")),
+         ("cast", ("_cast", "cast_", "quant", "amax", "transpose", "rowcol")),  # not "broadcast" (GEMM epilogues)
+         ("swiglu", ("swiglu", "silu")),
          ("fp8 gemm", ("fp8", "e4m3", "qqtst", "qrtst", "blockscaled")),
          ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "sm90_")),
-         ("cast", ("cast", "quant", "amax", "transpose", "rowcol")),
          ("loss", ("_cross_entropy", "softmax", "nll", "log_")),
          ("optimizer", ("multi_tensor", "adam")),
          ("norm", ("norm",)),

@@ -23,3 +23,21 @@ def test_profile_sums_kernel_time_by_kind_per_recipe(tmp_path):
         assert recipe["ms_per_step"] > 0 and len(recipe["top_ms"]) == 3
         assert sum(recipe["kinds_ms"].values()) > 0
     assert data["current"]["kinds_ms"].get("cast", 0) > 0  # the FP8 recipe quantizes; bf16 casts nothing of its own
+
+
+def test_kernel_kinds_file_casts_as_casts_though_their_names_carry_fp8_types():
+    """A cast kernel's signature names its FP8 type (it used to count as an FP8 GEMM); GEMMs keep their kinds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from train import kind_of
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    casts = ["void (anonymous namespace)::cast_rowcol_kernel<__nv_bfloat16, (__nv_fp8_interpretation_t)1, false>(...)",
+             "void (anonymous namespace)::cast_blocks_kernel<__nv_bfloat16, (__nv_fp8_interpretation_t)0>(...)",
+             "_transpose_bytes_kernel", "_amax_kernel", "_cast_tile_kernel"]
+    assert [kind_of(name) for name in casts] == ["cast"] * len(casts)
+    assert kind_of("_scaled_swiglu_forward_fp8_rows") == kind_of("triton_poi_fused_mul_silu_split_0") == "swiglu"
+    assert kind_of("nvjet_sm90_qqtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT") == "fp8 gemm"
+    assert kind_of("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversal...NS_12float_e4m3_tE...") == "fp8 gemm"
+    assert kind_of("_ZN7cutlass13device_kernel...16Sm90RowBroadcastILi0E...NS_12float_e4m3_tE...") == "fp8 gemm"
+    assert kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
