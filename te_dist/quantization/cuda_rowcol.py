@@ -216,4 +216,3 @@ def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2
                    _FORMATS[fp8_dtype], float(fmt_max), int(power_2), int(col_scales_t),
                    torch.cuda.current_stream(x.device).cuda_stream)
     return outs
-

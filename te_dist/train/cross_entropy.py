@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..autocast import get_active_recipe
 from ..quantization import amax_hints
-from ..recipe import Float8CurrentScaling
+from ..quantization.api import QUANTIZER_TYPES
 
 __all__ = ["cross_entropy", "fused_available"]
 
@@ -105,8 +105,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, V, -(-V // _BLOCK), BLOCK=_BLOCK,
                           num_warps=8)
         ctx.save_for_backward(logits_TV, targets_T, lse_T)
-        # under current scaling the LM head's backward casts this gradient: its amax comes from the kernel
-        ctx.tell_amax = isinstance(get_active_recipe(), Float8CurrentScaling)
+        # where the recipe's quantizers take amax hints (current scaling), the LM head's backward casts this gradient
+        ctx.tell_amax = getattr(QUANTIZER_TYPES.get(type(get_active_recipe())), "takes_amax_hint", False)
         return loss_T.sum() / T
 
     @staticmethod
