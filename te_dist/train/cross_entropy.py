@@ -19,7 +19,7 @@ from ..autocast import get_active_recipe
 from ..quantization import amax_hints
 from ..quantization.api import QUANTIZER_TYPES
 
-__all__ = ["cross_entropy", "fused_available"]
+__all__ = ["cross_entropy", "forward_rows", "fused_available"]
 
 _BLOCK = 4096  # logits of one row read per loop iteration (bf16: 8 KiB)
 _kernels = None  # (forward, backward) once compiled
@@ -31,12 +31,15 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def _cross_entropy_forward(logits, row_stride, targets, loss, lse, V, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    def _cross_entropy_forward(logits, row_stride, targets, loss, lse, dmax, V, CHUNKS: tl.constexpr,
+                               BLOCK: tl.constexpr, DMAX: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         offs = tl.arange(0, BLOCK)
+        target = tl.load(targets + row)
         m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max and sum of exp(x - m)
         s = tl.zeros([BLOCK], tl.float32)
+        other = tl.full([BLOCK], float("-inf"), tl.float32)  # DMAX: per-lane max of the non-target logits
         for i in range(CHUNKS):
             start = i * BLOCK
             x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
@@ -44,14 +47,20 @@ def _build():
             s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
             s = tl.where(m_new == float("-inf"), 0.0, s)  # lanes that saw only padding
             m = m_new
+            if DMAX:
+                other = tl.maximum(other, tl.where(start + offs == target, float("-inf"), x))
         row_max = tl.max(m, 0)
         total = tl.sum(s * tl.exp(m - row_max), 0)
         row_lse = row_max + tl.log(total)
-        target = tl.load(targets + row)
         inside = (target >= 0) & (target < V)  # else no read off the row: a NaN loss, which the loop reports
         picked = tl.load(base + target, mask=inside, other=float("nan")).to(tl.float32)
         tl.store(lse + row, row_lse)
         tl.store(loss + row, row_lse - picked)
+        if DMAX:  # max |softmax - onehot| of the row, each term as the backward computes it (exp is monotone)
+            d = tl.maximum(tl.exp(tl.max(other, 0) - row_lse), tl.abs(tl.exp(picked - row_lse) - 1.0))
+            bits = d.to(tl.int32, bitcast=True)
+            if bits > tl.load(dmax):  # triton_casts._merge_amax's rule
+                tl.atomic_max(dmax, bits)
 
     @triton.jit
     def _cross_entropy_backward(logits, row_stride, targets, lse, grad_loss, grad_logits, amax, V,
@@ -82,6 +91,22 @@ def _build():
     return _cross_entropy_forward, _cross_entropy_backward
 
 
+def forward_rows(logits_TV: torch.Tensor, targets_T: torch.Tensor, dmax_bits=None):
+    """(loss_T, lse_T) of the fused forward kernel, float32; with ``dmax_bits`` (int32 [1], zeroed) it also merges
+    max |softmax - onehot| over the logits into it as float32 bits (te_dist.train.head_loss: the amax of the
+    logits' gradient before the backward writes it)."""
+    global _kernels
+    if _kernels is None:
+        _kernels = _build()
+    T, V = logits_TV.shape
+    loss_T = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
+    lse_T = torch.empty_like(loss_T)
+    dmax = lse_T if dmax_bits is None else dmax_bits  # a placeholder pointer when DMAX is off
+    _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, dmax, V, -(-V // _BLOCK),
+                      BLOCK=_BLOCK, DMAX=dmax_bits is not None, num_warps=8)
+    return loss_T, lse_T
+
+
 def fused_available(logits_TV: torch.Tensor) -> bool:
     """Whether the fused path takes these logits: on CUDA, 2-D with unit column stride, Triton importable."""
     if not (logits_TV.is_cuda and logits_TV.dim() == 2 and logits_TV.stride(1) == 1):
@@ -96,14 +121,8 @@ def fused_available(logits_TV: torch.Tensor) -> bool:
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, targets_T):
-        global _kernels
-        if _kernels is None:
-            _kernels = _build()
-        T, V = logits_TV.shape
-        loss_T = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
-        lse_T = torch.empty_like(loss_T)
-        _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, V, -(-V // _BLOCK), BLOCK=_BLOCK,
-                          num_warps=8)
+        T = logits_TV.shape[0]
+        loss_T, lse_T = forward_rows(logits_TV, targets_T)
         ctx.save_for_backward(logits_TV, targets_T, lse_T)
         # where the recipe's quantizers take amax hints (current scaling), the LM head's backward casts this gradient
         ctx.tell_amax = getattr(QUANTIZER_TYPES.get(type(get_active_recipe())), "takes_amax_hint", False)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, model_dtype
-from .cross_entropy import cross_entropy
+from .head_loss import lm_head_loss
 
 __all__ = ["CausalSelfAttention", "MoEBlock", "MoETransformer", "build_model"]
 
@@ -111,16 +111,21 @@ class MoETransformer(nn.Module):
             self.norm = nn.RMSNorm(cfg.hidden_size, dtype=dtype, device=device)
             self.head = _dense(cfg.hidden_size, cfg.vocab_size, cfg.fp8_dense, dtype=dtype, device=device)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def features(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [B, S, H]: what the head reads."""
         x_BSH = self.embed(tokens_BS)
         for block in self.blocks:
             x_BSH = block(x_BSH)
-        return self.head(self.norm(x_BSH))
+        return self.norm(x_BSH)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(tokens_BS))
 
     def loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         """Mean next-token cross-entropy over this rank's tokens, in fp32 (``fused``: cross_entropy.py's kernels
-        on CUDA, the same math without an fp32 copy of the logits)."""
-        return cross_entropy(self(tokens_BS).flatten(0, 1), targets_BS.flatten(), fused=fused)
+        on CUDA, the same math without an fp32 copy of the logits; with an FP8 head, head and loss in one step
+        where head_loss.py says so)."""
+        return lm_head_loss(self.head, self.features(tokens_BS).flatten(0, 1), targets_BS.flatten(), fused=fused)
 
 
 def build_model(cfg: ModelConfig, *, seed: int, ep_group=None, device: Optional[torch.device] = None,

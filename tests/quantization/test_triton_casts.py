@@ -25,6 +25,7 @@ import torch
 from te_dist import recipe as R
 from te_dist import settings
 from te_dist.quantization import cast, fused, make_quantizer, set_fused_casts_enabled
+from triton_interpreter import patch_interpreter_conversions
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,31 +41,10 @@ E5M2 = (torch.float8_e5m2, 57344.0)
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
-def _patch_interpreter_conversions(monkeypatch):
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    original = interp._convert_float
-    torch_types = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
-                   tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
-    rtne = (None, interp._ir.ROUNDING_MODE.RTNE)
-
-    def convert(data, src, dst, rounding):
-        if src not in torch_types or dst not in torch_types or rounding not in rtne:
-            return original(data, src, dst, rounding)
-        raw = torch.from_numpy(np.ascontiguousarray(data).copy().view(np.uint8)).view(torch_types[src])
-        out = raw.to(torch_types[dst])
-        return out.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()]).numpy().view(
-            getattr(np, f"uint{8 * out.element_size()}")).reshape(data.shape)
-
-    monkeypatch.setattr(interp, "_convert_float", convert)
-
-
 @pytest.fixture(params=DEVICES)
 def device(request, monkeypatch):
     if request.param == "cpu":
-        _patch_interpreter_conversions(monkeypatch)
+        patch_interpreter_conversions(monkeypatch)
     return torch.device(request.param)
 
 

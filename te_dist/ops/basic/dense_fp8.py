@@ -95,13 +95,20 @@ class DenseFP8:
     @staticmethod
     def backward(op, saved: DenseFP8Saved, dy2: torch.Tensor, need_dx: bool):
         """``(dx, dweight)`` from one quantization of dy (rowwise for dgrad, columnwise for wgrad)."""
+        dyq = op.quantizers.grad_output(dy2, rowwise=need_dx, columnwise=saved.weight_requires_grad)
+        return DenseFP8.backward_quantized(op, saved, dyq, need_dx, dy2.dtype)
+
+    @staticmethod
+    def backward_quantized(op, saved: DenseFP8Saved, dyq, need_dx: bool, dx_dtype: torch.dtype):
+        """``(dx, dweight)`` from dy already quantized by the op's grad_output recipe (both layouts where both
+        GEMMs run): what :meth:`backward` does after its cast, for a producer that wrote dy in FP8 itself
+        (te_dist.train.head_loss)."""
         from ... import kernels
 
-        rows = dy2.shape[0]
-        dyq = op.quantizers.grad_output(dy2, rowwise=need_dx, columnwise=saved.weight_requires_grad)
+        rows = dyq.shape[0]
         dx = dw = None
         if need_dx:
-            dx = kernels.grouped_mm_quantized_dgrad(dyq, saved.weight, saved.offsets, out_dtype=dy2.dtype,
+            dx = kernels.grouped_mm_quantized_dgrad(dyq, saved.weight, saved.offsets, out_dtype=dx_dtype,
                                                     group_sizes=(rows,))
         if saved.weight_requires_grad:
             dw = kernels.grouped_mm_quantized_wgrad(saved.x_wgrad, dyq, saved.offsets, num_groups=1,

@@ -1,0 +1,138 @@
+"""te-dist train's LM head and loss in one step (te_dist/train/head_loss.py): the logits' gradient written as the
+head's FP8 operand by the loss's backward.
+
+Interpreter (triton and ``TRITON_INTERPRET=1``, else skipped: CI has no Triton): the forward's max |softmax - onehot|
+and the FP8 backward's bytes, transposed copy and scale equal the current-scaling cast of the bf16 gradient the
+fused backward writes, bit for bit, over ragged shapes, a target that is the row's maximum, both FP8 formats,
+power-of-two scales and a negative or zero upstream gradient. CPU: when the one-step path is taken (the switch, the
+head type, the recipe, the device) and that the fallback is the plain loss. GPU (``-m gpu``): the one step against
+the head's own forward and the fused loss, the same loss and the same gradients, bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from te_dist import recipe as R
+from te_dist import settings
+from te_dist.autocast import autocast
+from te_dist.ops import BasicLinear
+from te_dist.train import cross_entropy as ce
+from te_dist.train import head_loss
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+                                       reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
+E4M3 = (torch.float8_e4m3fn, 448.0)
+E5M2 = (torch.float8_e5m2, 57344.0)
+
+
+def _case(T, V, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(T, V, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, V, (T,), generator=g)
+    logits[1, targets[1]] = 30.0  # the target is the row's maximum: 1 - p_t is that row's largest term
+    return logits, targets
+
+
+def _bf16_gradient(logits, targets, lse, grad_loss):
+    """What the fused cross-entropy's backward stores (its own kernel, run the same way)."""
+    T, V = logits.shape
+    out = torch.empty_like(logits)
+    ce._kernels[1][(T,)](logits, logits.stride(0), targets, lse, grad_loss.reshape(1), out, lse, V,
+                         -(-V // ce._BLOCK), 1.0 / T, AMAX=False, BLOCK=ce._BLOCK, num_warps=8)
+    return out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("T,V,dtype", [(24, 384, torch.bfloat16), (20, 200, torch.bfloat16), (8, 4500, torch.float16)])
+@pytest.mark.parametrize("fmt,power_2", [(E4M3, True), (E5M2, False), (E4M3, False)])
+@pytest.mark.parametrize("grad_loss", [1.7, -0.5, 0.0])
+def test_fp8_gradient_equals_the_cast_of_the_bf16_gradient(T, V, dtype, fmt, power_2, grad_loss, monkeypatch):
+    from triton_interpreter import patch_interpreter_conversions
+
+    from te_dist.quantization.cast import current_scaling_quantize
+    from te_dist.train.head_loss_triton import cross_entropy_grad_fp8
+
+    patch_interpreter_conversions(monkeypatch)
+    logits, targets = _case(T, V, dtype)
+    dmax = torch.zeros(1, dtype=torch.int32)
+    loss_T, lse_T = ce.forward_rows(logits, targets, dmax)
+    plain_loss, plain_lse = ce.forward_rows(logits, targets)
+    assert torch.equal(loss_T, plain_loss) and torch.equal(lse_T, plain_lse)  # the amax costs the loss nothing
+    g = torch.tensor(grad_loss)
+    grad = _bf16_gradient(logits, targets, lse_T, g)
+    # the forward's max |softmax - onehot|, scaled and rounded as stored, is the stored gradient's amax
+    want_amax = grad.float().abs().max()
+    got_amax = (dmax.view(torch.float32) * abs(grad_loss) / T).to(dtype).float()
+    assert torch.equal(got_amax.reshape(()), want_amax)
+    fp8_dtype, fmt_max = fmt
+    data, data_t, scale_inv = cross_entropy_grad_fp8(logits, targets, lse_T, g, dmax, fp8_dtype, fmt_max, power_2)
+    ref, ref_scale_inv = current_scaling_quantize(grad, fp8_dtype, fmt_max, power_2)
+    assert torch.equal(scale_inv, ref_scale_inv.reshape(()).float())
+    assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data_t.view(torch.uint8), ref.view(torch.uint8).t().contiguous())
+
+
+@needs_interpreter
+def test_rows_off_the_word_multiple_are_refused_before_any_kernel():
+    from te_dist.train.head_loss_triton import cross_entropy_grad_fp8
+
+    logits, targets = _case(6, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"multiples of 4.*\(6, 128\)"):
+        cross_entropy_grad_fp8(logits, targets, torch.zeros(6), torch.ones(()), torch.zeros(1, dtype=torch.int32),
+                               *E4M3, False)
+
+
+def test_the_one_step_path_is_taken_only_where_it_applies():
+    head = BasicLinear(128, 256, dtype=torch.bfloat16)
+    h = torch.randn(16, 128, dtype=torch.bfloat16)
+    with settings.override(fp8_head_loss=True), autocast(recipe=R.Float8CurrentScaling()):
+        assert not head_loss.fp8_gradient_applies(head, h)  # CPU rows: no native FP8 GEMM
+        assert not head_loss.fp8_gradient_applies(torch.nn.Linear(128, 256), h)
+    with settings.override(fp8_head_loss=False), autocast(recipe=R.Float8CurrentScaling()):
+        assert not head_loss.fp8_gradient_applies(head, h)
+    with settings.override(fp8_head_loss=True):
+        assert not head_loss.fp8_gradient_applies(head, h)  # no recipe
+
+
+def test_the_fallback_is_the_plain_loss():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 64, bias=False)
+    h = torch.randn(8, 32, requires_grad=True)
+    y = torch.randint(0, 64, (8,))
+    got = head_loss.lm_head_loss(head, h, y, fused=True)
+    want = torch.nn.functional.cross_entropy(head(h).float(), y)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True)],
+                         ids=["current", "current_pow2"])
+def test_one_step_equals_head_then_loss_on_cuda(cuda_device, recipe):
+    torch.manual_seed(0)
+    T, H, V = 512, 256, 1024
+    head = BasicLinear(H, V, dtype=torch.bfloat16, device=cuda_device)
+    h0 = torch.randn(T, H, dtype=torch.bfloat16, device=cuda_device)
+    y = torch.randint(0, V, (T,), device=cuda_device)
+    results = []
+    for on in (False, True):
+        h = h0.clone().requires_grad_(True)
+        head.weight.grad = None
+        with settings.override(fp8_head_loss=on), autocast(recipe=recipe):
+            assert head_loss.fp8_gradient_applies(head, h) == on
+            loss = head_loss.lm_head_loss(head, h, y, fused=True)
+        (loss * 3).backward()
+        results.append((loss.detach(), h.grad, head.weight.grad.clone()))
+    (l0, dx0, dw0), (l1, dx1, dw1) = results
+    assert torch.equal(l0, l1)
+    assert torch.equal(dx0, dx1)
+    assert torch.equal(dw0, dw1)
