@@ -180,10 +180,10 @@ class Settings:
             "(fake-quantize, then the GEMM in the input's dtype).")
     fp8_head_loss: bool = _field(
         False, env="TE_DIST_FP8_HEAD_LOSS", parse=_flag, check=_is_bool,
-        doc="te-dist train's model under current or block FP8 scaling with a native FP8 LM head: the head and the "
-            "fused cross-entropy run as one autograd step whose backward writes the logits' gradient as the head's "
-            "FP8 operand in one pass (te_dist.train.head_loss), no bf16 gradient and no cast of it. Off until "
-            "measured on a GPU.")
+        doc="te-dist train's model under Float8CurrentScaling with a native FP8 LM head: the head and the fused "
+            "cross-entropy run as one autograd step whose backward writes the logits' gradient as the head's FP8 "
+            "operand in one pass (te_dist.train.head_loss), no bf16 gradient and no cast of it. Off until measured "
+            "on a GPU.")
     fp8_fprop_fast_accum: bool = _field(
         True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "

@@ -113,16 +113,6 @@ class Float8BlockQuantizer(_BlockQuantizer):
             return self._copies_from(fused, rowwise, columnwise)
         return self._copies_with_wgrad_scales(fused, rowwise)
 
-    def tensor_of_fused_cast(self, shape, dtype: torch.dtype, fused, *, rowwise: bool) -> Float8BlockTensor:
-        """The tensor of ``triton_casts.cast_fp8_blocks``' outputs for this quantizer's block shape with the
-        columnwise copy (1x128: its scales M-major, ``col_scales_t``), run by a caller that forms the values as
-        they are read (``ce_grad``: te_dist.train.head_loss)."""
-        if self.block_shape == (1, 128):
-            copies = self._copies_with_wgrad_scales(fused, rowwise)
-        else:
-            copies = self._copies_from(fused, rowwise, True)
-        return self.tensor_type(shape, dtype, self.fmt, copies.get("rowwise"), copies["columnwise"])
-
     def _copies_with_wgrad_scales(self, fused, rowwise):
         """The copies of a 1x128 cast whose columnwise scales came M-major (the wgrad kernel's layout)."""
         row_data, row_scale, col_data, scale_t = fused

@@ -250,22 +250,14 @@ def _cast_rows_kernel(x_ptr, out_ptr, s_ptr, nblocks, FMT_MAX: tl.constexpr, POW
 
 
 @triton.jit
-def _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r, C, c3, mask, GATHER: tl.constexpr, CE_GRAD: tl.constexpr):
+def _load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER: tl.constexpr):
     """x[r, c3] as float32, r: [A] row indices, c3: [1, NG, G] column indices -> [A, NG, G]. GATHER: row
-    r is x's row idx[r] instead, and a negative idx reads zeros (a padding row). CE_GRAD: x holds logits, and the
-    value is their cross-entropy gradient ``(exp(x - lse[r]) - (c == idx[r])) * grad_scale`` rounded to x's dtype,
-    as te_dist.train.cross_entropy's backward stores it (idx: the targets)."""
+    r is x's row idx[r] instead, and a negative idx reads zeros (a padding row)."""
     if GATHER:
         src = tl.load(idx_ptr + r)
         return tl.load(x_ptr + src[:, None, None] * C + c3, mask=mask & (src >= 0)[:, None, None],
                        other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + r[:, None, None] * C + c3, mask=mask, other=0.0).to(tl.float32)
-    if CE_GRAD:
-        row_lse = tl.load(lse_ptr + r)[:, None, None]
-        target = tl.load(idx_ptr + r)[:, None, None]
-        g = (tl.exp(x - row_lse) - tl.where(c3 == target, 1.0, 0.0)) * grad_scale
-        x = g.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return x
+    return tl.load(x_ptr + r[:, None, None] * C + c3, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -307,11 +299,11 @@ def _col_scale_offsets(b, c2, rl0, R, C, G: tl.constexpr, COL_T: tl.constexpr):
 
 
 @triton.jit
-def _cast_tile_kernel(x_ptr, idx_ptr, lse_ptr, grad_ptr, inv_rows, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
+def _cast_tile_kernel(x_ptr, idx_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, R, C,
                       FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr,
                       MARGIN: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, SUB: tl.constexpr,
                       ROW: tl.constexpr, COL: tl.constexpr, SQUARE: tl.constexpr, COL_T: tl.constexpr,
-                      GATHER: tl.constexpr, CE_GRAD: tl.constexpr):
+                      GATHER: tl.constexpr):
     """Casts that need a G-row tile: the columnwise copy of 1xG blocks (COL, plus the rowwise copy with
     ROW) and GxG square blocks (SQUARE: one scale per tile, either copy). R % G == 0, C % G == 0.
 
@@ -331,14 +323,7 @@ def _cast_tile_kernel(x_ptr, idx_ptr, lse_ptr, grad_ptr, inv_rows, row_ptr, row_
     last row (``_col_scale_offsets``), the layout the FP8 wgrad kernel reads, so no per-GEMM re-layout.
 
     GATHER (one matrix): the R rows cast are rows ``idx[r]`` of x (negative: a zero row), read through
-    the index: the gathered rows are never written in bf16 (``cast_fp8_blocks(gather=...)``).
-
-    CE_GRAD (one matrix): x holds logits and the cast is of their cross-entropy gradient, formed as it is read
-    (``_load_rows``; idx: the targets, lse: the rows' log-sum-exp, the upstream gradient at grad_ptr times
-    inv_rows): the gradient is never written in bf16 (``cast_fp8_blocks(ce_grad=...)``)."""
-    grad_scale = 1.0
-    if CE_GRAD:
-        grad_scale = tl.load(grad_ptr).to(tl.float32) * inv_rows
+    the index: the gathered rows are never written in bf16 (``cast_fp8_blocks(gather=...)``)."""
     row0 = tl.program_id(0).to(tl.int64) * G
     b = row0 // R
     rl0 = row0 - b * R
@@ -357,11 +342,10 @@ def _cast_tile_kernel(x_ptr, idx_ptr, lse_ptr, grad_ptr, inv_rows, row_ptr, row_
         acc3 = tl.zeros((A, NG, G), dtype=tl.int32)
         for i in range(G // SUB):
             r = row0 + i * SUB + a4
-            acc3 = tl.maximum(acc3, _abs_bits4(
-                _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r, C, c3, mask, GATHER, CE_GRAD),
-                _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r + 1, C, c3, mask, GATHER, CE_GRAD),
-                _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r + 2, C, c3, mask, GATHER, CE_GRAD),
-                _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r + 3, C, c3, mask, GATHER, CE_GRAD)))
+            acc3 = tl.maximum(acc3, _abs_bits4(_load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER),
+                                               _load_rows(x_ptr, idx_ptr, r + 1, C, c3, mask, GATHER),
+                                               _load_rows(x_ptr, idx_ptr, r + 2, C, c3, mask, GATHER),
+                                               _load_rows(x_ptr, idx_ptr, r + 3, C, c3, mask, GATHER)))
         acc = tl.max(acc3, axis=0)  # [NG, G]
         if SQUARE:
             sq_mult, sq_stored = _block_scale(tl.max(acc, axis=1), FMT_MAX, POWER_2, MX, EMAX, MARGIN)  # [NG]
@@ -381,10 +365,10 @@ def _cast_tile_kernel(x_ptr, idx_ptr, lse_ptr, grad_ptr, inv_rows, row_ptr, row_
     col_w = col_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     for i in range(G // SUB):
         r = row0 + i * SUB + a4
-        x0 = _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r, C, c3, mask, GATHER, CE_GRAD)
-        x1 = _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r + 1, C, c3, mask, GATHER, CE_GRAD)
-        x2 = _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r + 2, C, c3, mask, GATHER, CE_GRAD)
-        x3 = _load_rows(x_ptr, idx_ptr, lse_ptr, grad_scale, r + 3, C, c3, mask, GATHER, CE_GRAD)
+        x0 = _load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER)
+        x1 = _load_rows(x_ptr, idx_ptr, r + 1, C, c3, mask, GATHER)
+        x2 = _load_rows(x_ptr, idx_ptr, r + 2, C, c3, mask, GATHER)
+        x3 = _load_rows(x_ptr, idx_ptr, r + 3, C, c3, mask, GATHER)
         if ROW:
             _store_rowwise(x0, r, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX, POWER_2, MX, EMAX,
                            MARGIN, SQUARE)
@@ -541,10 +525,9 @@ def _split_shape(x: torch.Tensor):
     return tuple(lead), math.prod(lead) * rows, rows, cols
 
 
-def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None, tile=None, ce_grad=None):
+def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None, tile=None):
     """_cast_tile_kernel over x [m, cols] (m = B*rows; with ``gather``, the rows ``gather`` of a 2-D x,
-    m = rows = its length; with ``ce_grad``, the cross-entropy gradient of logits x, ``cast_fp8_blocks`` says);
-    a copy not asked for gets the other's tensors as placeholders (never written).
+    m = rows = its length); a copy not asked for gets the other's tensors as placeholders (never written).
 
     A float32 columnwise-only cast writes a rowwise copy to scratch anyway: with Triton 3.6 the kernel
     variant without the rowwise copy multiplies float32 data by wrong block scales on the GPU (the
@@ -560,24 +543,18 @@ def _launch_tile(x, row, col, m, rows, cols, consts, *, square, gather=None, til
     ng, sub, warps = tile or _TILE[(group, square)]
     row_data, row_s = row if row[0] is not None else col
     col_data, col_s = col if col[0] is not None else row
-    targets, lse, grad, inv_rows = (x, x, x, 1.0) if ce_grad is None else ce_grad
     launch(_cast_tile_kernel, (m // group, cdiv(cols // group, ng)),
-        x, targets if gather is None else gather, lse, grad, inv_rows, row_data, row_s, col_data, col_s, rows, cols,
-        NG=ng, SUB=sub, SQUARE=square, GATHER=gather is not None, CE_GRAD=ce_grad is not None, num_warps=warps,
-        **consts)
+        x, x if gather is None else gather, row_data, row_s, col_data, col_s, rows, cols, NG=ng, SUB=sub,
+        SQUARE=square, GATHER=gather is not None, num_warps=warps, **consts)
 
 
 def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, scale_dtype, rowwise, columnwise,
-                  col_scales_t=False, gather=None, ce_grad=None):
+                  col_scales_t=False, gather=None):
     """Shared driver of the 1xG casts (Float8 1x128, MXFP8 1x32). ``col_scales_t`` (2-D x): the
     columnwise scales come back M-major, [rows/G + 1, cols] with a zero last row (the wgrad layout).
     ``gather`` (2-D x, the columnwise copy asked for): cast rows ``gather`` of x instead (int64 [rows],
-    negative for a zero row), read through the index by the tile kernel. ``ce_grad``: ``cast_fp8_blocks`` says."""
-    if ce_grad is not None and (x.dim() != 2 or not columnwise or _ROWCOL_SPLIT[group]):
-        raise UnsupportedLayout("a cross-entropy gradient's 1xG cast runs in the tile kernel: 2-D logits, the "
-                                "columnwise copy asked for")
-    if (columnwise and not mx and group == cuda_rowcol.BLOCK and ce_grad is None
-            and cuda_rowcol.blocks_enabled_for(x, fp8_dtype, gather)):
+    negative for a zero row), read through the index by the tile kernel."""
+    if columnwise and not mx and group == cuda_rowcol.BLOCK and cuda_rowcol.blocks_enabled_for(x, fp8_dtype, gather):
         # both copies from one read in CUDA, 1.01-1.20x the tile kernel here (te_dist.settings.cuda_block_cast)
         return cuda_rowcol.cast_blocks(x, fp8_dtype, fmt_max, power_2, rowwise=rowwise, col_scales_t=col_scales_t,
                                        gather=gather)
@@ -616,14 +593,14 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
             x, *row, nblocks, NB=nb, ITERS=iters, num_warps=warps, **consts)
     if columnwise:
         consts.update(ROW=rowwise and not split, COL=True, COL_T=col_scales_t)
-        _launch_tile(x, row, col, m, rows, cols, consts, square=False, gather=gather, ce_grad=ce_grad)
+        _launch_tile(x, row, col, m, rows, cols, consts, square=False, gather=gather)
     return (*row, *col)
 
 
 @_on_x_device
 def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: float, power_2: bool, *,
                     rowwise: bool = True, columnwise: bool = False, col_scales_t: bool = False, gather=None,
-                    tile=None, ce_grad=None):
+                    tile=None):
     """cast.cast_fp8_blocks for 1x128 and 128x128 blocks, rowwise and/or columnwise in one pass.
 
     Returns (row_data, row_scale_inv, col_data, col_scale_inv) (None for a copy not asked for);
@@ -631,18 +608,11 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
     ``col_scales_t`` (1x128 blocks, 2-D x) col_scale_inv is M-major: [rows/128 + 1, cols], its
     first rows/128 rows that copy's scales transposed, the last row zeros. ``gather`` (1x128 blocks,
     2-D x, columnwise): the copies of rows ``gather`` of x (int64, negative: a zero row), as if that
-    gathered matrix were x. ``tile``: a 128x128 cast's (NG, SUB, warps) instead of ``_TILE``'s (a sweep).
-    ``ce_grad`` = (targets, lse, grad_loss, inv_rows) (2-D x, contiguous logits; 1x128 blocks with the columnwise
-    copy, or 128x128): the copies of the gradient of ``grad_loss * inv_rows * sum(cross_entropy(x, targets))``
-    as te_dist.train.cross_entropy's backward stores it, formed as x is read (lse: the rows' log-sum-exp,
-    float32; grad_loss: a float32 [1] on x's device): that gradient is never written in x's dtype."""
-    if ce_grad is not None and (x.dim() != 2 or not x.is_contiguous()):
-        raise UnsupportedLayout(f"a cross-entropy gradient's cast reads 2-D contiguous logits, got shape "
-                                f"{tuple(x.shape)} with strides {x.stride()}")
+    gathered matrix were x. ``tile``: a 128x128 cast's (NG, SUB, warps) instead of ``_TILE``'s (a sweep)."""
     if (block_rows, block_cols) == (1, 128):
         return _one_d_blocks(x, 128, fp8_dtype, fmt_max, power_2=power_2, mx=False, emax=0, margin=0,
                              scale_dtype=torch.float32, rowwise=rowwise, columnwise=columnwise,
-                             col_scales_t=col_scales_t, gather=gather, ce_grad=ce_grad)
+                             col_scales_t=col_scales_t, gather=gather)
     if gather is not None:
         raise UnsupportedLayout(f"gathered casts are written for 1x128 blocks, asked for {block_rows}x{block_cols}")
     if col_scales_t:
@@ -665,7 +635,7 @@ def cast_fp8_blocks(x, block_rows: int, block_cols: int, fp8_dtype, fmt_max: flo
     if m and cols:
         consts = dict(FMT_MAX=fmt_max, POWER_2=power_2, MX=False, EMAX=0, MARGIN=0, G=t, ROW=rowwise, COL=columnwise,
                       COL_T=False)
-        _launch_tile(x, row, col, m, rows, cols, consts, square=True, tile=tile, ce_grad=ce_grad)
+        _launch_tile(x, row, col, m, rows, cols, consts, square=True, tile=tile)
     return (*row, *col)
 
 

@@ -1,20 +1,17 @@
 """The LM head and the loss as one autograd step, so that the logits' gradient is written once, already in FP8.
 
-Why: with the head on the native FP8 path, the fused cross-entropy's backward writes the [T, V] gradient of the
-logits in bf16 (2 bytes a logit) and the head's backward casts it to both FP8 layouts (reads 2, writes 2): at 32k
-tokens x 32k vocabulary ~4 GB of traffic a step that no GEMM needs. Here the loss's backward writes the head's
-FP8 operand itself and the head's dgrad and wgrad take it (``DenseFP8.backward_quantized``):
-  * Float8CurrentScaling: a per-tensor cast needs the amax before its first byte, so the forward also finds
-    max |softmax - onehot| over the logits (``cross_entropy.forward_rows``), and head_loss_triton.py writes both
-    layouts in one pass;
-  * Float8BlockScaling (1x128 or 128x128 gradient blocks): each block's scale is its own, so the tile cast
-    (``triton_casts.cast_fp8_blocks(ce_grad=...)``) forms the gradient as it reads the logits.
-Either way the bytes and scales are those of the bf16 gradient's cast, bit for bit.
+Why: with the head on the native FP8 path under Float8CurrentScaling, the fused cross-entropy's backward writes the
+[T, V] gradient of the logits in bf16 (2 bytes a logit) and the head's backward casts it to both FP8 layouts (reads
+2, writes 2): at 32k tokens x 32k vocabulary ~4 GB of traffic a step that no GEMM needs. Here the loss's backward
+writes the head's FP8 operand itself (te_dist.train.head_loss_triton) and the head's dgrad and wgrad take it
+(``DenseFP8.backward_quantized``). A per-tensor cast needs the amax before its first byte: the forward finds max
+|softmax - onehot| over the logits (``cross_entropy.forward_rows``), so the bytes are those of the bf16 gradient's
+cast, bit for bit.
 
 Taken where ``te_dist.settings.fp8_head_loss`` is on (off until measured on a GPU), gradients are recorded, the
-head is a BasicLinear without tensor parallelism whose native FP8 path runs for these rows (a multiple of 4; of
-128 under block scaling), the recipe's grad_output quantizer is one of those two (current scaling without an
-amax group) and the fused cross-entropy runs (CUDA, Triton). Everything else: ``cross_entropy(head(h), targets)``.
+head is a BasicLinear without tensor parallelism whose native FP8 path runs for these rows (a multiple of 4),
+the recipe's grad_output quantizer is current scaling without an amax group, and the fused cross-entropy runs
+(CUDA, Triton). Everything else: ``cross_entropy(head(h), targets)``.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ def fp8_gradient_applies(head, h_TH: torch.Tensor) -> bool:
         return False
     from ..ops import BasicLinear
     from ..ops.basic.dense_fp8 import DenseFP8
-    from ..quantization.blockwise import Float8BlockQuantizer
     from ..quantization.per_tensor import CurrentScalingQuantizer
 
     if not isinstance(head, BasicLinear) or head.tensor_parallel_size != 1 or h_TH.dim() != 2:
@@ -44,10 +40,7 @@ def fp8_gradient_applies(head, h_TH: torch.Tensor) -> bool:
         return False
     head.ensure_recipe_state(recipe, get_recipe_key())  # what the head's own forward would do first
     grad_q = head.quantizers.grad_output
-    if isinstance(grad_q, CurrentScalingQuantizer):
-        if grad_q.group is not None:
-            return False
-    elif not isinstance(grad_q, Float8BlockQuantizer) or h_TH.shape[0] % 128:
+    if not isinstance(grad_q, CurrentScalingQuantizer) or grad_q.group is not None:
         return False
     return DenseFP8.applies(head, h_TH) and fused_available(h_TH)
 
@@ -65,14 +58,12 @@ class _HeadLossFP8(torch.autograd.Function):
     def forward(ctx, h_TH, weight, targets_T, head):
         from ..ops.basic.dense_fp8 import DenseFP8Saved
         from ..ops.op import OpContext
-        from ..quantization.per_tensor import CurrentScalingQuantizer
 
         op_ctx = OpContext(head, True, head.quantizers.recipe)
         logits_TV = head.linear_forward(op_ctx, h_TH)
         if not isinstance(op_ctx.saved, DenseFP8Saved):  # fp8_gradient_applies said it would run natively
             raise RuntimeError("the LM head did not run its native FP8 forward")
-        per_tensor = isinstance(head.quantizers.grad_output, CurrentScalingQuantizer)  # its cast needs the amax
-        dmax_bits = torch.zeros(1, dtype=torch.int32, device=logits_TV.device) if per_tensor else None
+        dmax_bits = torch.zeros(1, dtype=torch.int32, device=logits_TV.device)
         loss_T, lse_T = forward_rows(logits_TV, targets_T, dmax_bits)
         ctx.save_for_backward(logits_TV, targets_T, lse_T, dmax_bits)
         ctx.head, ctx.dense = head, op_ctx.saved
@@ -81,26 +72,15 @@ class _HeadLossFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         from ..ops.basic.dense_fp8 import DenseFP8
-        from ..quantization.per_tensor import CurrentScalingQuantizer
         from ..quantization.tensors import Float8Tensor
+        from .head_loss_triton import cross_entropy_grad_fp8
 
         logits_TV, targets_T, lse_T, dmax_bits = ctx.saved_tensors
         head, dense = ctx.head, ctx.dense
         ctx.head = ctx.dense = None
         q = head.quantizers.grad_output
-        if isinstance(q, CurrentScalingQuantizer):
-            from .head_loss_triton import cross_entropy_grad_fp8
-
-            data, data_t, scale_inv = cross_entropy_grad_fp8(logits_TV, targets_T, lse_T, grad, dmax_bits,
-                                                             q.fp8_dtype, q.fmt_max, q.use_power_2_scales)
-            dyq = Float8Tensor(data, scale_inv, q.fmt, logits_TV.dtype, data_t=data_t)
-        else:  # Float8BlockScaling: the tile cast forms the gradient as it reads the logits (no amax needed)
-            from ..quantization.triton_casts import cast_fp8_blocks
-
-            T = logits_TV.shape[0]
-            fused = cast_fp8_blocks(logits_TV, *q.block_shape, q.fp8_dtype, q.fmt_max, q.use_power_2_scales,
-                                    rowwise=True, columnwise=True, col_scales_t=q.block_shape == (1, 128),
-                                    ce_grad=(targets_T, lse_T, grad.reshape(1).to(torch.float32), 1.0 / T))
-            dyq = q.tensor_of_fused_cast(logits_TV.shape, logits_TV.dtype, fused, rowwise=True)
+        data, data_t, scale_inv = cross_entropy_grad_fp8(logits_TV, targets_T, lse_T, grad, dmax_bits, q.fp8_dtype,
+                                                         q.fmt_max, q.use_power_2_scales)
+        dyq = Float8Tensor(data, scale_inv, q.fmt, logits_TV.dtype, data_t=data_t)
         dx, dw = DenseFP8.backward_quantized(head, dense, dyq, ctx.needs_input_grad[0], head.weight.dtype)
         return dx, dw, None, None

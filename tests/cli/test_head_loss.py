@@ -82,33 +82,6 @@ def test_fp8_gradient_equals_the_cast_of_the_bf16_gradient(T, V, dtype, fmt, pow
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
-@pytest.mark.parametrize("T,V,dtype", [(256, 384, torch.bfloat16), (128, 256, torch.float16)])
-@pytest.mark.parametrize("grad_loss", [1.7, -0.5])
-def test_block_gradient_equals_the_block_cast_of_the_bf16_gradient(block, T, V, dtype, grad_loss, monkeypatch):
-    from triton_interpreter import patch_interpreter_conversions
-
-    from te_dist.quantization import cast
-    from te_dist.quantization.triton_casts import cast_fp8_blocks
-
-    patch_interpreter_conversions(monkeypatch)
-    logits, targets = _case(T, V, dtype)
-    loss_T, lse_T = ce.forward_rows(logits, targets)
-    g = torch.tensor([grad_loss])
-    grad = _bf16_gradient(logits, targets, lse_T, g)
-    args = (*block, *E4M3, True)
-    scales_t = block == (1, 128)
-    got = cast_fp8_blocks(logits, *args, rowwise=True, columnwise=True, col_scales_t=scales_t,
-                          ce_grad=(targets, lse_T, g, 1.0 / T))
-    want = cast_fp8_blocks(grad, *args, rowwise=True, columnwise=True, col_scales_t=scales_t)
-    for a, b in zip(got, want):
-        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if
-                           b.element_size() == 1 else b)
-    eager, eager_scale = cast.cast_fp8_blocks(grad, *args)  # and the eager reference, rowwise
-    assert torch.equal(got[0].view(torch.uint8), eager.view(torch.uint8)) and torch.equal(got[1], eager_scale)
-
-
-@needs_interpreter
 def test_rows_off_the_word_multiple_are_refused_before_any_kernel():
     from te_dist.train.head_loss_triton import cross_entropy_grad_fp8
 
@@ -142,9 +115,8 @@ def test_the_fallback_is_the_plain_loss():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True),
-                                    R.Float8BlockScaling(), R.Float8BlockScaling(grad_block_scaling_dim=2)],
-                         ids=["current", "current_pow2", "block", "block_2d_grad"])
+@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True)],
+                         ids=["current", "current_pow2"])
 def test_one_step_equals_head_then_loss_on_cuda(cuda_device, recipe):
     torch.manual_seed(0)
     T, H, V = 512, 256, 1024
