@@ -12,6 +12,8 @@
 #   bash benchmarks/run_fp8_gpu.sh tiles   # the FP8 tile sweep (TILE_ARGS; its instances built first), then the FP8
 #                                          # grouped GPU tests with fp8_fprop_fast_accum on
 #   bash benchmarks/run_fp8_gpu.sh fast    # the training step with fp8_fprop_fast_accum off, then on
+#   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step off against on, then
+#                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -77,5 +79,20 @@ switches)
       ${LAYER_ARGS:-} --json "$OUT/fp8_layer_lean$lean.json" > "$OUT/fp8_layer_lean$lean.txt" 2>&1
     tail -n 9 "$OUT/fp8_layer_lean$lean.txt"
   done
+  ;;
+head_loss)
+  # fp8_head_loss (off by default): its GPU tests, the job's step off against on (in-process, interleaved), then
+  # te-dist train with it on (CONFIG, STEPS as for train)
+  timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 -m gpu \
+    tests/cli/test_head_loss.py tests/cli/test_cross_entropy.py > "$OUT/head_loss_tests.txt" 2>&1
+  tail -n 4 "$OUT/head_loss_tests.txt"
+  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting fp8_head_loss \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/head_loss_switch.json" \
+    > "$OUT/head_loss_switch.txt" 2>&1
+  tail -n 5 "$OUT/head_loss_switch.txt"
+  TE_DIST_FP8_HEAD_LOSS=1 timeout ${TRAIN_LIMIT:-300} python3 benchmarks/train.py throughput --nproc 1 --device cuda \
+    --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-300} --variants none:1 current:1 \
+    --fp8-dense --json "$OUT/head_loss_train.json" > "$OUT/head_loss_train.txt" 2>&1
+  tail -n 6 "$OUT/head_loss_train.txt"
   ;;
 esac

@@ -10,6 +10,7 @@
     python benchmarks/train.py text [--work DIR] [--steps 300] [--recipes current none] [--plot-to DIR]
     python benchmarks/train.py token-memory [--gib 1] [--steps 200] [--nproc 2]
     python benchmarks/train.py profile --config launchers/configs/deepseek_like.yaml --recipes none,current,block
+    python benchmarks/train.py switch --setting fp8_head_loss --config launchers/configs/deepseek_like.yaml
 
 ``throughput``: each variant (``recipe:ep``; the first is the baseline) is one real `te-dist train` job,
 torchrun workers included; tokens/s is the mean over the steps after the first two, read from the job's
@@ -32,6 +33,11 @@ float32 logits and foreach AdamW). Wall ms per step over ``--steps`` after ``--w
 more steps: kernel time per step summed by kind (``KINDS``, the first whose words a kernel's name holds) and the
 ``--top`` heaviest kernels. On CPU the ops' own CPU time stands in for kernel time (a check of the script, not a
 figure).
+
+``switch``: a fast path landed off (a boolean field of te_dist.settings) measured in the job's step: the same
+process builds the job's model, loss and AdamW per recipe (as ``profile``) and times ``--steps`` steps per arm in
+``--rounds`` interleaved rounds: bf16, then per recipe the switch at its value in force and flipped. Printed:
+median ms per step, bf16 over each arm, and on over off.
 
 ``token-memory``: rank 0's peak RSS (``max_rss_gib`` of metrics.jsonl) after step 1 and after the last
 step of the same job on the synthetic data, on a 1 MiB token file and on a ``--gib`` GiB one (the 1 MiB
@@ -261,8 +267,9 @@ def kind_of(name: str) -> str:
     return next((kind for kind, words in KINDS if any(w in lower for w in words)), "other")
 
 
-def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, steps: int, warmup: int,
-                   top: int) -> dict:
+def job_step(config: str, recipe_name: str, *, device: str, fused: bool):
+    """The job's model, loss and AdamW under one recipe in this process (FP8 recipes with ``model.fp8_dense``):
+    ``(step, tokens per step, sync)``; ``step()`` runs forward, backward and the optimizer."""
     import torch
 
     from te_dist.autocast import autocast
@@ -288,6 +295,15 @@ def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, s
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, B * S, sync
+
+
+def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, steps: int, warmup: int,
+                   top: int) -> dict:
+    import torch
+
+    step, tokens_per_step, sync = job_step(config, recipe_name, device=device, fused=fused)
+    device = torch.device(device)
     for _ in range(warmup):
         step()
     sync()
@@ -308,14 +324,55 @@ def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, s
             per_kernel[event.key] += us / 2e3  # ms per step
             per_kind[kind_of(event.key)] += us / 2e3
             calls[event.key] += event.count / 2
-    print(f"== {config} {recipe_name}: {ms:.2f} ms/step, {B * S / ms * 1e3:,.0f} tokens/s, kernels "
+    print(f"== {config} {recipe_name}: {ms:.2f} ms/step, {tokens_per_step / ms * 1e3:,.0f} tokens/s, kernels "
           f"{sum(per_kind.values()):.2f} ms\n   " + "  ".join(f"{k} {t:.2f}" for k, t in per_kind.most_common()))
     for name, t in per_kernel.most_common(top):
         print(f"   {t:7.2f} ms {calls[name]:5.0f} calls  {name[:150]}")
-    del model, opt
+    del step
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"ms_per_step": ms, "kinds_ms": dict(per_kind), "top_ms": per_kernel.most_common(top)}
+
+
+def switch(args) -> list:
+    """Per arm {arm, recipe, setting, ms_per_step (median over rounds), over_bf16, on_over_off} (module doc)."""
+    from te_dist import settings
+
+    field = next((f for f in settings.fields() if f.name == args.setting), None)
+    if field is None or not isinstance(field.default, bool):
+        raise SystemExit(f"--setting names a boolean field of te_dist.settings, got {args.setting!r}")
+    flipped = not getattr(settings.current(), args.setting)
+    arms = [("none", None)] + [(r, value) for r in args.recipes.split(",") for value in (not flipped, flipped)]
+    steps = {}
+    for recipe_name, _ in arms:
+        if recipe_name not in steps:
+            steps[recipe_name] = job_step(args.config, recipe_name, device=args.device, fused=True)
+    times = collections.defaultdict(list)
+    for _ in range(args.rounds):  # interleaved, so drift over the run falls on every arm alike
+        for recipe_name, value in arms:
+            step, _, sync = steps[recipe_name]
+            with settings.override(**({} if value is None else {args.setting: value})):
+                for _ in range(args.warmup):
+                    step()
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                sync()
+            times[(recipe_name, value)].append((time.perf_counter() - start) / args.steps * 1e3)
+    median = {arm: statistics.median(t) for arm, t in times.items()}
+    base = median[("none", None)]
+    rows = []
+    print(f"{args.config}: ms per step, median of {args.rounds} interleaved rounds of {args.steps} steps")
+    print(f"{'recipe':8s} {args.setting:>22s} {'ms/step':>9s} {'bf16/this':>10s} {'on/off speed-up':>16s}")
+    for recipe_name, value in arms:
+        ms = median[(recipe_name, value)]
+        gain = median[(recipe_name, False)] / ms if value is True else None  # off's time over on's
+        rows.append(dict(arm=f"{recipe_name}:{value}", recipe=recipe_name, setting=value, ms_per_step=ms,
+                         over_bf16=base / ms, on_over_off=gain))
+        shown = "-" if value is None else str(value)
+        print(f"{recipe_name:8s} {shown:>22s} {ms:9.2f} {base / ms:10.3f} {'' if gain is None else f'{gain:.3f}':>16s}")
+    return rows
 
 
 def profile(args) -> list:
@@ -362,13 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p = sub.add_parser("switch", help="the job's step with a te_dist.settings switch off and on, against bf16")
+    p.add_argument("--setting", required=True, help="a boolean field of te_dist.settings, e.g. fp8_head_loss")
+    p.add_argument("--config", default="launchers/configs/deepseek_like.yaml")
+    p.add_argument("--recipes", default="current")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
     timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
     runs = {"throughput": throughput, "resume-drift": resume_drift, "text": text, "token-memory": token_memory,
-            "profile": profile}
+            "profile": profile, "switch": switch}
     return timing.run_subcommand(build_parser(), runs, "train", argv)
 
 

@@ -115,6 +115,29 @@ def test_the_fallback_is_the_plain_loss():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("T,V", [(512, 1024), (324, 384), (1024, 32000)])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_gradient_kernel_equals_the_cast_on_cuda(cuda_device, T, V, fmt):
+    """The kernel's rows, transposed copy and scale against the fused casts of the bf16 gradient on the GPU (an
+    earlier variant wrote right rows and wrong transposed words there, and right ones in the interpreter)."""
+    from te_dist.quantization.fused import transpose_fp8
+    from te_dist.quantization.triton_casts import cast_from_amax
+    from te_dist.train.head_loss_triton import cross_entropy_grad_fp8
+
+    logits, targets = (t.to(cuda_device) for t in _case(T, V, torch.bfloat16))
+    dmax = torch.zeros(1, dtype=torch.int32, device=cuda_device)
+    _, lse_T = ce.forward_rows(logits, targets, dmax)
+    g = torch.tensor(3.0, device=cuda_device)
+    grad = _bf16_gradient(logits, targets, lse_T, g)
+    data, data_t, scale_inv = cross_entropy_grad_fp8(logits, targets, lse_T, g, dmax, *fmt, False)
+    ref, ref_scale_inv = cast_from_amax(grad, grad.float().abs().max(), *fmt, False)
+    assert torch.equal(scale_inv, ref_scale_inv.reshape(()))
+    assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data_t.view(torch.uint8), transpose_fp8(ref).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True)],
                          ids=["current", "current_pow2"])
 def test_one_step_equals_head_then_loss_on_cuda(cuda_device, recipe):

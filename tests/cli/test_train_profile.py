@@ -41,3 +41,21 @@ def test_kernel_kinds_file_casts_as_casts_though_their_names_carry_fp8_types():
     assert kind_of("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversal...NS_12float_e4m3_tE...") == "fp8 gemm"
     assert kind_of("_ZN7cutlass13device_kernel...16Sm90RowBroadcastILi0E...NS_12float_e4m3_tE...") == "fp8 gemm"
     assert kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+
+
+def test_switch_times_the_job_step_with_a_setting_off_and_on(tmp_path):
+    """The A/B of a landed-off switch in the job's step (its figures are for GPUs; on CPU the path may not apply)."""
+    out = tmp_path / "switch.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "switch", "--setting", "fp8_head_loss", "--config",
+           str(ROOT / "launchers" / "configs" / "tiny_cpu.yaml"), "--recipes", "current", "--device", "cpu",
+           "--rounds", "2", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["recipe"], r["setting"]) for r in rows] == [("none", None), ("current", False), ("current", True)]
+    assert all(r["ms_per_step"] > 0 for r in rows) and rows[0]["over_bf16"] == 1.0
+    assert rows[2]["on_over_off"] == rows[1]["ms_per_step"] / rows[2]["ms_per_step"]
+    bad = subprocess.run(cmd[:4] + ["fp8_tile", "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=env)
+    assert bad.returncode != 0 and "boolean field of te_dist.settings, got 'fp8_tile'" in bad.stderr
