@@ -6,7 +6,16 @@ test routes those through torch and checks the kernels' logic bit for bit, and t
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+#: kernels run in Triton's interpreter on CPU tensors: triton installed and TRITON_INTERPRET=1 set before its import
+needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+                                       reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
 
 
 def patch_interpreter_conversions(monkeypatch):

@@ -10,8 +10,6 @@ the head's own forward and the fused loss, the same loss and the same gradients,
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,15 +19,8 @@ from te_dist.autocast import autocast
 from te_dist.ops import BasicLinear
 from te_dist.train import cross_entropy as ce
 from te_dist.train import head_loss
+from triton_interpreter import HAS_TRITON, needs_interpreter
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
-                                       reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
 E4M3 = (torch.float8_e4m3fn, 448.0)
 E5M2 = (torch.float8_e5m2, 57344.0)
 

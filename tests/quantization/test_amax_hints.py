@@ -11,22 +11,14 @@ without."""
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
 
 from te_dist import recipe as R
 from te_dist.quantization import amax_hints, make_quantizer
+from triton_interpreter import HAS_TRITON, needs_interpreter
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
-                                       reason="Triton interpreter run: needs triton and TRITON_INTERPRET=1")
 
 
 def _bits_of(y: torch.Tensor) -> int:
