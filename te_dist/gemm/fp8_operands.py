@@ -151,5 +151,4 @@ def copy_format(q: QuantizedTensor, usage: str) -> str:
 def dequantized(q, usage: str, dtype: torch.dtype) -> torch.Tensor:
     """The operand's values in ``dtype`` from the copy a GEMM of that ``usage`` reads (the
     emulated path: exactly what the native kernels multiply, in high precision)."""
-    q = q.source if isinstance(q, QuantizedWeight) else q
-    return q.dequantize(dtype, usage=usage) if isinstance(q, Float8BlockTensor) else q.dequantize(dtype)
+    return (q.source if isinstance(q, QuantizedWeight) else q).dequantize(dtype, usage=usage)

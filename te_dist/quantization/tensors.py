@@ -57,7 +57,8 @@ class QuantizedTensor:
         self.dtype = dtype
         self.device = torch.device(device)
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def dequantize(self, dtype: Optional[torch.dtype] = None, usage: Optional[str] = None) -> torch.Tensor:
+        """x's values from the copy a GEMM of ``usage`` ("rowwise" / "columnwise"; None: either) reads."""
         raise NotImplementedError
 
     def size(self, dim: Optional[int] = None):
@@ -107,8 +108,10 @@ class Float8Tensor(QuantizedTensor):
             return self
         return Float8Tensor(None, self.scale_inv, self.fmt, self.dtype, data_t=self.data_t)
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        data = self.data if self.data is not None else self.data_t.transpose(-1, -2)
+    def dequantize(self, dtype: Optional[torch.dtype] = None, usage: Optional[str] = None) -> torch.Tensor:
+        """``usage="columnwise"``: from the transposed copy where there is one, the bytes a wgrad kernel reads."""
+        from_t = self.data_t is not None and (usage == "columnwise" or self.data is None)
+        data = self.data_t.transpose(-1, -2) if from_t else self.data
         return (data.to(torch.float32) * self.scale_inv).to(dtype or self.dtype)
 
     def take_rows(self, index: torch.Tensor, zero_rows: Optional[torch.Tensor] = None, *,

@@ -15,7 +15,7 @@ import torch
 
 from te_dist import recipe as R
 from te_dist import settings
-from te_dist.autocast import autocast
+from te_dist.autocast import autocast, get_active_recipe, get_recipe_key
 from te_dist.ops import BasicLinear
 from te_dist.train import cross_entropy as ce
 from te_dist.train import head_loss
@@ -80,6 +80,39 @@ def test_rows_off_the_word_multiple_are_refused_before_any_kernel():
     with pytest.raises(ValueError, match=r"multiples of 4.*\(6, 128\)"):
         cross_entropy_grad_fp8(logits, targets, torch.zeros(6), torch.ones(()), torch.zeros(1, dtype=torch.int32),
                                *E4M3, False)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("power_2", [False, True])
+def test_one_step_equals_head_then_loss_in_the_interpreter(power_2, monkeypatch):
+    """The autograd wiring on CPU: the head's native branch forced (its GEMMs emulated on the same quantized
+    operands, tests/ops/test_dense_fp8.py), the Triton kernels and casts in the interpreter. Loss, dx and dW of the
+    one step equal the head's forward, the fused loss and the head's backward casting the bf16 gradient."""
+    from triton_interpreter import patch_interpreter_conversions
+
+    from te_dist.ops.basic.dense_fp8 import DenseFP8
+
+    patch_interpreter_conversions(monkeypatch)
+    monkeypatch.setattr(DenseFP8, "applies", staticmethod(lambda op, x2: True))
+    torch.manual_seed(0)
+    T, H, V = 64, 128, 256
+    head = BasicLinear(H, V, dtype=torch.bfloat16)
+    h0 = torch.randn(T, H, dtype=torch.bfloat16)
+    y = torch.randint(0, V, (T,))
+    results = []
+    for one_step in (False, True):
+        h = h0.clone().requires_grad_(True)
+        head.weight.grad = None
+        with settings.override(fused_casts=True), autocast(recipe=R.Float8CurrentScaling(use_power_2_scales=power_2)):
+            if one_step:
+                head.ensure_recipe_state(get_active_recipe(), get_recipe_key())
+                loss = head_loss._HeadLossFP8.apply(h, head.weight, y, head)
+            else:
+                loss = ce._FusedCrossEntropy.apply(head(h), y)
+            (loss * 3).backward()
+        results.append((loss.detach(), h.grad, head.weight.grad.clone()))
+    (l0, dx0, dw0), (l1, dx1, dw1) = results
+    assert torch.equal(l0, l1) and torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
 
 
 def test_the_one_step_path_is_taken_only_where_it_applies():
