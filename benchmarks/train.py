@@ -341,8 +341,8 @@ def switch(args) -> list:
     field = next((f for f in settings.fields() if f.name == args.setting), None)
     if field is None or not isinstance(field.default, bool):
         raise SystemExit(f"--setting names a boolean field of te_dist.settings, got {args.setting!r}")
-    flipped = not getattr(settings.current(), args.setting)
-    arms = [("none", None)] + [(r, value) for r in args.recipes.split(",") for value in (not flipped, flipped)]
+    in_force = getattr(settings.current(), args.setting)
+    arms = [("none", None)] + [(r, value) for r in args.recipes.split(",") for value in (in_force, not in_force)]
     steps = {}
     for recipe_name, _ in arms:
         if recipe_name not in steps:
