@@ -81,7 +81,7 @@ switches)
   done
   ;;
 head_loss)
-  # fp8_head_loss (off by default): its GPU tests, the job's step off against on (in-process, interleaved), then
+  # fp8_head_loss (on by default): its GPU tests, the job's step on against off (in-process, interleaved), then
   # te-dist train with it on (CONFIG, STEPS as for train)
   timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 -m gpu \
     tests/cli/test_head_loss.py tests/cli/test_cross_entropy.py > "$OUT/head_loss_tests.txt" 2>&1

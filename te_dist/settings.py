@@ -138,6 +138,12 @@ class Settings:
         True, env="TE_DIST_TRITON_PADDING", parse=_flag, check=_is_bool,
         doc="the Triton kernels that build the expert-row padding maps on CUDA. False: torch ops "
             "(the reference they are checked against).")
+    pad_expert_total_rows: bool = _field(
+        True, env="TE_DIST_PAD_EXPERT_TOTAL_ROWS", parse=_flag, check=_is_bool,
+        doc="where the expert rows are padded for the native FP8 path (per-tensor recipes: each expert to 16 "
+            "rows), the last local expert also takes the zero rows that bring the total to a multiple of 128 "
+            "(te_dist.moe.padding.TOTAL_ROWS): the casts' transposed copies then store 128-byte aligned rows. "
+            "False: the groups' padding only.")
     gather_in_experts: bool = _field(
         True, env="TE_DIST_GATHER_IN_EXPERTS", parse=_flag, check=_is_bool,
         doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "
@@ -179,11 +185,11 @@ class Settings:
             "as one group (te_dist.ops.basic.dense_fp8) where they run. False: the emulated path "
             "(fake-quantize, then the GEMM in the input's dtype).")
     fp8_head_loss: bool = _field(
-        False, env="TE_DIST_FP8_HEAD_LOSS", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_HEAD_LOSS", parse=_flag, check=_is_bool,
         doc="te-dist train's model under Float8CurrentScaling with a native FP8 LM head: the head and the fused "
             "cross-entropy run as one autograd step whose backward writes the logits' gradient as the head's FP8 "
-            "operand in one pass (te_dist.train.head_loss), no bf16 gradient and no cast of it. Off until measured "
-            "on a GPU.")
+            "operand in one pass (te_dist.train.head_loss), no bf16 gradient and no cast of it. False: the loss "
+            "writes the bf16 gradient and the head's backward casts it.")
     fp8_fprop_fast_accum: bool = _field(
         True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "

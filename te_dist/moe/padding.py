@@ -5,7 +5,10 @@ blocks (128 rows for Float8BlockScaling, 16-row TMA alignment for per-tensor FP8
 expert's first row must sit on a block boundary. The rows reach the experts grouped by local
 expert with the sizes on the host; a :class:`PaddingPlan` maps them into a buffer whose groups
 start on multiples of ``alignment`` (the zero rows contribute nothing to the weight gradients and
-their outputs are dropped). No host sync: the maps are built on the device, from the counts
+their outputs are dropped). With ``te_dist.settings.pad_expert_total_rows`` the last expert also takes
+the zero rows that bring the total to a multiple of :data:`TOTAL_ROWS` (:func:`total_alignment`): the
+per-tensor FP8 casts of the expert rows write a transposed copy whose rows are the total's bytes long,
+and they store ~18% slower when those rows are not 128-byte aligned (docs/quantization.md). No host sync: the maps are built on the device, from the counts
 already there (:func:`queue_padding_plan`, queued before the dispatcher's host read, then cut to
 the sizes the read brings) or from host sizes copied once, asynchronously (:func:`plan_padding`).
 On CUDA two Triton kernels write all maps (te_dist.moe.padding_triton; off with
@@ -33,8 +36,10 @@ from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 
-__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "native_row_alignment", "needs_padding", "pad_expert_rows",
-           "padded_sizes", "plan_padding", "queue_padding_plan"]
+__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "TOTAL_ROWS", "native_row_alignment", "needs_padding",
+           "max_padding_rows", "pad_expert_rows", "padded_sizes", "plan_padding", "queue_padding_plan", "total_alignment"]
+
+TOTAL_ROWS = 128  # the padded rows' total multiple with pad_expert_total_rows (128 bytes per transposed FP8 row)
 
 
 def native_row_alignment(x: torch.Tensor, recipe, linears) -> Optional[int]:
@@ -51,18 +56,30 @@ def native_row_alignment(x: torch.Tensor, recipe, linears) -> Optional[int]:
     return alignment
 
 
-def padded_sizes(sizes, alignment: int) -> tuple:
-    """Each size rounded up to a multiple of ``alignment``."""
-    return tuple(-(-s // alignment) * alignment for s in sizes)
+def total_alignment(alignment: int) -> int:
+    """The multiple the padded rows' total is rounded up to: :data:`TOTAL_ROWS` (or ``alignment`` where
+    larger) with ``te_dist.settings.pad_expert_total_rows``, else ``alignment`` (no rows beyond the groups')."""
+    if not settings.current().pad_expert_total_rows or alignment >= TOTAL_ROWS or TOTAL_ROWS % alignment:
+        return alignment
+    return TOTAL_ROWS
+
+
+def padded_sizes(sizes, alignment: int, total: Optional[int] = None) -> tuple:
+    """Each size rounded up to a multiple of ``alignment``; the last one also takes the rows that bring
+    the sum to a multiple of ``total`` (a multiple of ``alignment``; None: ``alignment``)."""
+    padded = [-(-s // alignment) * alignment for s in sizes]
+    if padded and total is not None:
+        padded[-1] += -sum(padded) % total
+    return tuple(padded)
 
 
 def needs_padding(sizes, alignment: Optional[int]) -> bool:
-    """Whether some group of ``sizes`` (host ints) does not start on a multiple of ``alignment``
-    (all groups empty: no)."""
+    """Whether some group of ``sizes`` (host ints) does not start on a multiple of ``alignment``, or the
+    rows' total is off :func:`total_alignment` (no rows: no)."""
     if alignment is None:
         return False
     have = host_split_alignment(sizes)
-    return have is not None and have % alignment != 0
+    return have is not None and (have % alignment != 0 or sum(sizes) % total_alignment(alignment) != 0)
 
 
 class PaddingPlan(NamedTuple):
@@ -92,8 +109,9 @@ class QueuedPadding(NamedTuple):
     alignment: int
     offsets: torch.Tensor  # int32 [El]: padded end row of each expert
     row_map: torch.Tensor  # [rows_bound]: padded position of each received row
-    src: torch.Tensor  # [rows_bound + El*(alignment-1)]: received row read by each padded position
-    pad_rows: torch.Tensor  # [El*(alignment-1)]: padded position of each padding row
+    src: torch.Tensor  # [rows_bound + pad bound]: received row read by each padded position
+    pad_rows: torch.Tensor  # [pad bound = El*(alignment-1) + total - alignment]: padded position of each padding row
+    total: Optional[int] = None  # the padded total's multiple (total_alignment; None: alignment)
 
     def sized(self, sizes) -> PaddingPlan:
         """The plan for these sizes (host ints, the counts the maps were queued from; their sum at
@@ -102,13 +120,10 @@ class QueuedPadding(NamedTuple):
         if num_rows > self.row_map.numel():
             raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} "
                              "the plan was queued for")
-        alignment = self.alignment
-        padded, bits = [], 0
-        for s in sizes:
-            s += -s % alignment
-            padded.append(s)
+        padded = padded_sizes(sizes, self.alignment, self.total)
+        bits = 0
+        for s in padded:
             bits |= s
-        padded = tuple(padded)
         remember_split_alignment(padded, bits)  # the GEMMs' predicate asks next
         splits = GroupSplits(self.offsets, padded)
         num_padded = sum(padded)
@@ -126,18 +141,19 @@ def queue_padding_plan(counts: torch.Tensor, alignment: int, rows_bound: int) ->
     if counts.dim() != 1 or counts.dtype != torch.int64:
         raise ValueError(f"counts must be an int64 vector, received {counts.dtype} {tuple(counts.shape)}")
     counts = counts.contiguous()
+    total = total_alignment(alignment)
     if counts.numel() == 0:  # no local experts: no rows
         none = counts.new_empty(0)
-        return QueuedPadding(alignment, none.to(torch.int32), none, none, none)
+        return QueuedPadding(alignment, none.to(torch.int32), none, none, none, total)
     triton_maps = _triton_maps() if counts.is_cuda and counts.numel() <= _MAX_TRITON_EXPERTS else None
     if triton_maps is None:
-        maps = _padding_maps_eager(counts, alignment, rows_bound)
+        maps = _padding_maps_eager(counts, alignment, rows_bound, total)
     elif counts.device.index == torch.cuda.current_device():
-        maps = triton_maps(counts, alignment, rows_bound)
+        maps = triton_maps(counts, alignment, rows_bound, total)
     else:
         with torch.cuda.device(counts.device):
-            maps = triton_maps(counts, alignment, rows_bound)
-    return QueuedPadding(alignment, *maps)
+            maps = triton_maps(counts, alignment, rows_bound, total)
+    return QueuedPadding(alignment, *maps, total)
 
 
 def _lookup(ends: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -146,12 +162,20 @@ def _lookup(ends: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> torc
     return values.index_select(0, group)
 
 
-def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int):
+def max_padding_rows(num_experts: int, alignment: int, total: Optional[int]) -> int:
+    """The most padding rows ``num_experts`` groups take: alignment - 1 each, and the last one the rows
+    that round the total up to ``total`` (a multiple of ``alignment``)."""
+    return num_experts * (alignment - 1) + (0 if total is None else total - alignment)
+
+
+def _padding_maps_eager(counts: torch.Tensor, alignment: int, rows_bound: int, total: Optional[int] = None):
     """The maps of :func:`queue_padding_plan` in torch ops (CPU, and the reference of the Triton kernels)."""
     pad = (-counts).remainder_(alignment)
+    if total is not None and total != alignment:  # the last group rounds the total up (no host read)
+        pad[-1:] += (-(counts.sum() + pad.sum())).remainder(total)
     ends, pends, pad_ends = counts.cumsum(0), (counts + pad).cumsum(0), pad.cumsum(0)
     shift = pad_ends - pad  # padding rows before the expert: how far its rows move
-    pad_bound = counts.numel() * (alignment - 1)
+    pad_bound = max_padding_rows(counts.numel(), alignment, total)
     index = torch.arange(rows_bound + pad_bound, device=counts.device)
     row_map = index[:rows_bound] + _lookup(ends, shift, index[:rows_bound])
     # padded position p of an expert reads received row p - shift; padding reads a neighbour, then zeroed

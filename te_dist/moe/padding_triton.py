@@ -12,11 +12,14 @@ through :mod:`.padding`, on CUDA: CI has no Triton.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quantization.triton_launch import cdiv, launch, next_power_of_2
+from .padding import max_padding_rows
 
 __all__ = ["padding_maps"]
 
@@ -28,11 +31,15 @@ _BLOCK = 1024  # map entries per program of the maps kernel
 
 
 @triton.jit
-def _tables_kernel(counts_ptr, tab_ptr, offsets_ptr, num_experts, ALIGN: tl.constexpr, EB: tl.constexpr):
+def _tables_kernel(counts_ptr, tab_ptr, offsets_ptr, num_experts, ALIGN: tl.constexpr, TOTAL: tl.constexpr,
+                   EB: tl.constexpr):
     e = tl.arange(0, EB)
     m = e < num_experts
     rows = tl.load(counts_ptr + e, mask=m, other=0)
     pad = (ALIGN - rows % ALIGN) % ALIGN
+    if TOTAL != ALIGN:  # the last expert also rounds the padded total up to a multiple of TOTAL
+        extra = (TOTAL - tl.sum(rows + pad, 0) % TOTAL) % TOTAL
+        pad = pad + tl.where(e == num_experts - 1, extra, 0)
     ends = tl.cumsum(rows, 0)
     pends = tl.cumsum(rows + pad, 0)
     pad_ends = tl.cumsum(pad, 0)
@@ -83,12 +90,13 @@ def _maps_kernel(tab_ptr, row_map_ptr, src_ptr, pad_rows_ptr, num_experts, num_r
         tl.store(pad_rows_ptr + j, j + base, mask=j < num_pad)
 
 
-def padding_maps(counts: torch.Tensor, alignment: int, rows_bound: int):
-    """(offsets int32 [El], row_map [rows_bound], src [rows_bound + El*(alignment-1)],
-    pad_rows [El*(alignment-1)]) for int64 ``counts`` [El] (1 <= El <= 8192), on the current CUDA
-    device (the caller's: counts' device)."""
+def padding_maps(counts: torch.Tensor, alignment: int, rows_bound: int, total: Optional[int] = None):
+    """(offsets int32 [El], row_map [rows_bound], src [rows_bound + pad bound], pad_rows [pad bound]) for
+    int64 ``counts`` [El] (1 <= El <= 8192), the padded total a multiple of ``total`` (None: ``alignment``;
+    pad bound: :func:`~te_dist.moe.padding.max_padding_rows`), on the current CUDA device (the caller's:
+    counts' device)."""
     num_experts = counts.numel()
-    pad_bound = num_experts * (alignment - 1)
+    pad_bound = max_padding_rows(num_experts, alignment, total)
     padded_bound = rows_bound + pad_bound
     device = counts.device
     tab = torch.empty(5 * num_experts, dtype=torch.int64, device=device)
@@ -96,7 +104,7 @@ def padding_maps(counts: torch.Tensor, alignment: int, rows_bound: int):
     maps = torch.empty(rows_bound + padded_bound + pad_bound, dtype=torch.int64, device=device)
     row_map, src, pad_rows = maps.split((rows_bound, padded_bound, pad_bound))
     launch(_tables_kernel, (1,), counts, tab, offsets, num_experts, ALIGN=alignment,
-           EB=next_power_of_2(num_experts), num_warps=4)
+           TOTAL=alignment if total is None else total, EB=next_power_of_2(num_experts), num_warps=4)
     row_programs, src_programs = cdiv(rows_bound, _BLOCK), cdiv(padded_bound, _BLOCK)
     programs = row_programs + src_programs + cdiv(pad_bound, _BLOCK)
     if programs:

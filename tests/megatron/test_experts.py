@@ -283,6 +283,6 @@ def test_rows_padded_for_the_native_path_give_the_unpadded_result(megatron_world
     with te_dist.settings.override(megatron_row_padding=False):
         assert all(torch.equal(a, b) for a, b in zip(run(), reference)) and not padded_sizes  # off: unpadded
     padded = run()  # on by default
-    assert padded_sizes == [(4, 0, 8, 4)]
+    assert padded_sizes == [(4, 0, 8, 116)]  # each expert to 4 rows, the last one the total to 128 rows
     for got, want in zip(padded, reference):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

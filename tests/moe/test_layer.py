@@ -177,13 +177,15 @@ def test_experts_get_the_host_split_sizes_of_the_count_exchange(monkeypatch):
     assert seen == [want, want]
 
 
+@pytest.mark.parametrize("total_rows", [False, True], ids=["groups", "groups+total"])
 @pytest.mark.parametrize("probs_position", ["expert", "combine"])
 @pytest.mark.parametrize("where", ["dispatcher", "layer"])
-def test_expert_rows_padded_for_the_native_path_give_the_same_layer(monkeypatch, probs_position, where):
+def test_expert_rows_padded_for_the_native_path_give_the_same_layer(monkeypatch, probs_position, where, total_rows):
     """Rows padded to a multiple (what the native FP8 path needs on a GPU, forced here): the dispatcher
     folds the padding into its expand gather, or, for a transport that does not, the layer pads on
     its own. The GEMMs see padded groups; outputs and every gradient match the unpadded layer
-    (biases included: the padding rows' output gradients must be zero)."""
+    (biases included: the padding rows' output gradients must be zero). With pad_expert_total_rows the
+    last expert also takes the rows that round the total up to 128."""
     x = _x(T=11).requires_grad_(True)
     g = torch.randn(11, 8, generator=torch.Generator().manual_seed(3))
     plain = _layer(probs_position=probs_position)
@@ -196,10 +198,14 @@ def test_expert_rows_padded_for_the_native_path_give_the_same_layer(monkeypatch,
         dispatch = layer.dispatcher.dispatch
         monkeypatch.setattr(layer.dispatcher, "dispatch", lambda *a, row_alignment=None, **kw: dispatch(*a, **kw))
     seen = _record_group_sizes(monkeypatch)
-    y = layer(x)
+    with td.settings.override(pad_expert_total_rows=total_rows):
+        y = layer(x)
     received = layer.tokens_per_local_expert.tolist()
-    assert seen and all(s == tuple(-(-n // 8) * 8 for n in received) for s in seen), (seen, received)
-    assert sum(seen[0]) > 22  # 11 tokens x top-2 rows, padded
+    want = [-(-n // 8) * 8 for n in received]
+    if total_rows:
+        want[-1] += -sum(want) % 128
+    assert seen and all(s == tuple(want) for s in seen), (seen, received)
+    assert sum(seen[0]) > 22 and (sum(seen[0]) == 128 or not total_rows)  # 11 tokens x top-2 rows, padded
     close(y, y_ref)
     for got, want in zip(torch.autograd.grad(y, [x, *layer.parameters()], g), ref):
         close(got, want)

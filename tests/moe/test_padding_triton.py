@@ -27,7 +27,8 @@ DEVICES = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_experts", [1, 3, 64, 128, 257])
 @pytest.mark.parametrize("alignment", [1, 16, 128])
-def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment, device):
+@pytest.mark.parametrize("total", [None, 128], ids=["groups", "total128"])
+def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment, total, device):
     from te_dist.moe.padding_triton import padding_maps as maps
 
     gen = torch.Generator().manual_seed(num_experts * alignment)
@@ -35,8 +36,9 @@ def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment, device)
               + torch.randint(0, 2, (num_experts,), generator=gen) * 128).to(device)
     rows = int(counts.sum())
     for bound in (rows, rows + 1000):  # exact, and queued for more rows than arrive
-        want = padding._padding_maps_eager(counts, alignment, bound)
-        got = maps(counts, alignment, bound)
+        want = padding._padding_maps_eager(counts, alignment, bound, total)
+        got = maps(counts, alignment, bound, total)
+        assert total is None or int(want[0][-1]) % total == 0
         num_padded = int(want[0][-1])
         # the entries a plan cut to these counts uses
         used = {0: num_experts, 1: rows, 2: num_padded, 3: num_padded - rows}
@@ -45,36 +47,45 @@ def test_triton_padding_maps_equal_the_torch_ops(num_experts, alignment, device)
             assert torch.equal(g[:used[i]], w[:used[i]]), (i, g[:used[i]], w[:used[i]])
     if device == "cuda":  # the dispatcher's entry point takes the Triton path there
         assert padding._triton_maps() is not None, "Triton padding kernels did not load"
-        plan = padding.queue_padding_plan(counts, alignment, rows).sized(tuple(counts.tolist()))
-        assert plan.splits.offsets.tolist() == padding._padding_maps_eager(counts.cpu(), alignment, rows)[0].tolist()
+        with settings.override(pad_expert_total_rows=total is not None):
+            plan = padding.queue_padding_plan(counts, alignment, rows).sized(tuple(counts.tolist()))
+        want_offsets = padding._padding_maps_eager(counts.cpu(), alignment, rows, total)[0]
+        assert plan.splits.offsets.tolist() == want_offsets.tolist()
         with settings.override(triton_padding=False):  # the switch: torch ops on CUDA too
             assert padding._triton_maps() is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("total_rows", [False, True], ids=["groups", "groups+total"])
 @pytest.mark.parametrize("alignment", [16, 128])
-def test_padded_dispatch_on_cuda_equals_unpadded(alignment):
-    """EP size 1 on the GPU (the Triton maps folded into the expand gather): the padded rows are zero,
-    and dispatch -> probability scale -> combine gives the unpadded result and gradients."""
+def test_padded_dispatch_equals_unpadded(alignment, total_rows, device):
+    """EP size 1 (on the GPU the Triton maps folded into the expand gather; on the CPU the torch ops): the
+    padded rows are zero, and dispatch -> probability scale -> combine gives the unpadded result and
+    gradients; with pad_expert_total_rows the last expert also rounds the total up to 128 rows."""
     from te_dist.moe.transports.all_to_all import AllToAllDispatcher
 
     torch.manual_seed(0)
     T, K, E, H = 300, 4, 32, 64
-    x = torch.randn(T, H, device="cuda", requires_grad=True)
-    probs, indices = torch.randn(T, E, device="cuda").softmax(-1).topk(K)
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    probs, indices = torch.randn(T, E, device=device).softmax(-1).topk(K)
     probs.requires_grad_(True)
     grad = torch.randn_like(x)
     dispatcher = AllToAllDispatcher(E)
     results = []
     for row_alignment in (None, alignment):
-        x_NH, sizes, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=True,
-                                                          row_alignment=row_alignment)
+        with settings.override(pad_expert_total_rows=total_rows):
+            x_NH, sizes, probs_N, state = dispatcher.dispatch(x, probs, indices, probs_in_expert=True,
+                                                              row_alignment=row_alignment)
         splits = state.group_splits()
         assert splits.offsets.tolist() == torch.tensor(splits.sizes).cumsum(0).tolist()
         if row_alignment is not None:
-            assert all(p % alignment == 0 and p - s < alignment for p, s in zip(splits.sizes, sizes.tolist()))
-            is_pad = torch.cat([torch.arange(p) >= s for s, p in zip(sizes.tolist(), splits.sizes)]).cuda()
+            last = len(sizes) - 1
+            assert all(p % alignment == 0 and (p - s < alignment or e == last)
+                       for e, (p, s) in enumerate(zip(splits.sizes, sizes.tolist())))
+            assert sum(splits.sizes) % (128 if total_rows else alignment) == 0
+            assert sum(splits.sizes) - sum(sizes.tolist()) < E * alignment + (128 if total_rows else 0)
+            is_pad = torch.cat([torch.arange(p) >= s for s, p in zip(sizes.tolist(), splits.sizes)]).to(device)
             assert not x_NH[is_pad].any() and not probs_N[is_pad].any()
         y = dispatcher.combine(x_NH * probs_N[:, None], state)
         results.append((y, *torch.autograd.grad(y, (x, probs), grad)))

@@ -63,25 +63,35 @@ def test_padding_round_trip_and_gradients():
         pad_expert_rows(x[:2], None, (3, -1), 128)
 
 
+@pytest.mark.parametrize("total_rows", [False, True], ids=["groups", "groups+total"])
 @pytest.mark.parametrize("alignment", [1, 16, 128])
-def test_padding_plan_places_every_row_as_a_per_expert_walk_does(alignment):
+def test_padding_plan_places_every_row_as_a_per_expert_walk_does(alignment, total_rows):
     """The plan's maps (built with whole-tensor ops) against a plain walk over the experts, on many
-    expert counts with empty and already aligned experts."""
-    from te_dist.moe.padding import plan_padding
+    expert counts with empty and already aligned experts; with pad_expert_total_rows the last expert
+    also takes the zero rows that bring the total to a multiple of 128."""
+    from te_dist import settings
+    from te_dist.moe.padding import TOTAL_ROWS, needs_padding, plan_padding
 
     gen = torch.Generator().manual_seed(alignment)
+    total = TOTAL_ROWS if total_rows else alignment
     for num_experts in (0, 1, 3, 64, 128):
         sizes = tuple(int(v) for v in torch.randint(0, 3, (num_experts,), generator=gen) * 67
                       + torch.randint(0, 2, (num_experts,), generator=gen) * 128)
-        plan = plan_padding(sizes, alignment, "cpu")
+        with settings.override(pad_expert_total_rows=total_rows):
+            plan = plan_padding(sizes, alignment, "cpu")
+            needed = needs_padding(sizes, alignment)
         row_map, pad_rows, start, pstart = [], [], 0, 0
-        for s in sizes:
+        for e, s in enumerate(sizes):
             p = -(-s // alignment) * alignment
+            if e == len(sizes) - 1:  # the last expert rounds the total up
+                p += -(pstart + p) % total
             row_map += range(pstart, pstart + s)
             pad_rows += range(pstart + s, pstart + p)
             start, pstart = start + s, pstart + p
-        assert plan.splits.sizes == padded_sizes(sizes, alignment)
+        assert sum(plan.splits.sizes) % total == 0 and all(p % alignment == 0 for p in plan.splits.sizes)
+        assert plan.splits.sizes == padded_sizes(sizes, alignment, total)
         assert plan.splits.offsets.tolist() == list(itertools.accumulate(plan.splits.sizes))
+        assert needed == (plan.row_map_N is not None)
         if plan.row_map_N is None:
             assert plan.splits.sizes == sizes
             continue
@@ -90,17 +100,43 @@ def test_padding_plan_places_every_row_as_a_per_expert_walk_does(alignment):
         assert all(src[row_map[i]] == i for i in range(len(row_map)))  # each row read back from its slot
 
 
+def test_padding_the_total_rows_keeps_the_layer_and_its_gradients():
+    """pad_expert_total_rows on: the padded rows round trip (extra rows zero, zero probability) and the
+    gradients are those of the unpadded rows; 16-aligned groups whose total is off 128 are padded too."""
+    from te_dist import settings
+    from te_dist.moe.padding import needs_padding
+
+    torch.manual_seed(0)
+    sizes = (16, 0, 48)  # groups aligned to 16, total 64
+    x = torch.randn(sum(sizes), 8, requires_grad=True)
+    probs = torch.rand(sum(sizes))
+    assert not needs_padding(sizes, 16)
+    with settings.override(pad_expert_total_rows=True):
+        assert needs_padding(sizes, 16) and not needs_padding((16, 112), 16)
+        padded = pad_expert_rows(x, probs, sizes, 16)
+    assert padded.splits.sizes == (16, 0, 112) and padded.x_PH.shape == (128, 8)
+    assert torch.equal(padded.x_PH[:64], x.detach()) and not padded.x_PH[64:].any() and not padded.probs_P[64:].any()
+    y = padded.unpad(padded.x_PH * 3.0)
+    assert torch.equal(y, x.detach() * 3.0)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
 def test_padding_queued_from_device_counts_for_more_rows_is_the_plan_of_the_host_sizes():
     """A dispatcher queues the maps from the counts on the device for an upper bound of the rows
     (before its host read), then cuts them to the sizes the read brings: the same plan as from the
     host sizes. More rows than the bound is an error, not a short map."""
     from te_dist.moe.padding import plan_padding, queue_padding_plan
 
+    from te_dist import settings
+
     sizes = (67, 0, 128, 3, 200)
-    for alignment in (8, 128):
-        queued = queue_padding_plan(torch.tensor(sizes), alignment, sum(sizes) + 250)
-        got, want = queued.sized(sizes), plan_padding(sizes, alignment, "cpu")
-        assert got.splits.sizes == want.splits.sizes == padded_sizes(sizes, alignment)
+    for alignment, total_rows in ((8, False), (128, False), (16, True)):
+        with settings.override(pad_expert_total_rows=total_rows):
+            queued = queue_padding_plan(torch.tensor(sizes), alignment, sum(sizes) + 250)
+            got, want = queued.sized(sizes), plan_padding(sizes, alignment, "cpu")
+        total = 128 if total_rows else alignment
+        assert got.splits.sizes == want.splits.sizes == padded_sizes(sizes, alignment, total)
         assert got.splits.offsets.tolist() == want.splits.offsets.tolist()
         for name in ("row_map_N", "pad_rows", "src_P"):
             assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
