@@ -34,7 +34,7 @@ more steps: kernel time per step summed by kind (``KINDS``, the first whose word
 ``--top`` heaviest kernels. On CPU the ops' own CPU time stands in for kernel time (a check of the script, not a
 figure).
 
-``switch``: a fast path landed off (a boolean field of te_dist.settings) measured in the job's step: the same
+``switch``: a fast path's switch (a boolean field of te_dist.settings) measured in the job's step: the same
 process builds the job's model, loss and AdamW per recipe (as ``profile``) and times ``--steps`` steps per arm in
 ``--rounds`` interleaved rounds: bf16, then per recipe the switch at its value in force and flipped. Printed:
 median ms per step, bf16 over each arm, and on over off.

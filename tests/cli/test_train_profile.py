@@ -44,12 +44,13 @@ def test_kernel_kinds_file_casts_as_casts_though_their_names_carry_fp8_types():
 
 
 def test_switch_times_the_job_step_with_a_setting_off_and_on(tmp_path):
-    """The A/B of a landed-off switch in the job's step (its figures are for GPUs; on CPU the path may not apply)."""
+    """The A/B of a switch in the job's step, the value in force first (here off, by the environment; its figures
+    are for GPUs; on CPU the path may not apply)."""
     out = tmp_path / "switch.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "switch", "--setting", "fp8_head_loss", "--config",
            str(ROOT / "launchers" / "configs" / "tiny_cpu.yaml"), "--recipes", "current", "--device", "cpu",
            "--rounds", "2", "--steps", "1", "--warmup", "1", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TE_DIST_FP8_HEAD_LOSS="0")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

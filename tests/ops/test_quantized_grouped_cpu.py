@@ -110,7 +110,8 @@ def test_padding_the_total_rows_keeps_the_layer_and_its_gradients():
     sizes = (16, 0, 48)  # groups aligned to 16, total 64
     x = torch.randn(sum(sizes), 8, requires_grad=True)
     probs = torch.rand(sum(sizes))
-    assert not needs_padding(sizes, 16)
+    with settings.override(pad_expert_total_rows=False):
+        assert not needs_padding(sizes, 16)
     with settings.override(pad_expert_total_rows=True):
         assert needs_padding(sizes, 16) and not needs_padding((16, 112), 16)
         padded = pad_expert_rows(x, probs, sizes, 16)
@@ -144,8 +145,11 @@ def test_padding_queued_from_device_counts_for_more_rows_is_the_plan_of_the_host
         queue_padding_plan(torch.tensor(sizes), 8, 10).sized(sizes)
     with pytest.raises(ValueError, match="int64 vector"):
         queue_padding_plan(torch.tensor(sizes, dtype=torch.int32), 8, 400)
-    aligned = queue_padding_plan(torch.tensor((16, 32)), 16, 48).sized((16, 32))
+    with settings.override(pad_expert_total_rows=False):
+        aligned = queue_padding_plan(torch.tensor((16, 32)), 16, 48).sized((16, 32))
     assert aligned.row_map_N is None and aligned.splits.sizes == (16, 32)
+    with settings.override(pad_expert_total_rows=True):  # aligned groups, the total off 128: padded
+        assert queue_padding_plan(torch.tensor((16, 32)), 16, 48).sized((16, 32)).splits.sizes == (16, 112)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
