@@ -12,7 +12,7 @@
 #   bash benchmarks/run_fp8_gpu.sh tiles   # the FP8 tile sweep (TILE_ARGS; its instances built first), then the FP8
 #                                          # grouped GPU tests with fp8_fprop_fast_accum on
 #   bash benchmarks/run_fp8_gpu.sh fast    # the training step with fp8_fprop_fast_accum off, then on
-#   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step off against on, then
+#   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step on against off, then
 #                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).

@@ -8,9 +8,10 @@ start on multiples of ``alignment`` (the zero rows contribute nothing to the wei
 their outputs are dropped). With ``te_dist.settings.pad_expert_total_rows`` the last expert also takes
 the zero rows that bring the total to a multiple of :data:`TOTAL_ROWS` (:func:`total_alignment`): the
 per-tensor FP8 casts of the expert rows write a transposed copy whose rows are the total's bytes long,
-and they store ~18% slower when those rows are not 128-byte aligned (docs/quantization.md). No host sync: the maps are built on the device, from the counts
-already there (:func:`queue_padding_plan`, queued before the dispatcher's host read, then cut to
-the sizes the read brings) or from host sizes copied once, asynchronously (:func:`plan_padding`).
+and they store ~18% slower when those rows are not 128-byte aligned (docs/moe.md "The expert rows'
+total"). No host sync: the maps are built on the device, from the counts already there
+(:func:`queue_padding_plan`, queued before the dispatcher's host read, then cut to the sizes the
+read brings) or from host sizes copied once, asynchronously (:func:`plan_padding`).
 On CUDA two Triton kernels write all maps (te_dist.moe.padding_triton; off with
 ``te_dist.settings.triton_padding``), elsewhere torch ops.
 
@@ -36,8 +37,9 @@ from ..ops import GroupSplits
 from ..ops.basic.grouped_linear import host_split_alignment, remember_split_alignment
 from ..support import is_op_fuser_grouped_tensor_supported, native_split_alignment
 
-__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "TOTAL_ROWS", "native_row_alignment", "needs_padding",
-           "max_padding_rows", "pad_expert_rows", "padded_sizes", "plan_padding", "queue_padding_plan", "total_alignment"]
+__all__ = ["PaddedRows", "PaddingPlan", "QueuedPadding", "TOTAL_ROWS", "max_padding_rows", "native_row_alignment",
+           "needs_padding", "pad_expert_rows", "padded_sizes", "plan_padding", "queue_padding_plan",
+           "total_alignment"]
 
 TOTAL_ROWS = 128  # the padded rows' total multiple with pad_expert_total_rows (128 bytes per transposed FP8 row)
 
@@ -74,12 +76,13 @@ def padded_sizes(sizes, alignment: int, total: Optional[int] = None) -> tuple:
 
 
 def needs_padding(sizes, alignment: Optional[int]) -> bool:
-    """Whether some group of ``sizes`` (host ints) does not start on a multiple of ``alignment``, or the
-    rows' total is off :func:`total_alignment` (no rows: no)."""
+    """Whether some group of ``sizes`` (host ints) does not start on a multiple of ``alignment`` (all
+    groups empty: no). Groups aligned already are left as they are, whatever their total: where the
+    padding is not folded into a gather (pad_expert_rows) it costs a copy in and out."""
     if alignment is None:
         return False
     have = host_split_alignment(sizes)
-    return have is not None and (have % alignment != 0 or sum(sizes) % total_alignment(alignment) != 0)
+    return have is not None and have % alignment != 0
 
 
 class PaddingPlan(NamedTuple):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from worker_env import init_worker
 
 from te_dist.moe import RoutingError, TransportSelector
-from te_dist.moe.padding import padded_sizes, total_alignment
+from te_dist.moe.padding import needs_padding, padded_sizes, total_alignment
 
 
 def stand_in_experts(x_NH, split_sizes_El, first_expert):
@@ -67,7 +67,8 @@ def run(scenario, args, device, dtype):
             handed = state.group_splits()  # the split of x_NH: padded where this transport folds the padding
             folds = alignment is not None and state.transport != "peer" and (
                 dist.get_world_size() == 1 or dispatcher.num_local_experts > 1)
-            expected = list(padded_sizes(splits.tolist(), alignment, total_alignment(alignment)) if folds
+            pads = folds and needs_padding(splits.tolist(), alignment)
+            expected = list(padded_sizes(splits.tolist(), alignment, total_alignment(alignment)) if pads
                             else splits.tolist())
             assert list(handed.sizes) == expected, (handed.sizes, expected)
             assert handed.offsets.tolist() == torch.tensor(expected).cumsum(0).tolist()
