@@ -39,6 +39,7 @@ from .. import settings
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
 from ..ops.basic.weight_copy import set_first_microbatch
+from .batch_ahead import BatchAhead
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
 from .datasets import build_data, prepare_data
@@ -148,6 +149,7 @@ class _Job:
     ep_size: int
     micro_batches: int
     fused_loss: bool
+    batches: BatchAhead  # the next step's batch, built while the device runs this one
 
 
 def _optimizer_impl(device: torch.device, fused: bool) -> dict:
@@ -184,7 +186,7 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
                                   weight_decay=t.weight_decay,  # CPU: the plain loop, as in every CPU run
                                   **_optimizer_impl(rt.device, t.fused_optimizer))
     return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches,
-                t.fused_loss)
+                t.fused_loss, BatchAhead(data, rt.rank, rt.world_size))
 
 
 def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
@@ -193,7 +195,7 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     rt, model = job.runtime, job.model
     for group in job.optimizer.param_groups:
         group["lr"] = lr
-    x_BS, y_BS = (b.to(rt.device) for b in job.data.local_batch(step, rt.rank, rt.world_size))
+    x_BS, y_BS = (b.to(rt.device) for b in job.batches.take(step))
     micro = job.micro_batches
     loss = torch.zeros((), device=rt.device)
     for i, (x_bS, y_bS) in enumerate(zip(x_BS.chunk(micro), y_BS.chunk(micro))):
@@ -205,13 +207,15 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
         loss += micro_loss.detach().float()
     # A non-finite local loss still enters every collective below; the all-reduced loss then
     # tells every rank, and all of them stop at the same step.
-    # [loss, SIGINT votes, SIGTERM votes]: the stop decision rides on the loss all-reduce (stop.py).
-    loss_and_votes = torch.cat([loss.reshape(1), torch.tensor(stop_votes, device=loss.device)])
+    # [loss, SIGINT votes, SIGTERM votes]: the stop decision rides on the loss all-reduce (stop.py). The votes
+    # are filled in on the device: a host->device copy here would wait for the whole backward.
+    loss_and_votes = torch.stack([loss, *(torch.full((), float(v), device=loss.device) for v in stop_votes)])
     job.reducer.reduce()
     # The same all-reduce carries both squared gradient norms (see GradientReducer.squared_norms).
     stats = torch.cat([loss_and_votes, job.reducer.squared_norms()])
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
+    job.batches.build(step + 1)  # while the device runs the optimizer (batch_ahead.py)
     if dist.is_initialized():
         wait_collective(dist.all_reduce(stats, async_op=True), "loss all-reduce", None)
     summed_loss, sigint_votes, sigterm_votes, dense_sq, expert_sq = stats.tolist()

@@ -152,8 +152,9 @@ class GradientReducer:
                 p.grad = torch.zeros_like(p)
         scale = 1.0 / self.runtime.world_size
         if group_size == 1:
-            for p in params:
-                p.grad.mul_(scale)
+            if scale != 1.0:  # one rank: a pass over every gradient that would change nothing
+                for p in params:
+                    p.grad.mul_(scale)
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # one collective, not one per tensor
         wait_collective(dist.all_reduce(flat, group=group, async_op=True), f"{kind} gradient all-reduce", group)
