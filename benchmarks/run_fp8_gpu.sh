@@ -14,6 +14,8 @@
 #   bash benchmarks/run_fp8_gpu.sh fast    # the training step with fp8_fprop_fast_accum off, then on
 #   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step on against off, then
 #                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
+#   bash benchmarks/run_fp8_gpu.sh lane_max   # head_loss_lane_max (off by default): the head-loss GPU tests with it
+#                                          # on, then the job's step off against on (CONFIG=deepseek_like)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -94,5 +96,14 @@ head_loss)
     --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-300} --variants none:1 current:1 \
     --fp8-dense --json "$OUT/head_loss_train.json" > "$OUT/head_loss_train.txt" 2>&1
   tail -n 6 "$OUT/head_loss_train.txt"
+  ;;
+lane_max)
+  TE_DIST_HEAD_LOSS_LANE_MAX=1 timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
+    -m gpu tests/cli/test_head_loss.py > "$OUT/lane_max_tests.txt" 2>&1
+  tail -n 4 "$OUT/lane_max_tests.txt"
+  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting head_loss_lane_max \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/lane_max_switch.json" \
+    > "$OUT/lane_max_switch.txt" 2>&1
+  tail -n 5 "$OUT/lane_max_switch.txt"
   ;;
 esac

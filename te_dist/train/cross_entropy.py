@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import settings
 from ..autocast import get_active_recipe
 from ..quantization import amax_hints
 from ..quantization.api import QUANTIZER_TYPES
@@ -32,7 +33,7 @@ def _build():
 
     @triton.jit
     def _cross_entropy_forward(logits, row_stride, targets, loss, lse, dmax, V, CHUNKS: tl.constexpr,
-                               BLOCK: tl.constexpr, DMAX: tl.constexpr):
+                               BLOCK: tl.constexpr, DMAX: tl.constexpr, LANE: tl.constexpr, CHUNKS_P2: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         offs = tl.arange(0, BLOCK)
@@ -48,7 +49,8 @@ def _build():
             s = tl.where(m_new == float("-inf"), 0.0, s)  # lanes that saw only padding
             m = m_new
             if DMAX:
-                other = tl.maximum(other, tl.where(start + offs == target, float("-inf"), x))
+                if LANE == 0:  # the target masked at every element
+                    other = tl.maximum(other, tl.where(start + offs == target, float("-inf"), x))
         row_max = tl.max(m, 0)
         total = tl.sum(s * tl.exp(m - row_max), 0)
         row_lse = row_max + tl.log(total)
@@ -57,7 +59,17 @@ def _build():
         tl.store(lse + row, row_lse)
         tl.store(loss + row, row_lse - picked)
         if DMAX:  # max |softmax - onehot| of the row, each term as the backward computes it (exp is monotone)
-            d = tl.maximum(tl.exp(tl.max(other, 0) - row_lse), tl.abs(tl.exp(picked - row_lse) - 1.0))
+            if LANE == 0:
+                non_target = tl.max(other, 0)
+            else:  # m is each lane's max: only the target's lane needs its other chunks, read once, strided
+                lane = target % BLOCK
+                k = tl.arange(0, CHUNKS_P2)
+                cols = k * BLOCK + lane
+                keep = (k < CHUNKS) & (k != target // BLOCK) & (cols < V) & inside
+                lane_x = tl.load(base + cols, mask=keep, other=float("-inf")).to(tl.float32)
+                rest = tl.max(tl.where(offs == lane, float("-inf"), m), 0)
+                non_target = tl.where(inside, tl.maximum(rest, tl.max(lane_x, 0)), tl.max(m, 0))
+            d = tl.maximum(tl.exp(non_target - row_lse), tl.abs(tl.exp(picked - row_lse) - 1.0))
             bits = d.to(tl.int32, bitcast=True)
             if bits > tl.load(dmax):  # triton_casts._merge_amax's rule
                 tl.atomic_max(dmax, bits)
@@ -102,8 +114,11 @@ def forward_rows(logits_TV: torch.Tensor, targets_T: torch.Tensor, dmax_bits=Non
     loss_T = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
     lse_T = torch.empty_like(loss_T)
     dmax = lse_T if dmax_bits is None else dmax_bits  # a placeholder pointer when DMAX is off
-    _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, dmax, V, -(-V // _BLOCK),
-                      BLOCK=_BLOCK, DMAX=dmax_bits is not None, num_warps=8)
+    chunks = -(-V // _BLOCK)
+    lane = int(dmax_bits is not None and settings.current().head_loss_lane_max)
+    _kernels[0][(T,)](logits_TV, logits_TV.stride(0), targets_T, loss_T, lse_T, dmax, V, chunks,
+                      BLOCK=_BLOCK, DMAX=dmax_bits is not None, LANE=lane,
+                      CHUNKS_P2=1 << max(chunks - 1, 0).bit_length(), num_warps=8)
     return loss_T, lse_T
 
 

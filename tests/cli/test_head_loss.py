@@ -4,7 +4,8 @@ head's FP8 operand by the loss's backward.
 Interpreter (triton and ``TRITON_INTERPRET=1``, else skipped: CI has no Triton): the forward's max |softmax - onehot|
 and the FP8 backward's bytes, transposed copy and scale equal the current-scaling cast of the bf16 gradient the
 fused backward writes, bit for bit, over ragged shapes, a target that is the row's maximum, both FP8 formats,
-power-of-two scales and a negative or zero upstream gradient. CPU: when the one-step path is taken (the switch, the
+power-of-two scales and a negative or zero upstream gradient; the forward's per-lane non-target max
+(``head_loss_lane_max``) against its per-element mask, row by row (also on the GPU). CPU: when the one-step path is taken (the switch, the
 head type, the recipe, the device) and that the fallback is the plain loss. GPU (``-m gpu``): the one step against
 the head's own forward and the fused loss, the same loss and the same gradients, bit for bit."""
 
@@ -38,6 +39,47 @@ def _bf16_gradient(logits, targets, grad_loss):
     x = logits.detach().clone().requires_grad_(True)
     ce._FusedCrossEntropy.apply(x, targets).backward(grad_loss.reshape(()))
     return x.grad
+
+
+def _check_lane_max(V, device):
+    """head_loss_lane_max: the forward's max |softmax - onehot| from the per-lane maxima and the target lane's
+    other chunks, bit for bit the per-element mask's, loss and lse unchanged, row by row (the merged max would
+    hide a row's error behind another row's). Rows cover the target in each chunk and lane, the target as the
+    row's maximum, and the largest non-target logit in the target's own lane (another chunk), where the lane's
+    running max is the target's."""
+    block = ce._BLOCK
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(8, V, generator=g) * 3
+    targets = torch.tensor([0, V - 1, block - 1, min(block, V - 1), V // 2, 3, V - 1 - block // 2, 7])
+    logits[1, V - 1] = 30.0  # the target is the row's maximum
+    t = int(targets[4])
+    logits[4, t] = 30.0
+    logits[4, t % block + (block if t < block and V > block else 0)] = 25.0  # the non-target max in the target's lane
+    logits, targets = logits.to(device, torch.bfloat16), targets.to(device)
+    p = torch.softmax(logits.float(), -1) - torch.nn.functional.one_hot(targets, V)
+    for row in range(len(targets)):
+        runs = {}
+        for lane in (False, True):
+            dmax = torch.zeros(1, dtype=torch.int32, device=device)
+            with settings.override(head_loss_lane_max=lane):
+                runs[lane] = (*ce.forward_rows(logits[row:row + 1], targets[row:row + 1], dmax), dmax)
+        for got, want in zip(runs[True], runs[False]):
+            assert torch.equal(got, want), (row, got, want)
+        torch.testing.assert_close(runs[True][2].view(torch.float32).reshape(()), p[row].abs().max(),
+                                   rtol=1e-3, atol=1e-6)  # torch's softmax rounds otherwise: a sanity check
+
+
+@needs_interpreter
+@pytest.mark.parametrize("V", [4096, 9000, 8292])
+def test_the_lane_max_equals_the_masked_max_of_the_forward(V):
+    _check_lane_max(V, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("V", [4096, 9000, 32000])
+def test_the_lane_max_equals_the_masked_max_of_the_forward_on_cuda(cuda_device, V):
+    _check_lane_max(V, cuda_device)
 
 
 @needs_interpreter
