@@ -27,6 +27,8 @@ Legend: N rows received, P padded rows, H hidden, El local experts.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -114,7 +116,7 @@ class QueuedPadding(NamedTuple):
     row_map: torch.Tensor  # [rows_bound]: padded position of each received row
     src: torch.Tensor  # [rows_bound + pad bound]: received row read by each padded position
     pad_rows: torch.Tensor  # [pad bound = El*(alignment-1) + total - alignment]: padded position of each padding row
-    total: Optional[int] = None  # the padded total's multiple (total_alignment; None: alignment)
+    total: int  # the padded total's multiple (total_alignment: TOTAL_ROWS or alignment)
 
     def sized(self, sizes) -> PaddingPlan:
         """The plan for these sizes (host ints, the counts the maps were queued from; their sum at
@@ -124,10 +126,7 @@ class QueuedPadding(NamedTuple):
             raise ValueError(f"sizes sum to {num_rows} rows, more than the {self.row_map.numel()} "
                              "the plan was queued for")
         padded = padded_sizes(sizes, self.alignment, self.total)
-        bits = 0
-        for s in padded:
-            bits |= s
-        remember_split_alignment(padded, bits)  # the GEMMs' predicate asks next
+        remember_split_alignment(padded, functools.reduce(operator.or_, padded, 0))  # the GEMMs' predicate asks next
         splits = GroupSplits(self.offsets, padded)
         num_padded = sum(padded)
         if num_padded == num_rows:

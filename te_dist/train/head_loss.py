@@ -8,7 +8,7 @@ writes the head's FP8 operand itself (te_dist.train.head_loss_triton) and the he
 |softmax - onehot| over the logits (``cross_entropy.forward_rows``), so the bytes are those of the bf16 gradient's
 cast, bit for bit.
 
-Taken where ``te_dist.settings.fp8_head_loss`` is on (off until measured on a GPU), gradients are recorded, the
+Taken where ``te_dist.settings.fp8_head_loss`` is on (the default), gradients are recorded, the
 head is a BasicLinear without tensor parallelism whose native FP8 path runs for these rows (a multiple of 4),
 the recipe's grad_output quantizer is current scaling without an amax group, and the fused cross-entropy runs
 (CUDA, Triton). Everything else: ``cross_entropy(head(h), targets)``.
