@@ -14,7 +14,7 @@
 #   bash benchmarks/run_fp8_gpu.sh fast    # the training step with fp8_fprop_fast_accum off, then on
 #   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step on against off, then
 #                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
-#   bash benchmarks/run_fp8_gpu.sh lane_max   # head_loss_lane_max (off by default): the head-loss GPU tests with it
+#   bash benchmarks/run_fp8_gpu.sh lane_max   # head_loss_lane_max (on by default): the head-loss GPU tests with it
 #                                          # on, then the job's step off against on (CONFIG=deepseek_like)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).

@@ -191,10 +191,10 @@ class Settings:
             "operand in one pass (te_dist.train.head_loss), no bf16 gradient and no cast of it. False: the loss "
             "writes the bf16 gradient and the head's backward casts it.")
     head_loss_lane_max: bool = _field(
-        False, env="TE_DIST_HEAD_LOSS_LANE_MAX", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_HEAD_LOSS_LANE_MAX", parse=_flag, check=_is_bool,
         doc="fp8_head_loss's forward kernel takes each row's largest non-target logit from its per-lane running "
             "maxima and one strided read of the target's lane (te_dist.train.cross_entropy), instead of masking the "
-            "target at every element. Off until measured on a GPU.")
+            "target at every element (the same value). False: the per-element mask.")
     fp8_fprop_fast_accum: bool = _field(
         True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "
