@@ -5,6 +5,7 @@
     python benchmarks/quantize.py casts --device cpu --rows 256 --cols 512
     python benchmarks/quantize.py weights [--configs mixtral,deepseek,qwen3_235b] [--recipes current,delayed,block]
                                           [--sweep]     # (GPU) the expert weights' FP8 cast per training step
+    python benchmarks/quantize.py swiglu [--shapes 262144x1024,32768x14336]  # (GPU) the FP8 SwiGLU kernels' launches
 
 ``casts``: per case a "triton" row (the fused Triton casts, the default on CUDA) and a "compiled" (or
 "eager") row: the cast functions. GB/s counts the bytes a quantize must move at least once (input read,
@@ -21,6 +22,11 @@ training forward runs after the optimizer wrote the weights (both GEMM layouts, 
 rows ``current+1pass`` / ``delayed+1pass`` run the one-pass CUDA cast (``settings.cuda_rowcol_cast``);
 ``vs 4 B`` = moving 4 bytes per element at copy bandwidth over ``ms``. ``--sweep`` also times the
 candidate tiles of the 128x128 block cast (``tile=``), each checked against the default tile's bytes.
+
+``swiglu``: the FP8 expert MLP's SwiGLU kernels on rows x F (``ops/basic/swiglu_triton.py``): the forward
+writing the FP8 copy of h, the backward reading it, and the backward reading bf16 h; per kernel the
+launch of today's rule against the former 4-warp launch, interleaved in one process, same outputs
+checked; ``of copy`` = the bytes the kernel moves at least once over ms, against the copy's bandwidth.
 """
 
 from __future__ import annotations
@@ -224,6 +230,59 @@ def weights(args) -> list:
     return rows
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, but float32 sums (the probability gradient) up to their order."""
+    if a.dtype == torch.float32:
+        return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()) if b.numel() else 0.0))
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def swiglu(args) -> list:
+    from te_dist.ops.basic import swiglu_triton as st
+
+    rows_out = []
+    for shape in args.shapes.split(","):
+        rows, F = (int(v) for v in shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(rows + F)
+        h = torch.randn(rows, 2 * F, device="cuda", dtype=torch.bfloat16, generator=g)
+        probs = torch.rand(rows, device="cuda", generator=g)
+        da = torch.randn(rows, F, device="cuda", dtype=torch.bfloat16, generator=g)
+        src = torch.empty(rows * F * 2, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        copy_bw = 2 * src.numel() * 2 / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6
+        del src, dst
+        _, h8, hs = st.scaled_swiglu_forward_fp8(h, probs, None)
+        width = st.next_power_of_2(F)
+        former_fwd = (min(4, st.next_power_of_2(F // st.FP8_BLOCK)), 4)
+        former_bwd = (min(1024, max(16, width)), 4)
+        kernels = {  # name: (call with a launch shape, bytes moved at least once, former launch, today's)
+            "forward, FP8 copy": (lambda s: st.scaled_swiglu_forward_fp8(h, probs, None, True, launch_shape=s),
+                                  rows * F * (4 + 2 + 2) + hs.numel() * 4, former_fwd, None),
+            "backward, FP8 h": (lambda s: st.scaled_swiglu_backward(da, h8, probs, None, False, hs, torch.bfloat16, True,
+                                                                    launch_shape=s),
+                                rows * F * (2 + 2 + 4) + hs.numel() * 4, former_bwd, st.backward_launch(F, True)),
+            "backward, bf16 h": (lambda s: st.scaled_swiglu_backward(da, h, probs, None, launch_shape=s),
+                                 rows * F * (4 + 2 + 4 + 2), former_bwd, st.backward_launch(F, False)),
+        }
+        for name, (call, nbytes, former, today) in kernels.items():
+            a, b = call(former), call(today)
+            same = all(_same(x, y) for x, y in zip(a, b) if x is not None)
+            ms = timing.interleaved_ms({"former": lambda: call(former), "today": lambda: call(today)},
+                                       iters=args.iters, warmup=3, rounds=args.rounds)
+            rows_out.append(dict(shape=shape, kernel=name, former_ms=ms["former"], today_ms=ms["today"],
+                                 today_of_copy=nbytes / ms["today"] / 1e6 / copy_bw, same=same,
+                                 launch=str(today or "rule")))
+            print(f"row {shape} {name}: {ms['former']:.3f} -> {ms['today']:.3f} ms", flush=True)
+        del h, da, h8, hs
+        torch.cuda.empty_cache()
+    print(f"\nFP8 SwiGLU kernels, {torch.cuda.get_device_name()}: former launch (4 warps) against today's")
+    print(f"{'rows x F':<14} {'kernel':<18} {'former ms':>10} {'today ms':>9} {'speed-up':>9} {'of copy':>8} {'same':>5}")
+    for r in rows_out:
+        print(f"{r['shape']:<14} {r['kernel']:<18} {r['former_ms']:10.3f} {r['today_ms']:9.3f} "
+              f"{r['former_ms'] / r['today_ms']:9.2f} {r['today_of_copy']:8.2f} {str(r['same']):>5}")
+    return rows_out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -245,12 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also the 128x128 block cast's candidate tiles")
     p.add_argument("--no-one-pass", action="store_true", help="skip the per-tensor recipes' one-pass CUDA cast rows")
+    p = sub.add_parser("swiglu", help="(GPU) the FP8 SwiGLU kernels: today's launch against the former one")
+    p.add_argument("--shapes", default="262144x1024,32768x14336,65536x768,131072x2944,50000x1536",
+                   help="rows x F (F a multiple of 128): DeepSeek-like, Mixtral-like, Qwen3-30B-like, gpt-oss-like padded")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
     timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
-    return timing.run_subcommand(build_parser(), {"casts": casts, "weights": weights}, "quantize", argv)
+    return timing.run_subcommand(build_parser(), {"casts": casts, "weights": weights, "swiglu": swiglu}, "quantize", argv)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def test_scaled_swiglu_backward_triton_kernel_matches_the_fp32_function(cuda_dev
 def test_scaled_swiglu_forward_keeping_fp8_input(cuda_device, rows, ffn, limit, dtype):
     """One pass gives swiglu(h) * p and h's FP8 copy: the copy has the bytes and scales of the 1x128
     E4M3 block cast (power-of-two scales), and the backward from the copy equals the backward from
-    the dequantized copy."""
+    the dequantized copy (the probability gradient up to its sum's order: the two launch differently)."""
     pytest.importorskip("triton")
     from te_dist.ops.basic import swiglu, swiglu_triton
     from te_dist.quantization import triton_casts
@@ -164,4 +164,8 @@ def test_scaled_swiglu_forward_keeping_fp8_input(cuda_device, rows, ffn, limit, 
     got = swiglu.scaled_swiglu_backward(da, kept, probs, limit)
     from_dequantized = swiglu_triton.scaled_swiglu_backward(da, kept.dequantize(), probs, limit)
     for name, a, b in zip(("dh", "dprobs", "scaled"), got, from_dequantized):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a.dtype == b.dtype, name
+        if name == "dprobs":  # one float32 sum per row over F products, in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()) if rows else 0.0)
+        else:
+            assert torch.equal(a, b), name

@@ -33,7 +33,20 @@ __all__ = ["scaled_swiglu_backward", "scaled_swiglu_forward_fp8", "FP8_BLOCK"]
 FP8_BLOCK = 128  # columns per scale block of the FP8 copy of h; F must be a multiple
 _E4M3_MAX = tl.constexpr(448.0)  # a global a jit function reads must be a constexpr
 
-_MAX_BLOCK = 1024  # columns per loop step: 8 bf16 (16 bytes) per thread with 4 warps
+_MAX_BLOCK = 1024  # columns per loop step of the backward: 8 bf16 (16 bytes) per thread with 4 warps
+_FWD_NB = 2  # 128-column blocks per half and loop step of the FP8 forward, one warp: 8 elements per thread
+
+
+def backward_launch(half: int, h_fp8: bool):
+    """(BLOCK, num_warps) of the backward for rows of ``half`` = F columns. Reading the FP8 copy of h, about
+    four loop steps a row with 256 columns per warp (1-4 warps): rows are short and many, and narrow programs
+    keep more of them in flight (docs/fusion.md, "SwiGLU launches"); reading bf16 h, one 4-warp step of up to
+    1024 columns, which measured as fast or faster there."""
+    width = next_power_of_2(half)
+    if not h_fp8:
+        return min(_MAX_BLOCK, max(16, width)), 4
+    block = min(_MAX_BLOCK, max(min(256, width), width // 4))
+    return block, max(1, block // 256)
 
 
 @triton.jit
@@ -104,12 +117,13 @@ def _scaled_swiglu_backward_rows(da_ptr, h_ptr, hs_ptr, p_ptr, dh_ptr, s_ptr, dp
 
 def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, limit: Optional[float],
                            want_scaled: bool = True, h_scale_inv: Optional[torch.Tensor] = None,
-                           out_dtype: Optional[torch.dtype] = None, tell_amax: bool = False):
+                           out_dtype: Optional[torch.dtype] = None, tell_amax: bool = False, launch_shape=None):
     """``(dh, dprobs_fp32, swiglu(h) * probs)`` for ``h [T, 2F]``, ``da [T, F]``, ``probs [T]`` (CUDA);
     the last is None when not ``want_scaled`` (a quantized fc2 saved its own FP8 copy of it).
     With ``h_scale_inv`` [T, 2F/128], h is the FP8 copy from :func:`scaled_swiglu_forward_fp8` and
     ``out_dtype`` the dtype of dh (and of the scaled output). ``tell_amax``: max |dh| from the same pass,
-    offered to a current-scaling cast of dh (quantization.amax_hints)."""
+    offered to a current-scaling cast of dh (quantization.amax_hints). ``launch_shape``: (BLOCK, num_warps)
+    instead of :func:`backward_launch` (benchmarks/quantize.py swiglu)."""
     rows, width = h.shape
     half = width // 2
     h, da, probs = h.contiguous(), da.contiguous(), probs.contiguous()
@@ -118,13 +132,13 @@ def scaled_swiglu_backward(da: torch.Tensor, h: torch.Tensor, probs: torch.Tenso
     scaled = torch.empty(rows, half, dtype=out_dtype, device=h.device) if want_scaled else None
     dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
     if rows and half:
-        block = min(_MAX_BLOCK, max(16, next_power_of_2(half)))
         fp8 = h_scale_inv is not None
+        block, warps = launch_shape or backward_launch(half, fp8)
         bits = amax_hints.new_bits(h.device) if tell_amax else dprobs
         launch(_scaled_swiglu_backward_rows, (rows,),
             da, h, h_scale_inv.contiguous() if fp8 else probs, probs, dh, dh if scaled is None else scaled, dprobs,
             bits, half, 0.0 if limit is None else float(limit),
-            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, H_FP8=fp8, AMAX=tell_amax, BLOCK=block, num_warps=4,
+            HAS_LIMIT=limit is not None, WRITE_S=want_scaled, H_FP8=fp8, AMAX=tell_amax, BLOCK=block, num_warps=warps,
         )
         if tell_amax:
             amax_hints.offer(dh, bits)
@@ -169,11 +183,13 @@ def _scaled_swiglu_forward_fp8_rows(h_ptr, p_ptr, s_ptr, hq_ptr, hs_ptr, amax_pt
         _merge_amax(amax_ptr, tl.max(tl.max(top, axis=1), axis=0))
 
 
-def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float], tell_amax: bool = False):
+def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optional[float], tell_amax: bool = False,
+                              launch_shape=None):
     """``(swiglu(h) * probs[:, None], h_fp8, h_scale_inv)`` for ``h [T, 2F]`` (F a multiple of 128)
     in one pass over h: h_fp8 is E4M3 ``[T, 2F]``, h_scale_inv float32 ``[T, 2F/128]`` (powers of two,
     one per 1x128 block, ``h ~ h_fp8 * h_scale_inv``). ``tell_amax``: max of the first output's magnitudes from the
-    same pass, offered to a current-scaling cast of it (quantization.amax_hints)."""
+    same pass, offered to a current-scaling cast of it (quantization.amax_hints). ``launch_shape``: (blocks per
+    half and step, num_warps) instead of one warp over ``_FWD_NB`` (benchmarks/quantize.py swiglu)."""
     rows, width = h.shape
     half = width // 2
     if half % FP8_BLOCK:
@@ -183,11 +199,11 @@ def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optio
     h_fp8 = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=h.device)
     h_scale_inv = torch.empty(rows, width // FP8_BLOCK, dtype=torch.float32, device=h.device)
     if rows and half:
-        nb = min(4, next_power_of_2(half // FP8_BLOCK))
+        nb, warps = launch_shape or (min(_FWD_NB, next_power_of_2(half // FP8_BLOCK)), 1)
         bits = amax_hints.new_bits(h.device) if tell_amax else h_scale_inv
         launch(_scaled_swiglu_forward_fp8_rows, (rows,),
             h, probs, scaled, h_fp8, h_scale_inv, bits, half, half // FP8_BLOCK, 0.0 if limit is None else float(limit),
-            HAS_LIMIT=limit is not None, AMAX=tell_amax, NB=nb, num_warps=4,
+            HAS_LIMIT=limit is not None, AMAX=tell_amax, NB=nb, num_warps=warps,
         )
         if tell_amax:
             amax_hints.offer(scaled, bits)
