@@ -144,6 +144,12 @@ class Settings:
             "rows), the last local expert also takes the zero rows that bring the total to a multiple of 128 "
             "(te_dist.moe.padding.TOTAL_ROWS): the casts' transposed copies then store 128-byte aligned rows. "
             "False: the groups' padding only.")
+    early_weight_casts: bool = _field(
+        False, env="TE_DIST_EARLY_WEIGHT_CASTS", parse=_flag, check=_is_bool,
+        doc="on the native quantized path, MoELayer queues its experts' weight casts while the dispatch's counts "
+            "travel to the host (the device copy is read into pinned memory, the casts queued, then the host "
+            "waits), so the GPU casts while the host waits and reads; the experts' forward takes those copies "
+            "(te_dist.ops.GroupedLinear.prepare_weight). Off until measured on a GPU.")
     gather_in_experts: bool = _field(
         True, env="TE_DIST_GATHER_IN_EXPERTS", parse=_flag, check=_is_bool,
         doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "

@@ -33,6 +33,7 @@ so data-parallel wrappers reduce them over the expert-data-parallel group, not t
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -205,6 +206,14 @@ class MoELayer(nn.Module):
         if hidden_states.device != weight.device:
             raise ValueError(f"MoELayer parameters are on {weight.device}, got input on {hidden_states.device}")
 
+    def _prepare_expert_weights(self, recipe) -> None:
+        """Queue both expert GEMMs' weight casts for this forward (GroupedLinear.prepare_weight), under the
+        recipe state the fuser would give the ops (built here if the recipe changed since their last forward)."""
+        key = get_recipe_key()
+        for linear in (self.fc1, self.fc2):
+            linear.ensure_recipe_state(recipe, key)
+            linear.prepare_weight()
+
     def _native_row_alignment(self, x_TH: torch.Tensor, recipe) -> Optional[int]:
         """The row multiple the experts' rows must start on for ``recipe``'s native path (None: none)."""
         return native_row_alignment(x_TH, recipe, (self.fc1, self.fc2))
@@ -243,9 +252,14 @@ class MoELayer(nn.Module):
         # recipes both then gather FP8 bytes (te_dist.ops.RowGather). x_NH is x_TH then. Off
         # (te_dist.settings.gather_in_experts): the dispatcher copies the rows, the reference path.
         gather_in_experts = alignment is not None and settings.current().gather_in_experts
+        # The experts' weight casts need no counts: queued while the counts travel to the host, the GPU runs
+        # them while the host waits and reads (te_dist.settings.early_weight_casts; docs/moe.md "The host read").
+        during_read = None
+        if alignment is not None and settings.current().early_weight_casts:
+            during_read = functools.partial(self._prepare_expert_weights, recipe)
         x_NH, split_sizes_El, probs_N, state = self.dispatcher.dispatch(
             x_TH, routing.probs_TK, routing.indices_TK, probs_in_expert=probs_in_expert, invalid=invalid, tag=tag,
-            row_alignment=alignment, gather_in_experts=gather_in_experts,
+            row_alignment=alignment, gather_in_experts=gather_in_experts, during_read=during_read,
         )
         self._agreement.verify(state.peer_tags)  # every rank's tag: a change on some ranks raises on all
         # The experts get the split both ways: the offsets the dispatcher queued on the device before

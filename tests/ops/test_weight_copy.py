@@ -213,3 +213,102 @@ def test_the_step_count_comes_from_a_global_optimizer_hook(device):
     twin = copy.deepcopy(op)
     twin.is_first_microbatch = False
     assert torch.equal(_forward(twin, x, R.Float8CurrentScaling()), _fresh(op, x, R.Float8CurrentScaling()))
+
+
+def _prepare(op, recipe):
+    """What MoELayer does while its dispatch's counts travel (te_dist.settings.early_weight_casts)."""
+    from te_dist.autocast import get_recipe_key
+
+    with td.autocast(recipe=recipe):
+        op.ensure_recipe_state(recipe, get_recipe_key())
+        op.prepare_weight()
+
+
+@pytest.mark.parametrize("flag", [None, True])
+def test_a_prepared_copy_goes_to_the_next_forward_only(device, casts, flag):
+    recipe = R.Float8CurrentScaling()
+    op, x = _op(device), _x(device)
+    op.is_first_microbatch = flag
+    _prepare(op, recipe)
+    assert len(casts) == 1
+    out = _forward(op, x, recipe)  # takes the prepared copy: no cast of its own
+    assert len(casts) == 1
+    assert torch.equal(out, _fresh(op, x, recipe))  # (the twin's cast: 2)
+    op.is_first_microbatch = flag
+    _forward(op, x, recipe)  # the next forward decides for itself again (flag True: casts and keeps anew)
+    assert len(casts) == 3
+
+
+@pytest.mark.parametrize("writer", ["adamw_fused", "data_assign", "load_state_dict"])
+def test_a_write_between_prepare_and_forward_is_seen(device, casts, writer):
+    """A prepared copy is of the weight's values when it was made: a write the key sees (an optimizer
+    step, new storage, a version bump) sends the forward to a fresh cast."""
+    recipe = R.Float8BlockScaling()
+    op, x = _op(device), _x(device)
+    _prepare(op, recipe)
+    WRITERS[writer](op, _x(device, 2), recipe)
+    made = len(casts)
+    assert torch.equal(_forward(op, x, recipe), _fresh(op, x, recipe))
+    assert len(casts) == made + 2  # its own cast, and the fresh twin's
+
+
+def test_a_kept_copy_is_what_prepare_hands_on(device, casts):
+    recipe = R.Float8CurrentScaling()
+    op, x = _op(device), _x(device)
+    op.is_first_microbatch = True
+    first = _forward(op, x, recipe)
+    _prepare(op, recipe)  # a later micro-batch (False): the kept copy, no cast
+    assert len(casts) == 1
+    assert torch.equal(_forward(op, x, recipe), first) and len(casts) == 1
+
+
+def _aligned_on_any_device(monkeypatch):
+    """The layer's native row alignment where the test forces the native path (CPU included)."""
+    from te_dist.moe import layer as layer_module
+
+    monkeypatch.setattr(layer_module, "native_row_alignment", lambda x, recipe, linears: 16)
+
+
+@pytest.mark.parametrize("first", [None, True])
+def test_moe_layer_casts_its_expert_weights_during_the_read(device, casts, monkeypatch, first):
+    """early_weight_casts: both weight casts run inside the dispatch's read (during_read), the experts take
+    those copies (2 casts a forward, not 4), and the output is the one with the switch off, bit for bit."""
+    from te_dist import settings
+    from te_dist.moe.transports import base
+
+    _aligned_on_any_device(monkeypatch)
+    torch.manual_seed(0)
+    layer = MoELayer(256, 128, 4, 2, dtype=torch.bfloat16, device=device)
+    x = _x(device)
+    during = []
+    real_read = base.read_counts
+
+    def read(counts, during_read=None):
+        def watched():
+            before = len(casts)
+            during_read()
+            during.append(len(casts) - before)
+        return real_read(counts, None if during_read is None else watched)
+
+    monkeypatch.setattr("te_dist.moe.transports.all_to_all.read_counts", read)
+    recipe = R.Float8CurrentScaling()
+    with td.autocast(recipe=recipe):
+        with settings.override(early_weight_casts=False):
+            want = layer(x, is_first_microbatch=first)
+        assert during == [] and len(casts) == 2
+        with settings.override(early_weight_casts=True):
+            got = layer(x, is_first_microbatch=first)
+            assert during == [2] and len(casts) == 4
+            if first:  # a later micro-batch: the kept copies, no cast, during the read or after it
+                layer(x)
+                assert during == [2, 0] and len(casts) == 4
+    assert torch.equal(got, want)
+
+
+def test_read_counts_runs_the_work_once_and_reads(device):
+    from te_dist.moe.transports.base import read_counts
+
+    counts = torch.arange(6, device=device) - 1
+    called = []
+    assert read_counts(counts, lambda: called.append(torch.ones(3, device=device).sum())) == [-1, 0, 1, 2, 3, 4]
+    assert len(called) == 1 and read_counts(counts) == counts.tolist()

@@ -69,7 +69,7 @@ from ..permutation import (
     unpermute_rows,
     unpermute_tokens,
 )
-from .base import DispatchState, TokenDispatcher
+from .base import DispatchState, TokenDispatcher, read_counts
 
 __all__ = ["AllToAllDispatcher"]
 
@@ -98,7 +98,7 @@ class AllToAllDispatcher(TokenDispatcher):
         super().__init__(num_experts, ep_group)
 
     def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
-                 row_alignment=None, gather_in_experts=False):  # TokenDispatcher's
+                 row_alignment=None, gather_in_experts=False, during_read=None):  # TokenDispatcher's
         R, El = self.ep_size, self.num_local_experts
         sort_rows = R > 1 and El > 1
         # With an all-to-all and a local sort, the probabilities ride in the token rows: one
@@ -131,7 +131,7 @@ class AllToAllDispatcher(TokenDispatcher):
             if local_pad:  # the permutation into the padded layout, for the bound too
                 padded_perm = _padded_permutation(perm, queued)
         # The single device→host read of the step: the all-to-all needs host split lists.
-        host = torch.cat([counts_send, counts_recv]).tolist()
+        host = read_counts(torch.cat([counts_send, counts_recv]), during_read)
         sent_RL = [host[r * El:(r + 1) * El] for r in range(R)]
         recv_RL = [host[self.num_experts + r * width:self.num_experts + r * width + El] for r in range(R)]
         peer_tags = None if tag is None else [host[self.num_experts + r * width + El] for r in range(R)]

@@ -15,7 +15,7 @@ every transport runs anyway, and raises the same :class:`RoutingError` before an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ from ...ops import GroupSplits, RowGather
 from ...settings import EP_TRANSPORTS
 from ..permutation import PermutationState
 
-__all__ = ["TRANSPORTS", "DispatchState", "RoutingError", "TokenDispatcher"]
+__all__ = ["TRANSPORTS", "DispatchState", "RoutingError", "TokenDispatcher", "read_counts"]
 
 TRANSPORTS = EP_TRANSPORTS  # what MoELayer(transport=...) accepts; te_dist.settings.ep_transport overrides it
 
@@ -63,6 +63,24 @@ class DispatchState:
         return splits if self.rows is None else splits._replace(rows_in=self.rows)
 
 
+def read_counts(counts: torch.Tensor, during_read: Optional[Callable[[], None]] = None) -> list:
+    """``counts.tolist()``, the dispatch's device->host read; with ``during_read``, that work is queued
+    between the copy and the host's wait (a CUDA copy into pinned memory, an event the host waits on), so it
+    runs on the GPU while the host waits for the counts and goes on with them."""
+    if during_read is None:
+        return counts.tolist()
+    if not counts.is_cuda:
+        during_read()
+        return counts.tolist()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    during_read()
+    copied.synchronize()
+    return host.tolist()
+
+
 class TokenDispatcher:
     """Moves routed token copies to the ranks that own their experts and back.
 
@@ -93,6 +111,7 @@ class TokenDispatcher:
         tag: Optional[torch.Tensor] = None,
         row_alignment: Optional[int] = None,
         gather_in_experts: bool = False,
+        during_read: Optional[Callable[[], None]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], DispatchState]:
         """Returns ``(x_NH, split_sizes_El, probs_N or None, state)``; rows grouped by local expert.
 
@@ -110,6 +129,10 @@ class TokenDispatcher:
         ``state.rows`` (te_dist.ops.RowGather; ``state.group_splits().rows_in``: the experts' first GEMM
         reads its rows through it, and their last may sum its rows back through it, the combine).
         Others ignore it: check ``state.rows``.
+        ``during_read``: called once per dispatch, with no arguments, to queue device work that needs no
+        counts (the experts' weight casts): where the transport reads the counts with a copy it can wait on
+        (:func:`read_counts`), after that copy is queued and before the host waits, so the GPU runs that work
+        while the host waits and reads; a transport whose read sits inside its own kernels calls it after.
         """
         raise NotImplementedError
 

@@ -72,10 +72,11 @@ class TransportSelector(TokenDispatcher):
         return self._peer_dispatcher() if use_peer_rows(self.ep_group, device, row_bytes) else self._all_to_all
 
     def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
-                 row_alignment=None, gather_in_experts=False):
+                 row_alignment=None, gather_in_experts=False, during_read=None):
         dispatcher = self.choose(x_TH.device, x_TH.shape[1] * x_TH.element_size())
         out = dispatcher.dispatch(x_TH, probs_TK, indices_TK, probs_in_expert=probs_in_expert, invalid=invalid,
-                                  tag=tag, row_alignment=row_alignment, gather_in_experts=gather_in_experts)
+                                  tag=tag, row_alignment=row_alignment, gather_in_experts=gather_in_experts,
+                                  during_read=during_read)
         self.transport = out[3].transport
         return out
 

@@ -408,11 +408,25 @@ class GroupedLinear(BasicOperation):
         """The weight quantized under the current recipe, in both GEMM layouts: cast anew unless
         ``is_first_microbatch`` is False and the copy kept by an earlier forward is still valid
         (:mod:`.weight_copy` says when)."""
+        return self._weight_copy.get(*self._copy_request())
+
+    def prepare_weight(self) -> None:
+        """Queue now the cast :meth:`quantized_weight` would queue in the next forward, which then takes that
+        copy (:meth:`.weight_copy.WeightCopy.prepare`): the MoE layer calls it while its dispatch's counts
+        travel to the host, so the GPU casts while the host waits (docs/moe.md "The host read"). Nothing
+        where the op is not on a quantized native-capable path (no recipe, a backward override, a shape off
+        the kernels)."""
+        q = self._quantizers
+        if q.active and q.backward_override is None and self.native_shape_ok:
+            self._weight_copy.prepare(*self._copy_request())
+
+    def _copy_request(self):
+        """``(weight, settings key, cast, is_first_microbatch)`` for the weight copy."""
         flag = check_microbatch_flag(self.is_first_microbatch)
         pad = self._native_padding()
         key = self._quantizers.settings_key if pad is self._padding else \
             f"{self._quantizers.settings_key}|unpadded"  # a kept copy is of one layout: padded or not
-        return self._weight_copy.get(self.weight, key, lambda: self._cast_weight(pad), flag)
+        return self.weight, key, lambda: self._cast_weight(pad), flag
 
     def _cast_weight(self, pad: Optional[FeaturePadding]):
         """The weight's FP8 copy; with ``pad`` of the zero-padded [E, Np, Kp] weight."""

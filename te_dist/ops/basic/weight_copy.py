@@ -19,6 +19,11 @@ same, and no torch optimizer has stepped since it was cast (a process-wide count
 ``torch.optim`` step hook installed with the first kept copy): a False after an optimizer step still
 casts. What stays the caller's word: that nothing wrote the weight behind both autograd and every
 torch optimizer (``.data`` writes, a parameter-buffer all-gather) between its True and its False.
+
+A caller may also ask for the copy ahead of the forward that uses it (:meth:`WeightCopy.prepare`: the MoE
+layer queues its experts' weight casts while the dispatch's counts travel to the host, docs/moe.md "The
+host read"). The copy so made goes to the next forward only, and only under the same key (storage,
+version, settings, optimizer steps): it never outlives a write the key sees, and the rule above holds.
 """
 
 from __future__ import annotations
@@ -68,17 +73,33 @@ def set_first_microbatch(model: torch.nn.Module, first: Optional[bool]) -> None:
 class WeightCopy:
     """One op's quantized weight copy and its reuse rule (the module docstring)."""
 
-    __slots__ = ("_key", "_copy", "casts")
+    __slots__ = ("_key", "_copy", "_ready", "casts")
 
     def __init__(self):
         self._key = None
         self._copy = None
+        self._ready = None  # (key, copy) made by prepare() for the next get()
         self.casts = 0  # casts made under the current recipe (what ``te-dist train`` reports)
+
+    @staticmethod
+    def _key_of(weight: torch.Tensor, settings_key: str) -> tuple:
+        return (weight._version, weight.data_ptr(), tuple(weight.shape), settings_key, _steps[0])
+
+    def prepare(self, weight: torch.Tensor, settings_key: str, cast: Callable,
+                is_first_microbatch: Optional[bool]) -> None:
+        """Make now the copy the next :meth:`get` would return (cast, or the kept one), and hand it to that
+        ``get`` if it comes with the same key; any other ``get`` drops it."""
+        self._ready = None
+        copy = self.get(weight, settings_key, cast, is_first_microbatch)
+        self._ready = (self._key_of(weight, settings_key), copy)
 
     def get(self, weight: torch.Tensor, settings_key: str, cast: Callable, is_first_microbatch: Optional[bool]):
         """The copy for this forward: the kept one when ``is_first_microbatch`` is False and it is still
         valid, else ``cast()`` (kept unless ``is_first_microbatch`` is None)."""
-        key = (weight._version, weight.data_ptr(), tuple(weight.shape), settings_key, _steps[0])
+        key = self._key_of(weight, settings_key)
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] == key:  # prepare() made it for this forward
+            return ready[1]
         if is_first_microbatch is False and self._copy is not None and self._key == key:
             return self._copy
         copy = cast()

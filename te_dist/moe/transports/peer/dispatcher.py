@@ -50,8 +50,9 @@ class PeerDispatcher(TokenDispatcher):
             self._checked.add((device, row_bytes))
 
     def dispatch(self, x_TH, probs_TK, indices_TK, *, probs_in_expert: bool, invalid=None, tag=None,
-                 row_alignment=None, gather_in_experts=False):  # TokenDispatcher's (rows arrive unpadded: the
-        # layer pads them; the gather is the peer copy's own, never left to the experts)
+                 row_alignment=None, gather_in_experts=False, during_read=None):  # TokenDispatcher's (rows arrive
+        # unpadded: the layer pads them; the gather is the peer copy's own, never left to the experts; the read
+        # is inside peer_dispatch, so during_read is called after it)
         self.check(x_TH.device, x_TH.shape[1] * x_TH.element_size())
         E, R, El = self.num_experts, self.ep_size, self.num_local_experts
         perm = sort_by_expert(x_TH, indices_TK, E)
@@ -60,6 +61,8 @@ class PeerDispatcher(TokenDispatcher):
         x_NH, probs_N, plan = peer_dispatch(peer_workspace(self.ep_group, x_TH.device), x_TH, probs_S, perm, counts_send)
         if plan.invalid:
             self._raise_if_invalid({r for r in range(R) if min(plan.matrix_row(r), default=0) < 0})
+        if during_read is not None:
+            during_read()
         rows = [plan.matrix_row(r) for r in range(R)]
         mine = slice(self.first_expert, self.first_expert + El)
         state = DispatchState(
