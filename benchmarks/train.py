@@ -11,6 +11,7 @@
     python benchmarks/train.py token-memory [--gib 1] [--steps 200] [--nproc 2]
     python benchmarks/train.py profile --config launchers/configs/deepseek_like.yaml --recipes none,current,block
     python benchmarks/train.py switch --setting fp8_head_loss --config launchers/configs/deepseek_like.yaml
+    python benchmarks/train.py idle --config launchers/configs/deepseek_like.yaml --recipes current,none
 
 ``throughput``: each variant (``recipe:ep``; the first is the baseline) is one real `te-dist train` job,
 torchrun workers included; tokens/s is the mean over the steps after the first two, read from the job's
@@ -38,6 +39,12 @@ figure).
 process builds the job's model, loss and AdamW per recipe (as ``profile``) and times ``--steps`` steps per arm in
 ``--rounds`` interleaved rounds: bf16, then per recipe the switch at its value in force and flipped. Printed:
 median ms per step, bf16 over each arm, and on over off.
+
+``idle``: where the GPU waits for the host in the job's step, per recipe (the model, loss and AdamW of ``profile``):
+torch.profiler with Python stacks over two steps; printed per step the window from the first kernel's start to the
+last one's end and the time no kernel ran in it, then the ``--top`` longest gaps, each with the kernel after it,
+the te_dist or benchmark frames that launched that kernel, whether a device->host copy or a synchronize ended just
+before (a host read), and the host functions that ran during the gap. CUDA only.
 
 ``token-memory``: rank 0's peak RSS (``max_rss_gib`` of metrics.jsonl) after step 1 and after the last
 step of the same job on the synthetic data, on a 1 MiB token file and on a ``--gib`` GiB one (the 1 MiB
@@ -375,6 +382,68 @@ def switch(args) -> list:
     return rows
 
 
+def _gpu_gaps(events: list) -> tuple:
+    """(window us, idle us, [(gap us, gap start, kernel after it)]) of the device events of a chrome trace."""
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not kernels:
+        return 0.0, 0.0, []
+    busy_until, gaps = kernels[0]["ts"], []
+    for k in kernels:
+        if k["ts"] > busy_until:
+            gaps.append((k["ts"] - busy_until, busy_until, k))
+        busy_until = max(busy_until, k["ts"] + k["dur"])
+    return busy_until - kernels[0]["ts"], sum(g for g, _, _ in gaps), gaps
+
+
+def idle_recipe(config: str, recipe_name: str, *, device: str, top: int, warmup: int) -> dict:
+    import torch
+
+    step, _, sync = job_step(config, recipe_name, device=device, fused=True)
+    for _ in range(warmup):
+        step()
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for _ in range(2):
+            step()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    window, idle, gaps = _gpu_gaps(events)
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and ("Synchronize" in e["name"] or "Memcpy" in e["name"])]
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op")]
+    ours = [e for e in events if e.get("cat") == "python_function" and ("te_dist" in e["name"] or "train.py" in e["name"])]
+    print(f"== {config} {recipe_name}: window {window / 2e3:.2f} ms/step, GPU idle {idle / 2e3:.2f} ms/step in "
+          f"{len(gaps)} gaps")
+    rows = []
+    for gap, start, kernel in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = launches.get(kernel["args"].get("correlation"))
+        at = launch["ts"] if launch else kernel["ts"]
+        frames = sorted((e for e in ours if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: e["ts"])
+        read = any(abs(w["ts"] + w["dur"] - start) < 100 or w["ts"] <= start <= w["ts"] + w["dur"] for w in waits)
+        during = sorted((e for e in host if e["ts"] >= start and e["ts"] + e["dur"] <= at and e["dur"] > 15),
+                        key=lambda e: -e["dur"])[:4]
+        rows.append(dict(gap_us=gap, kernel=kernel["name"][:80], launched_from=[f["name"] for f in frames[-3:]],
+                         after_host_read=read, host=[(e["name"][:80], e["dur"]) for e in during]))
+        print(f"  {gap / 1e3:6.3f} ms before {kernel['name'][:60]!r}{' (after a host read)' if read else ''}; "
+              f"launched from {[f['name'] for f in frames[-2:]]}")
+        for name, us in rows[-1]["host"]:
+            print(f"      host {us:7.1f} us: {name}")
+    del step
+    torch.cuda.empty_cache()
+    return {"window_ms_per_step": window / 2e3, "idle_ms_per_step": idle / 2e3, "gaps": rows}
+
+
+def idle(args) -> list:
+    """Per recipe: {recipe, window_ms_per_step, idle_ms_per_step, gaps} (module doc)."""
+    if args.device != "cuda":
+        raise SystemExit("idle times the GPU's gaps: --device cuda")
+    return [dict(recipe=r, **idle_recipe(args.config, r, device=args.device, top=args.top, warmup=args.warmup))
+            for r in args.recipes.split(",")]
+
+
 def profile(args) -> list:
     """Per recipe: {recipe, ms_per_step, kinds_ms, top_ms} (module doc)."""
     return [dict(recipe=r, **profile_recipe(args.config, r, device=args.device, fused=not args.unfused,
@@ -427,13 +496,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p = sub.add_parser("idle", help="where the GPU waits for the host in the job's step (CUDA)")
+    p.add_argument("--config", default="launchers/configs/deepseek_like.yaml")
+    p.add_argument("--recipes", default="current,none")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4)
     timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
     runs = {"throughput": throughput, "resume-drift": resume_drift, "text": text, "token-memory": token_memory,
-            "profile": profile, "switch": switch}
+            "profile": profile, "switch": switch, "idle": idle}
     return timing.run_subcommand(build_parser(), runs, "train", argv)
 
 

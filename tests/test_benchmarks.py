@@ -110,3 +110,23 @@ def test_docs_and_scripts_name_only_existing_benchmarks():
                 if not (BENCH / name).exists() and "retired" not in line:
                     missing.append(f"{path.relative_to(ROOT)}:{number}: benchmarks/{name}")
     assert missing == []
+
+
+def test_train_idle_finds_the_gaps_between_device_events():
+    """benchmarks/train.py idle: the window from the first kernel's start to the last one's end, and every
+    stretch in it where no kernel, copy or memset ran (overlapping events count once)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_train_under_test", BENCH / "train.py")
+        train = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(train)
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("timing", None)
+    events = [dict(cat="kernel", name="a", ts=100, dur=50), dict(cat="gpu_memcpy", name="read", ts=120, dur=60),
+              dict(cat="cpu_op", name="host", ts=150, dur=400), dict(cat="kernel", name="b", ts=200, dur=10),
+              dict(cat="gpu_memset", name="c", ts=205, dur=2), dict(cat="kernel", name="d", ts=260, dur=40)]
+    window, idle, gaps = train._gpu_gaps(events)
+    assert (window, idle) == (200, 20 + 50)
+    assert [(g, start, k["name"]) for g, start, k in gaps] == [(20, 180, "b"), (50, 210, "d")]
+    assert train._gpu_gaps([dict(cat="cpu_op", name="host", ts=0, dur=5)]) == (0.0, 0.0, [])
