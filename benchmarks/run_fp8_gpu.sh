@@ -16,6 +16,8 @@
 #                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
 #   bash benchmarks/run_fp8_gpu.sh lane_max   # head_loss_lane_max (on by default): the head-loss GPU tests with it
 #                                          # on, then the job's step off against on (CONFIG=deepseek_like)
+#   bash benchmarks/run_fp8_gpu.sh early      # early_weight_casts (off by default): its GPU tests with it on, the job's
+#                                          # step off against on, then where the step idles (CONFIG=deepseek_like)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -105,5 +107,17 @@ lane_max)
     --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/lane_max_switch.json" \
     > "$OUT/lane_max_switch.txt" 2>&1
   tail -n 5 "$OUT/lane_max_switch.txt"
+  ;;
+early)
+  TE_DIST_EARLY_WEIGHT_CASTS=1 timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
+    -m gpu tests/ops/test_weight_copy.py tests/moe/test_layer.py > "$OUT/early_tests.txt" 2>&1
+  tail -n 4 "$OUT/early_tests.txt"
+  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting early_weight_casts \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/early_switch.json" \
+    > "$OUT/early_switch.txt" 2>&1
+  tail -n 5 "$OUT/early_switch.txt"
+  TE_DIST_EARLY_WEIGHT_CASTS=1 timeout ${IDLE_LIMIT:-150} python3 benchmarks/train.py idle \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --json "$OUT/idle.json" > "$OUT/idle.txt" 2>&1
+  grep -v Warn "$OUT/idle.txt" | cut -c1-200 | head -n 60
   ;;
 esac
