@@ -18,17 +18,21 @@ BENCH = ROOT / "benchmarks"
 DEVICE_CALL_S = 600  # one device call
 
 
-def _suite():
-    """benchmarks/suite.py, loaded under a name of its own with its folder on the path only meanwhile."""
+def _script(name: str):
+    """benchmarks/NAME.py, loaded under a name of its own with its folder on the path only meanwhile."""
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("bench_suite_under_test", BENCH / "suite.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", BENCH / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("timing", None)  # benchmarks/timing.py: not a name for the rest of the session
     return module
+
+
+def _suite():
+    return _script("suite")
 
 
 def _headline_areas() -> list:
@@ -115,14 +119,7 @@ def test_docs_and_scripts_name_only_existing_benchmarks():
 def test_train_idle_finds_the_gaps_between_device_events():
     """benchmarks/train.py idle: the window from the first kernel's start to the last one's end, and every
     stretch in it where no kernel, copy or memset ran (overlapping events count once)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_train_under_test", BENCH / "train.py")
-        train = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(train)
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("timing", None)
+    train = _script("train")
     events = [dict(cat="kernel", name="a", ts=100, dur=50), dict(cat="gpu_memcpy", name="read", ts=120, dur=60),
               dict(cat="cpu_op", name="host", ts=150, dur=400), dict(cat="kernel", name="b", ts=200, dur=10),
               dict(cat="gpu_memset", name="c", ts=205, dur=2), dict(cat="kernel", name="d", ts=260, dur=40)]
