@@ -252,12 +252,11 @@ def swiglu(args) -> list:
         copy_bw = 2 * src.numel() * 2 / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6
         del src, dst
         _, h8, hs = st.scaled_swiglu_forward_fp8(h, probs, None)
-        width = st.next_power_of_2(F)
         former_fwd = (min(4, st.next_power_of_2(F // st.FP8_BLOCK)), 4)
-        former_bwd = (min(1024, max(16, width)), 4)
+        former_bwd = st.backward_launch(F, False)  # the 4-warp launch every backward took, bf16 h's today
         kernels = {  # name: (call with a launch shape, bytes moved at least once, former launch, today's)
             "forward, FP8 copy": (lambda s: st.scaled_swiglu_forward_fp8(h, probs, None, True, launch_shape=s),
-                                  rows * F * (4 + 2 + 2) + hs.numel() * 4, former_fwd, None),
+                                  rows * F * (4 + 2 + 2) + hs.numel() * 4, former_fwd, st.forward_launch(F)),
             "backward, FP8 h": (lambda s: st.scaled_swiglu_backward(da, h8, probs, None, False, hs, torch.bfloat16, True,
                                                                     launch_shape=s),
                                 rows * F * (2 + 2 + 4) + hs.numel() * 4, former_bwd, st.backward_launch(F, True)),
@@ -271,7 +270,7 @@ def swiglu(args) -> list:
                                        iters=args.iters, warmup=3, rounds=args.rounds)
             rows_out.append(dict(shape=shape, kernel=name, former_ms=ms["former"], today_ms=ms["today"],
                                  today_of_copy=nbytes / ms["today"] / 1e6 / copy_bw, same=same,
-                                 launch=str(today or "rule")))
+                                 launch=str(today)))
             print(f"row {shape} {name}: {ms['former']:.3f} -> {ms['today']:.3f} ms", flush=True)
         del h, da, h8, hs
         torch.cuda.empty_cache()

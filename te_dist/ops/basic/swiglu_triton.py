@@ -37,6 +37,12 @@ _MAX_BLOCK = 1024  # columns per loop step of the backward: 8 bf16 (16 bytes) pe
 _FWD_NB = 2  # 128-column blocks per half and loop step of the FP8 forward, one warp: 8 elements per thread
 
 
+def forward_launch(half: int):
+    """(blocks of 128 columns per half and loop step, num_warps) of the FP8 forward: one warp (docs/fusion.md,
+    "SwiGLU launches")."""
+    return min(_FWD_NB, next_power_of_2(half // FP8_BLOCK)), 1
+
+
 def backward_launch(half: int, h_fp8: bool):
     """(BLOCK, num_warps) of the backward for rows of ``half`` = F columns. Reading the FP8 copy of h, about
     four loop steps a row with 256 columns per warp (1-4 warps): rows are short and many, and narrow programs
@@ -189,7 +195,7 @@ def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optio
     in one pass over h: h_fp8 is E4M3 ``[T, 2F]``, h_scale_inv float32 ``[T, 2F/128]`` (powers of two,
     one per 1x128 block, ``h ~ h_fp8 * h_scale_inv``). ``tell_amax``: max of the first output's magnitudes from the
     same pass, offered to a current-scaling cast of it (quantization.amax_hints). ``launch_shape``: (blocks per
-    half and step, num_warps) instead of one warp over ``_FWD_NB`` (benchmarks/quantize.py swiglu)."""
+    half and step, num_warps) instead of :func:`forward_launch` (benchmarks/quantize.py swiglu)."""
     rows, width = h.shape
     half = width // 2
     if half % FP8_BLOCK:
@@ -199,7 +205,7 @@ def scaled_swiglu_forward_fp8(h: torch.Tensor, probs: torch.Tensor, limit: Optio
     h_fp8 = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=h.device)
     h_scale_inv = torch.empty(rows, width // FP8_BLOCK, dtype=torch.float32, device=h.device)
     if rows and half:
-        nb, warps = launch_shape or (min(_FWD_NB, next_power_of_2(half // FP8_BLOCK)), 1)
+        nb, warps = launch_shape or forward_launch(half)
         bits = amax_hints.new_bits(h.device) if tell_amax else h_scale_inv
         launch(_scaled_swiglu_forward_fp8_rows, (rows,),
             h, probs, scaled, h_fp8, h_scale_inv, bits, half, half // FP8_BLOCK, 0.0 if limit is None else float(limit),
