@@ -16,7 +16,7 @@
 #                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
 #   bash benchmarks/run_fp8_gpu.sh lane_max   # head_loss_lane_max (on by default): the head-loss GPU tests with it
 #                                          # on, then the job's step off against on (CONFIG=deepseek_like)
-#   bash benchmarks/run_fp8_gpu.sh early      # early_weight_casts (off by default): its GPU tests with it on, the job's
+#   bash benchmarks/run_fp8_gpu.sh early      # early_weight_casts (on by default): its GPU tests with it on, the job's
 #                                          # step off against on, then where the step idles (CONFIG=deepseek_like)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).

@@ -145,11 +145,11 @@ class Settings:
             "(te_dist.moe.padding.TOTAL_ROWS): the casts' transposed copies then store 128-byte aligned rows. "
             "False: the groups' padding only.")
     early_weight_casts: bool = _field(
-        False, env="TE_DIST_EARLY_WEIGHT_CASTS", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_EARLY_WEIGHT_CASTS", parse=_flag, check=_is_bool,
         doc="on the native quantized path, MoELayer queues its experts' weight casts while the dispatch's counts "
             "travel to the host (the device copy is read into pinned memory, the casts queued, then the host "
             "waits), so the GPU casts while the host waits and reads; the experts' forward takes those copies "
-            "(te_dist.ops.GroupedLinear.prepare_weight). Off until measured on a GPU.")
+            "(te_dist.ops.GroupedLinear.prepare_weight). False: the casts are queued in the experts' forward.")
     gather_in_experts: bool = _field(
         True, env="TE_DIST_GATHER_IN_EXPERTS", parse=_flag, check=_is_bool,
         doc="at EP size 1 on the native FP8 path, the experts' first GEMM takes the dispatch's row gather "
@@ -201,6 +201,11 @@ class Settings:
         doc="fp8_head_loss's forward kernel takes each row's largest non-target logit from its per-lane running "
             "maxima and one strided read of the target's lane (te_dist.train.cross_entropy), instead of masking the "
             "target at every element (the same value). False: the per-element mask.")
+    fp8_head_loss_blocks: bool = _field(
+        False, env="TE_DIST_FP8_HEAD_LOSS_BLOCKS", parse=_flag, check=_is_bool,
+        doc="fp8_head_loss also under Float8BlockScaling with 1x128 gradient blocks (rows and vocabulary "
+            "multiples of 128): the loss's backward writes both 1x128 copies of the logits' gradient and their "
+            "scales (te_dist.train.head_loss_triton.cross_entropy_grad_fp8_blocks). Off until measured on a GPU.")
     fp8_fprop_fast_accum: bool = _field(
         True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "

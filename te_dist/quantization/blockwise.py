@@ -121,6 +121,13 @@ class Float8BlockQuantizer(_BlockQuantizer):
         copies["columnwise"] = BlockScaledData(col_data, scale_t[:-1].t(), br, bc, transposed=True, scale_inv_t=scale_t)
         return copies
 
+    def from_wgrad_cast(self, shape, dtype, fused, rowwise: bool = True) -> Float8BlockTensor:
+        """The tensor of a 1x128 cast of a 2-D x made elsewhere: ``fused`` = (row data, row scales, columnwise
+        data, its scales M-major [R/128 + 1, C]), as ``cast_fp8_blocks(col_scales_t=True)`` returns them (the
+        gathered cast here; the LM head's gradient written by the loss, te_dist.train.head_loss)."""
+        copies = self._copies_with_wgrad_scales(fused, rowwise)
+        return self.tensor_type(shape, dtype, self.fmt, copies.get("rowwise"), copies["columnwise"])
+
     def _gathered(self, source, index, zero_rows, rowwise, columnwise, covers_source):
         """1x128 blocks with the columnwise copy: one tile-kernel pass reads the rows through the index."""
         kernels = fused_casts_for(source)
@@ -132,9 +139,7 @@ class Float8BlockQuantizer(_BlockQuantizer):
                           self.use_power_2_scales, rowwise=rowwise, columnwise=True, col_scales_t=True, gather=idx)
         if fused is None:
             return None
-        copies = self._copies_with_wgrad_scales(fused, rowwise)
-        return self.tensor_type((index.shape[0], source.shape[1]), source.dtype, self.fmt, copies.get("rowwise"),
-                                copies["columnwise"])
+        return self.from_wgrad_cast((index.shape[0], source.shape[1]), source.dtype, fused, rowwise)
 
     def _cast_copy(self, x_copy, transposed, hadamard):
         br, bc = self.block_shape
