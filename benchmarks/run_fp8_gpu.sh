@@ -18,6 +18,8 @@
 #                                          # on, then the job's step off against on (CONFIG=deepseek_like)
 #   bash benchmarks/run_fp8_gpu.sh early      # early_weight_casts (on by default): its GPU tests with it on, the job's
 #                                          # step off against on, then where the step idles (CONFIG=deepseek_like)
+#   bash benchmarks/run_fp8_gpu.sh head_loss_blocks  # fp8_head_loss_blocks (off by default): the head-loss GPU tests,
+#                                          # the job's step off against on under block, then te-dist train with it on
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -119,5 +121,18 @@ early)
   TE_DIST_EARLY_WEIGHT_CASTS=1 timeout ${IDLE_LIMIT:-150} python3 benchmarks/train.py idle \
     --config launchers/configs/${CONFIG:-deepseek_like}.yaml --json "$OUT/idle.json" > "$OUT/idle.txt" 2>&1
   grep -v Warn "$OUT/idle.txt" | cut -c1-200 | head -n 60
+  ;;
+head_loss_blocks)
+  timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
+    tests/cli/test_head_loss.py > "$OUT/head_loss_blocks_tests.txt" 2>&1
+  tail -n 4 "$OUT/head_loss_blocks_tests.txt"
+  timeout ${SWITCH_LIMIT:-120} python3 benchmarks/train.py switch --setting fp8_head_loss_blocks \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --json "$OUT/head_loss_blocks_switch.json" \
+    > "$OUT/head_loss_blocks_switch.txt" 2>&1
+  tail -n 5 "$OUT/head_loss_blocks_switch.txt"
+  TE_DIST_FP8_HEAD_LOSS_BLOCKS=1 timeout ${TRAIN_LIMIT:-300} python3 benchmarks/train.py throughput --nproc 1 \
+    --device cuda --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-300} \
+    --variants none:1 block:1 --fp8-dense --json "$OUT/head_loss_blocks_train.json" > "$OUT/head_loss_blocks_train.txt" 2>&1
+  tail -n 5 "$OUT/head_loss_blocks_train.txt"
   ;;
 esac
