@@ -36,6 +36,7 @@ def fp8_gradient_applies(head, h_TH: torch.Tensor) -> bool:
         return False
     from ..ops import BasicLinear
     from ..ops.basic.dense_fp8 import DenseFP8
+
     if not isinstance(head, BasicLinear) or head.tensor_parallel_size != 1 or h_TH.dim() != 2:
         return False
     recipe = get_active_recipe()

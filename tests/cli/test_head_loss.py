@@ -193,7 +193,8 @@ def test_one_step_equals_head_then_loss_in_the_interpreter(recipe, monkeypatch):
         with settings.override(fused_casts=True, fp8_head_loss_blocks=True), autocast(recipe=recipe):
             if one_step:
                 head.ensure_recipe_state(get_active_recipe(), get_recipe_key())
-                assert head_loss._gradient_blocks(head.quantizers.grad_output) == isinstance(recipe, R.Float8BlockScaling)
+                blocks = isinstance(recipe, R.Float8BlockScaling)
+                assert head_loss._gradient_blocks(head.quantizers.grad_output) == blocks
                 loss = head_loss._HeadLossFP8.apply(h, head.weight, y, head)
             else:
                 loss = ce._FusedCrossEntropy.apply(head(h), y)
