@@ -6,6 +6,7 @@
     python benchmarks/quantize.py weights [--configs mixtral,deepseek,qwen3_235b] [--recipes current,delayed,block]
                                           [--sweep]     # (GPU) the expert weights' FP8 cast per training step
     python benchmarks/quantize.py swiglu [--shapes 262144x1024,32768x14336]  # (GPU) the FP8 SwiGLU kernels' launches
+    python benchmarks/quantize.py blocks [--shapes 266240x2048g,32768x32000]  # (GPU) the 1x128 CUDA cast's launches
 
 ``casts``: per case a "triton" row (the fused Triton casts, the default on CUDA) and a "compiled" (or
 "eager") row: the cast functions. GB/s counts the bytes a quantize must move at least once (input read,
@@ -27,6 +28,13 @@ candidate tiles of the 128x128 block cast (``tile=``), each checked against the 
 writing the FP8 copy of h, the backward reading it, and the backward reading bf16 h; per kernel the
 launch of today's rule against the former 4-warp launch, interleaved in one process, same outputs
 checked; ``of copy`` = the bytes the kernel moves at least once over ms, against the copy's bandwidth.
+
+``blocks``: Float8BlockScaling's 1x128 CUDA cast (``cuda_rowcol.cast_blocks``, both copies, M-major column scales,
+as the training step's activations and gradients take it) on rows x C, ``g``: the rows gathered from a source of
+an eighth as many (the MoE experts' input at top-8), under every launch of ``cuda_rowcol.BLOCK_LAUNCHES``,
+interleaved in one process, each checked equal to launch 0; ``of copy`` as above (x read, both copies and their
+scales written). Defaults: the DeepSeek-like job step's casts (expert input gathered, SwiGLU output, the LM head's
+gradient, an attention input).
 """
 
 from __future__ import annotations
@@ -282,6 +290,47 @@ def swiglu(args) -> list:
     return rows_out
 
 
+def blocks(args) -> list:
+    from te_dist.quantization import cuda_rowcol
+
+    fp8, fmt_max = torch.float8_e4m3fn, 448.0
+    rows_out = []
+    for spec in args.shapes.split(","):
+        gathered = spec.endswith("g")
+        rows, cols = (int(v) for v in spec.rstrip("g").split("x"))
+        g = torch.Generator(device="cuda").manual_seed(rows + cols)
+        source_rows = rows // 8 if gathered else rows
+        x = torch.randn(source_rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
+        idx = torch.randint(0, source_rows, (rows,), device="cuda", generator=g) if gathered else None
+        nbytes = rows * cols * (2 + 2) + 2 * (rows * cols // 128) * 4
+        src = torch.empty(rows * cols, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        copy_bw = 2 * src.numel() * 2 / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6
+        del src, dst
+
+        def cast(launch):
+            return cuda_rowcol.cast_blocks(x, fp8, fmt_max, True, col_scales_t=True, gather=idx, launch=launch)
+
+        want = cast(0)
+        launches = range(len(cuda_rowcol.BLOCK_LAUNCHES))
+        same = {n: all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cast(n), want))
+                for n in launches}
+        ms = timing.interleaved_ms({n: (lambda n=n: cast(n)) for n in launches}, iters=args.iters, warmup=3,
+                                   rounds=args.rounds)
+        for n in launches:
+            rows_out.append(dict(shape=spec, launch=n, buffers_blocks=list(cuda_rowcol.BLOCK_LAUNCHES[n]), ms=ms[n],
+                                 of_copy=nbytes / ms[n] / copy_bw, over_launch0=ms[0] / ms[n], same=same[n]))
+        del x, idx, want
+        torch.cuda.empty_cache()
+    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (tile buffers, blocks per SM)")
+    print(f"{'rows x C':<14} {'launch':>6} {'(buf, blk)':>10} {'ms':>8} {'of copy':>8} {'launch 0/this':>13} "
+          f"{'same':>5}")
+    for r in rows_out:
+        print(f"{r['shape']:<14} {r['launch']:>6} {str(tuple(r['buffers_blocks'])):>10} {r['ms']:8.3f} "
+              f"{r['of_copy']:8.2f} {r['over_launch0']:13.2f} {str(r['same']):>5}")
+    return rows_out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -308,12 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows x F (F a multiple of 128): DeepSeek-like, Mixtral-like, Qwen3-30B-like, gpt-oss-like padded")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
+    p = sub.add_parser("blocks", help="(GPU) the 1x128 CUDA block cast under each of its launches")
+    p.add_argument("--shapes", default="266240x2048g,266240x1024,32768x32000,32768x2048",
+                   help="rows x C (multiples of 128), g: rows gathered from rows/8 (DeepSeek-like step's casts)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
     timing.add_json_option(*sub.choices.values())
     return parser
 
 
 def main(argv=None) -> int:
-    return timing.run_subcommand(build_parser(), {"casts": casts, "weights": weights, "swiglu": swiglu}, "quantize", argv)
+    subcommands = {"casts": casts, "weights": weights, "swiglu": swiglu, "blocks": blocks}
+    return timing.run_subcommand(build_parser(), subcommands, "quantize", argv)
 
 
 if __name__ == "__main__":

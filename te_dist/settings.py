@@ -84,6 +84,12 @@ def _tile(text: str) -> int:
     return int(text)
 
 
+def _block_launch(text: str) -> int:
+    if text not in ("0", "1", "2"):
+        raise ValueError("expected 0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)")
+    return int(text)
+
+
 # --------------------------------------------------------------------------- code-value checks
 # Each returns None when ``value`` is accepted, else the words for what is.
 
@@ -103,6 +109,11 @@ def _is_transport(value) -> Optional[str]:
 def _is_tile(value) -> Optional[str]:
     ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
     return None if ok else "None (the rule) or a non-negative int tile id"
+
+
+def _is_block_launch(value) -> Optional[str]:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)
+    return None if ok else "0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)"
 
 
 def _field(default, *, env: str, parse: Callable[[str], object], check: Callable[[object], Optional[str]], doc: str):
@@ -164,6 +175,12 @@ class Settings:
         doc="Float8BlockScaling's 1x128 casts that write the columnwise copy (activations and gradients of bf16 or "
             "fp16, gathered rows too) run in the CUDA kernel of te_dist.quantization.cuda_rowcol (128x128 tiles, "
             "built on first use; the Triton tile cast where it cannot run). False: the Triton tile cast.")
+    cuda_block_cast_launch: int = _field(
+        0, env="TE_DIST_CUDA_BLOCK_CAST_LAUNCH", parse=_block_launch, check=_is_block_launch,
+        doc="how cuda_block_cast's kernel holds the next tile (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES): "
+            "0, two shared-memory buffers and two blocks per SM; 1 and 2, one buffer refilled as soon as the tile "
+            "is in registers, three or four blocks per SM (half the shared memory each). 1 and 2 are not yet "
+            "measured on a GPU.")
     megatron_row_padding: bool = _field(
         True, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "

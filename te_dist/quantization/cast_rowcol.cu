@@ -387,17 +387,21 @@ __host__ __device__ __forceinline__ void blocks_store_cols(const BlockArgs& a, c
   for (int i = 0; i < 4; ++i) dst[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
 }
 
-// Persistent blocks, two per SM, each walking tiles blockIdx.x, + gridDim.x, ...: while a tile is reduced and
-// stored, the next one is already on its way into the other half of a double buffer (cp.async), so loads and
-// stores overlap; the four phases of a tile are a barrier apart.
+// Persistent blocks, each walking tiles blockIdx.x, + gridDim.x, ...: while a tile is reduced and stored, the next
+// one is already on its way into shared memory (cp.async), so loads and stores overlap; the four phases of a tile
+// are a barrier apart. Two ways to hold the next tile (kStages):
+//   2: a double buffer, the next tile's copy issued before this one's phase 1 (two blocks per SM fit);
+//   1: one buffer, the next tile's copy issued as soon as phase 1 has taken this one into registers, so it lands
+//      during phases 2-4; half the shared memory, so three or four blocks (kMinBlocks) share an SM.
+// te_cr_blocks' launch picks the pair (cuda_rowcol.BLOCK_LAUNCHES; te_dist.settings.cuda_block_cast_launch).
 constexpr int kTileBytes = kBlk * kBlk * 2;  // one 16-bit tile
-constexpr int kBlocksSmem = 2 * kTileBytes + static_cast<int>(sizeof(BlockSmem));
+constexpr int blocks_smem(int stages) { return stages * kTileBytes + static_cast<int>(sizeof(BlockSmem)); }
 
-template <typename T, __nv_fp8_interpretation_t kFmt>
-__global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
+template <typename T, __nv_fp8_interpretation_t kFmt, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* bufs = reinterpret_cast<T*>(smem);
-  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem + 2 * kTileBytes);
+  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem + kStages * kTileBytes);
   const int64_t tiles_c = a.C / kBlk, tiles = (a.R / kBlk) * tiles_c;
   const int t = threadIdx.x;
   int64_t tile = blockIdx.x;
@@ -405,26 +409,57 @@ __global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __res
   asm volatile("cp.async.commit_group;\n" ::);
   for (int it = 0; tile < tiles; ++it, tile += gridDim.x) {
     const int64_t next = tile + gridDim.x;
-    if (next < tiles)
-      blocks_prefetch(x, a, bufs + ((it + 1) & 1) * kBlk * kBlk, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 1;\n" ::);  // this tile's copies landed (the next one's may be in flight)
+    T* buf = bufs + (kStages == 2 ? (it & 1) * kBlk * kBlk : 0);
+    if (kStages == 2) {
+      if (next < tiles)
+        blocks_prefetch(x, a, bufs + ((it + 1) & 1) * kBlk * kBlk, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_group 1;\n" ::);  // this tile's copies landed (the next one's may be in flight)
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);  // this tile's copies landed
+    }
     __syncthreads();
     const int64_t r0 = (tile / tiles_c) * kBlk, c0 = (tile % tiles_c) * kBlk;
     Raw8<T> raw[8];
-    blocks_load(bufs + (it & 1) * kBlk * kBlk, sm, t, raw);
-    __syncthreads();
+    blocks_load(buf, sm, t, raw);
+    __syncthreads();  // every thread holds its patch: with one buffer, the next tile may come in now
+    if (kStages == 1) {
+      if (next < tiles) blocks_prefetch(x, a, bufs, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
     blocks_scale(a, sm, r0, c0, t);
     __syncthreads();
     blocks_store_rows<T, kFmt>(a, sm, r0, c0, t, raw);
     __syncthreads();
     blocks_store_cols(a, sm, r0, c0, t);
-    __syncthreads();  // tile_t and this buffer are free again
+    __syncthreads();  // tile_t (and, with two buffers, this buffer) are free again
+  }
+}
+
+constexpr int kNumBlockLaunches = 3;  // launch_blocks_fmt's (kStages, kMinBlocks): 0 (2, 2), 1 (1, 3), 2 (1, 4)
+
+template <typename T, __nv_fp8_interpretation_t kFmt, int kStages, int kMinBlocks>
+cudaError_t launch_blocks_as(const void* x, const BlockArgs& a, int sms, cudaStream_t stream) {
+  auto kernel = cast_blocks_kernel<T, kFmt, kStages, kMinBlocks>;
+  const int64_t tiles = (a.R / kBlk) * (a.C / kBlk), most = static_cast<int64_t>(kMinBlocks) * sms;
+  const unsigned grid = static_cast<unsigned>(tiles < most ? tiles : most);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, blocks_smem(kStages));
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, kThreads, blocks_smem(kStages), stream>>>(static_cast<const T*>(x), a);
+  return cudaGetLastError();
+}
+
+template <typename T, __nv_fp8_interpretation_t kFmt>
+cudaError_t launch_blocks_fmt(int launch, const void* x, const BlockArgs& a, int sms, cudaStream_t stream) {
+  switch (launch) {
+    case 1: return launch_blocks_as<T, kFmt, 1, 3>(x, a, sms, stream);
+    case 2: return launch_blocks_as<T, kFmt, 1, 4>(x, a, sms, stream);
+    default: return launch_blocks_as<T, kFmt, 2, 2>(x, a, sms, stream);
   }
 }
 
 template <typename T>
-int launch_blocks(int fmt, const void* x, const BlockArgs& a, cudaStream_t stream) {
+int launch_blocks(int fmt, int launch, const void* x, const BlockArgs& a, cudaStream_t stream) {
   static int sm_count[64] = {};  // per device, asked once
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -432,13 +467,9 @@ int launch_blocks(int fmt, const void* x, const BlockArgs& a, cudaStream_t strea
   if (err == cudaSuccess && sm_count[device] == 0)
     err = cudaDeviceGetAttribute(&sm_count[device], cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return record(err, "te_cr_blocks (device query)");
-  const int64_t tiles = (a.R / kBlk) * (a.C / kBlk), most = 2 * static_cast<int64_t>(sm_count[device]);
-  const unsigned grid = static_cast<unsigned>(tiles < most ? tiles : most);
-  auto kernel = fmt == 0 ? cast_blocks_kernel<T, __NV_E4M3> : cast_blocks_kernel<T, __NV_E5M2>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBlocksSmem);
-  if (err != cudaSuccess) return record(err, "te_cr_blocks (shared memory)");
-  kernel<<<grid, kThreads, kBlocksSmem, stream>>>(static_cast<const T*>(x), a);
-  return record(cudaGetLastError(), "te_cr_blocks");
+  err = fmt == 0 ? launch_blocks_fmt<T, __NV_E4M3>(launch, x, a, sm_count[device], stream)
+                 : launch_blocks_fmt<T, __NV_E5M2>(launch, x, a, sm_count[device], stream);
+  return record(err, "te_cr_blocks");
 }
 
 BlockArgs block_args(const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R, int64_t C,
@@ -519,16 +550,22 @@ int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s,
   return 0;
 }
 
+// launch: which (kStages, kMinBlocks) launch_blocks_fmt runs (0: two buffers, two blocks per SM).
 int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
-                 int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, cudaStream_t stream) {
-  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || dtype < 0 || dtype > 1) {
+                 int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, int launch,
+                 cudaStream_t stream) {
+  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || dtype < 0 || dtype > 1 || launch < 0 ||
+      launch >= kNumBlockLaunches) {
     snprintf(g_error, sizeof(g_error),
-             "te_cr_blocks: R=%lld C=%lld dtype=%d fmt=%d (R %% %d == 0, C %% %d == 0, dtype 0-1, fmt 0-1 needed)",
-             static_cast<long long>(R), static_cast<long long>(C), dtype, fmt, kBlk, kBlk);
+             "te_cr_blocks: R=%lld C=%lld dtype=%d fmt=%d launch=%d (R %% %d == 0, C %% %d == 0, dtype 0-1, fmt 0-1, "
+             "launch 0-%d needed)",
+             static_cast<long long>(R), static_cast<long long>(C), dtype, fmt, launch, kBlk, kBlk,
+             kNumBlockLaunches - 1);
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
-  return dtype == 0 ? launch_blocks<__nv_bfloat16>(fmt, x, a, stream) : launch_blocks<__half>(fmt, x, a, stream);
+  return dtype == 0 ? launch_blocks<__nv_bfloat16>(fmt, launch, x, a, stream)
+                    : launch_blocks<__half>(fmt, launch, x, a, stream);
 }
 
 }  // extern "C"

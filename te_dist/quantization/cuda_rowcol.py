@@ -24,12 +24,14 @@ import torch
 
 from .. import settings
 
-__all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "BLOCK", "fits", "enabled_for", "cast_rowcol", "blocks_fit",
-           "blocks_enabled_for", "cast_blocks"]
+__all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "BLOCK", "BLOCK_LAUNCHES", "fits", "enabled_for", "cast_rowcol",
+           "blocks_fit", "blocks_enabled_for", "cast_blocks"]
 
 SOURCE = Path(__file__).resolve().parent / "cast_rowcol.cu"
 TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): R and C must be multiples
 BLOCK = 128  # the 1x128 block cast's block length and square tile: its R and C must be multiples
+# the block kernel's launches (te_dist.settings.cuda_block_cast_launch): (tile buffers, blocks per SM) per id
+BLOCK_LAUNCHES = ((2, 2), (1, 3), (1, 4))
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _BLOCK_DTYPES = (torch.bfloat16, torch.float16)  # the block kernel's 16-bit tiles
 _FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -51,7 +53,7 @@ class _Library:
                                            c.c_int64, c.c_int64, c.c_int, c.c_float]
         lib.te_cr_blocks.restype = c.c_int
         lib.te_cr_blocks.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_float, c.c_int,
-                                                        c.c_int, c.c_void_p]
+                                                        c.c_int, c.c_int, c.c_void_p]
         lib.te_cr_blocks_on_host.restype = c.c_int
         lib.te_cr_blocks_on_host.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_float, c.c_int,
                                                                 c.c_int]
@@ -192,11 +194,18 @@ def blocks_enabled_for(x: torch.Tensor, fp8_dtype: torch.dtype, gather: Optional
 
 
 def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *, rowwise: bool = True,
-                col_scales_t: bool = False, gather: Optional[torch.Tensor] = None):
+                col_scales_t: bool = False, gather: Optional[torch.Tensor] = None, launch: Optional[int] = None):
     """The 1x128 block cast of x [R, C] (or of its rows ``gather``, int64, negative: a zero row) writing the
     columnwise copy and, with ``rowwise``, the rowwise one: (row data [R, C] or None, row scale_inv [R, C/128]
     or None, col data [C, R], col scale_inv [C, R/128], or M-major [R/128 + 1, C] with a zero last row with
-    ``col_scales_t``), the values of triton_casts.cast_fp8_blocks. Call only where :func:`blocks_enabled_for`."""
+    ``col_scales_t``), the values of triton_casts.cast_fp8_blocks. ``launch``: an index of :data:`BLOCK_LAUNCHES`
+    (None: ``te_dist.settings.cuda_block_cast_launch``); every launch writes the same bytes. Call only where
+    :func:`blocks_enabled_for`."""
+    if launch is None:
+        launch = settings.current().cuda_block_cast_launch
+    if not isinstance(launch, int) or isinstance(launch, bool) or not 0 <= launch < len(BLOCK_LAUNCHES):
+        raise ValueError(f"cast_blocks' launch is an index of BLOCK_LAUNCHES (0-{len(BLOCK_LAUNCHES) - 1}) or None, "
+                         f"received {launch!r}")
     if not blocks_fit(x, fp8_dtype, gather):
         got = "none" if gather is None else f"{gather.dtype} {tuple(gather.shape)} on {gather.device}"
         raise ValueError(f"cast_blocks takes a CUDA x [R, C] of {_BLOCK_DTYPES} with the rows cast and C multiples "
@@ -213,6 +222,6 @@ def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2
     with contextlib.nullcontext() if on_x else torch.cuda.device(x.device):
         lib.blocks(x.data_ptr(), None if idx is None else idx.data_ptr(),
                    *(None if t is None else t.data_ptr() for t in outs), rows, cols, _DTYPES[x.dtype],
-                   _FORMATS[fp8_dtype], float(fmt_max), int(power_2), int(col_scales_t),
+                   _FORMATS[fp8_dtype], float(fmt_max), int(power_2), int(col_scales_t), launch,
                    torch.cuda.current_stream(x.device).cuda_stream)
     return outs

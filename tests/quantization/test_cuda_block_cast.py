@@ -2,8 +2,9 @@
 copies of an activation or gradient from one read, gathered rows too, bit for bit the reference cast.
 
 CPU: nvcc builds the kernel and its four phases run on the host (tiles, shared-memory reductions, scales,
-layouts, the gather). GPU (``-m gpu``): the kernel itself against the Triton tile cast on large inputs, and
-the block quantizer's copies with the switch on and off."""
+layouts, the gather); the launch ids (``cuda_block_cast_launch``) checked before any device call. GPU (``-m gpu``):
+the kernel itself under every launch against the Triton tile cast on large inputs, and the block quantizer's
+copies with the switch on and off."""
 
 from __future__ import annotations
 
@@ -111,21 +112,51 @@ def test_the_switch_and_the_checks_before_any_launch():
         cuda_rowcol._Library.blocks_on_host(None, x.float(), *E4M3, True)
 
 
+def test_every_launch_is_one_the_library_knows_and_a_bad_one_is_refused_first(host_lib):
+    """cuda_block_cast_launch: the ids of BLOCK_LAUNCHES are the library's (it refuses the next one, before any
+    device call, naming the range), cast_blocks refuses a bad launch before anything else, and the setting
+    parses 0-2 from the environment and nothing else."""
+    n = len(cuda_rowcol.BLOCK_LAUNCHES)
+    lib = host_lib._lib
+    args = [None] * 6 + [128, 128, 0, 0, 448.0, 1, 1]
+    assert lib.te_cr_blocks(*args, n, None) != 0
+    error = lib.te_cr_last_error().decode()
+    assert f"launch={n}" in error and f"launch 0-{n - 1} needed" in error
+    assert lib.te_cr_blocks(*args[:6], 100, 128, *args[8:], n - 1, None) != 0  # the last id passes the launch check
+    assert f"launch={n - 1}" in lib.te_cr_last_error().decode()
+    x = torch.ones(128, 256, dtype=torch.bfloat16)
+    for bad in (n, -1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"launch is an index of BLOCK_LAUNCHES \(0-{n - 1}\).*{bad!r}"):
+            cuda_rowcol.cast_blocks(x, *E4M3, True, launch=bad)
+    assert settings.current().cuda_block_cast_launch == 0
+    for text in [str(i) for i in range(n)]:
+        assert settings.from_environ({"TE_DIST_CUDA_BLOCK_CAST_LAUNCH": text})[0].cuda_block_cast_launch == int(text)
+    for text in (str(n), "-1", "one"):
+        with pytest.raises(ValueError, match=rf"TE_DIST_CUDA_BLOCK_CAST_LAUNCH={text!r}.*expected 0, 1 or 2"):
+            settings.from_environ({"TE_DIST_CUDA_BLOCK_CAST_LAUNCH": text})
+    with pytest.raises(ValueError, match="cuda_block_cast_launch"):
+        with settings.override(cuda_block_cast_launch=n):
+            pass
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_the_kernel_equals_the_triton_tile_cast(dtype):
+@pytest.mark.parametrize("launch", range(len(cuda_rowcol.BLOCK_LAUNCHES)))
+def test_the_kernel_equals_the_triton_tile_cast(dtype, launch):
     """On the GPU: the CUDA kernel's copies == the Triton tile cast's, bit for bit, on an expert-sized input,
-    plain and gathered, both scale layouts, with and without the rowwise copy."""
+    plain and gathered, both scale layouts, with and without the rowwise copy, under every launch (more tiles
+    than the grid's blocks, so each block walks several and refills its buffers)."""
     from te_dist.quantization import triton_casts
 
     x = _values(1536, 2048, seed=3, dtype=dtype).cuda()
-    gather = torch.randint(0, 1536, (4096,), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    gather = torch.randint(0, 1536, (65536,), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     gather[::97] = -1
     for idx in (None, gather):
         for rowwise, col_scales_t in ((True, True), (False, True), (True, False)):
             assert cuda_rowcol.blocks_enabled_for(x, E4M3[0], idx)
-            got = cuda_rowcol.cast_blocks(x, *E4M3, True, rowwise=rowwise, col_scales_t=col_scales_t, gather=idx)
+            got = cuda_rowcol.cast_blocks(x, *E4M3, True, rowwise=rowwise, col_scales_t=col_scales_t, gather=idx,
+                                          launch=launch)
             with settings.override(cuda_block_cast=False):
                 want = triton_casts.cast_fp8_blocks(x, 1, 128, *E4M3, True, rowwise=rowwise, columnwise=True,
                                                     col_scales_t=col_scales_t, gather=idx)
