@@ -194,6 +194,14 @@ def _tile_sweep(w, iters):
     return rows
 
 
+def _copy_gbs(numel: int, iters: int) -> float:
+    """GB/s (read + written) of a device-to-device copy of ``numel`` bf16 elements: the baseline the GPU
+    subcommands divide by, measured in the same process."""
+    src = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 4 * numel / timing.each_call_ms(lambda: dst.copy_(src), iters=iters) / 1e6
+
+
 def weights(args) -> list:
     from te_dist import settings
     from te_dist.ops import GroupedLinear
@@ -206,10 +214,7 @@ def weights(args) -> list:
         ops = [GroupedLinear(E, H, 2 * F, dtype=torch.bfloat16, device="cuda"),
                GroupedLinear(E, F, H, dtype=torch.bfloat16, device="cuda")]
         numel = sum(op.weight.numel() for op in ops)
-        src = torch.cat([op.weight.detach().reshape(-1) for op in ops])
-        dst = torch.empty_like(src)
-        copy_bw = 4 * numel / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6  # GB/s read + written
-        del src, dst
+        copy_bw = _copy_gbs(numel, args.iters)
         for rname in args.recipes.split(","):
             # per-tensor recipes: also the one-pass CUDA cast (settings.cuda_rowcol_cast), labelled "+1pass"
             for one_pass in (False, True) if rname in ONE_PASS_RECIPES and not args.no_one_pass else (False,):
@@ -255,10 +260,7 @@ def swiglu(args) -> list:
         h = torch.randn(rows, 2 * F, device="cuda", dtype=torch.bfloat16, generator=g)
         probs = torch.rand(rows, device="cuda", generator=g)
         da = torch.randn(rows, F, device="cuda", dtype=torch.bfloat16, generator=g)
-        src = torch.empty(rows * F * 2, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        copy_bw = 2 * src.numel() * 2 / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6
-        del src, dst
+        copy_bw = _copy_gbs(rows * F * 2, args.iters)
         _, h8, hs = st.scaled_swiglu_forward_fp8(h, probs, None)
         former_fwd = (min(4, st.next_power_of_2(F // st.FP8_BLOCK)), 4)
         former_bwd = st.backward_launch(F, False)  # the 4-warp launch every backward took, bf16 h's today
@@ -303,10 +305,7 @@ def blocks(args) -> list:
         x = torch.randn(source_rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
         idx = torch.randint(0, source_rows, (rows,), device="cuda", generator=g) if gathered else None
         nbytes = rows * cols * (2 + 2) + 2 * (rows * cols // 128) * 4
-        src = torch.empty(rows * cols, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        copy_bw = 2 * src.numel() * 2 / timing.each_call_ms(lambda: dst.copy_(src), iters=args.iters) / 1e6
-        del src, dst
+        copy_bw = _copy_gbs(rows * cols, args.iters)
 
         def cast(launch):
             return cuda_rowcol.cast_blocks(x, fp8, fmt_max, True, col_scales_t=True, gather=idx, launch=launch)

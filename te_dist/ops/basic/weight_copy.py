@@ -90,13 +90,15 @@ class WeightCopy:
         """Make now the copy the next :meth:`get` would return (cast, or the kept one), and hand it to that
         ``get`` if it comes with the same key; any other ``get`` drops it."""
         self._ready = None
-        copy = self.get(weight, settings_key, cast, is_first_microbatch)
-        self._ready = (self._key_of(weight, settings_key), copy)
+        key = self._key_of(weight, settings_key)
+        self._ready = (key, self._get(key, cast, is_first_microbatch))
 
     def get(self, weight: torch.Tensor, settings_key: str, cast: Callable, is_first_microbatch: Optional[bool]):
         """The copy for this forward: the kept one when ``is_first_microbatch`` is False and it is still
         valid, else ``cast()`` (kept unless ``is_first_microbatch`` is None)."""
-        key = self._key_of(weight, settings_key)
+        return self._get(self._key_of(weight, settings_key), cast, is_first_microbatch)
+
+    def _get(self, key: tuple, cast: Callable, is_first_microbatch: Optional[bool]):
         ready, self._ready = self._ready, None
         if ready is not None and ready[0] == key:  # prepare() made it for this forward
             return ready[1]
