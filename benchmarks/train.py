@@ -35,10 +35,11 @@ more steps: kernel time per step summed by kind (``KINDS``, the first whose word
 ``--top`` heaviest kernels. On CPU the ops' own CPU time stands in for kernel time (a check of the script, not a
 figure).
 
-``switch``: a fast path's switch (a boolean field of te_dist.settings) measured in the job's step: the same
-process builds the job's model, loss and AdamW per recipe (as ``profile``) and times ``--steps`` steps per arm in
-``--rounds`` interleaved rounds: bf16, then per recipe the switch at its value in force and flipped. Printed:
-median ms per step, bf16 over each arm, and on over off.
+``switch``: a fast path's switch (a boolean field of te_dist.settings, or an integer one with ``--values``) measured
+in the job's step: the same process builds the job's model, loss and AdamW per recipe (as ``profile``) and times
+``--steps`` steps per arm in ``--rounds`` interleaved rounds: bf16, then per recipe the switch at its value in force
+and flipped (an integer: at each of ``--values``, the value in force first). Printed: median ms per step, bf16 over
+each arm, and on over off (an integer: the value in force over each other value).
 
 ``idle``: where the GPU waits for the host in the job's step, per recipe (the model, loss and AdamW of ``profile``):
 torch.profiler with Python stacks over two steps; printed per step the window from the first kernel's start to the
@@ -341,15 +342,33 @@ def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, s
     return {"ms_per_step": ms, "kinds_ms": dict(per_kind), "top_ms": per_kernel.most_common(top)}
 
 
+def _switch_values(field, in_force, given) -> list:
+    """The arms' values of a switch: a boolean's value in force then flipped; an integer's ``--values`` (the value in
+    force first)."""
+    if given is None:
+        if not isinstance(field.default, bool):
+            raise SystemExit(f"--setting {field.name} is an integer field: give --values, e.g. --values 0,1,2")
+        return [in_force, not in_force]
+    if isinstance(field.default, bool) or not isinstance(field.default, int):
+        raise SystemExit(f"--values applies to an integer field of te_dist.settings, got {field.name!r}")
+    try:
+        values = [int(v) for v in given.split(",")]
+    except ValueError:
+        raise SystemExit(f"--values takes comma-separated integers, got {given!r}") from None
+    return [in_force] + [v for v in dict.fromkeys(values) if v != in_force]
+
+
 def switch(args) -> list:
     """Per arm {arm, recipe, setting, ms_per_step (median over rounds), over_bf16, on_over_off} (module doc)."""
     from te_dist import settings
 
     field = next((f for f in settings.fields() if f.name == args.setting), None)
-    if field is None or not isinstance(field.default, bool):
-        raise SystemExit(f"--setting names a boolean field of te_dist.settings, got {args.setting!r}")
+    if field is None or not isinstance(field.default, int):
+        raise SystemExit(f"--setting names a boolean or integer field of te_dist.settings, got {args.setting!r}")
     in_force = getattr(settings.current(), args.setting)
-    arms = [("none", None)] + [(r, value) for r in args.recipes.split(",") for value in (in_force, not in_force)]
+    values = _switch_values(field, in_force, args.values)
+    base_value = False if isinstance(field.default, bool) else in_force  # gains: over off, or over the value in force
+    arms = [("none", None)] + [(r, value) for r in args.recipes.split(",") for value in values]
     steps = {}
     for recipe_name, _ in arms:
         if recipe_name not in steps:
@@ -370,11 +389,12 @@ def switch(args) -> list:
     median = {arm: statistics.median(t) for arm, t in times.items()}
     base = median[("none", None)]
     rows = []
+    gain_name = "on/off speed-up" if base_value is False else f"over {base_value}"
     print(f"{args.config}: ms per step, median of {args.rounds} interleaved rounds of {args.steps} steps")
-    print(f"{'recipe':8s} {args.setting:>22s} {'ms/step':>9s} {'bf16/this':>10s} {'on/off speed-up':>16s}")
+    print(f"{'recipe':8s} {args.setting:>22s} {'ms/step':>9s} {'bf16/this':>10s} {gain_name:>16s}")
     for recipe_name, value in arms:
         ms = median[(recipe_name, value)]
-        gain = median[(recipe_name, False)] / ms if value is True else None  # off's time over on's
+        gain = None if value is None or value == base_value else median[(recipe_name, base_value)] / ms
         rows.append(dict(arm=f"{recipe_name}:{value}", recipe=recipe_name, setting=value, ms_per_step=ms,
                          over_bf16=base / ms, on_over_off=gain))
         shown = "-" if value is None else str(value)
@@ -489,7 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p = sub.add_parser("switch", help="the job's step with a te_dist.settings switch off and on, against bf16")
-    p.add_argument("--setting", required=True, help="a boolean field of te_dist.settings, e.g. fp8_head_loss")
+    p.add_argument("--setting", required=True, help="a boolean or integer field of te_dist.settings, "
+                   "e.g. fp8_head_loss")
+    p.add_argument("--values", default=None, help="an integer field's values, e.g. 0,1,2 (the value in force first)")
     p.add_argument("--config", default="launchers/configs/deepseek_like.yaml")
     p.add_argument("--recipes", default="current")
     p.add_argument("--device", default="cuda")
