@@ -21,7 +21,7 @@
 #   bash benchmarks/run_fp8_gpu.sh head_loss_blocks  # fp8_head_loss_blocks (off by default): the head-loss GPU tests,
 #                                          # the job's step off against on under block, then te-dist train with it on
 #   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (0 by default): the block-cast GPU tests
-#                                          # (every launch), each launch's cast time, the block step per launch
+#                                          # (every launch), each launch's cast time, the job's block step per launch
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -144,10 +144,9 @@ block_launch)
   timeout ${CAST_LIMIT:-120} python3 benchmarks/quantize.py blocks --json "$OUT/block_launch.json" \
     > "$OUT/block_launch.txt" 2>&1
   tail -n 14 "$OUT/block_launch.txt"
-  for launch in 0 1 2; do
-    TE_DIST_CUDA_BLOCK_CAST_LAUNCH=$launch timeout ${PROFILE_LIMIT:-90} python3 benchmarks/train.py profile \
-      --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --top 4 > "$OUT/block_launch_step$launch.txt" 2>&1
-    grep "^==\|^   [a-z]" "$OUT/block_launch_step$launch.txt" | head -n 2
-  done
+  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting cuda_block_cast_launch --values 0,1,2 \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --json "$OUT/block_launch_switch.json" \
+    > "$OUT/block_launch_switch.txt" 2>&1
+  tail -n 6 "$OUT/block_launch_switch.txt"
   ;;
 esac
