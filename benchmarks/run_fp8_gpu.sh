@@ -22,6 +22,9 @@
 #                                          # the job's step off against on under block, then te-dist train with it on
 #   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (0 by default): the block-cast GPU tests
 #                                          # (every launch), each launch's cast time, the job's block step per launch
+#   bash benchmarks/run_fp8_gpu.sh pending   # the switches still off until measured (cuda_block_cast_launch,
+#                                          # fp8_head_loss_blocks) in one short call (~5 minutes): their GPU tests,
+#                                          # then each one's A/B in the job's block step (CONFIG=deepseek_like)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -148,5 +151,18 @@ block_launch)
     --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --json "$OUT/block_launch_switch.json" \
     > "$OUT/block_launch_switch.txt" 2>&1
   tail -n 6 "$OUT/block_launch_switch.txt"
+  ;;
+pending)
+  timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
+    tests/quantization/test_cuda_block_cast.py tests/cli/test_head_loss.py > "$OUT/pending_tests.txt" 2>&1
+  tail -n 6 "$OUT/pending_tests.txt"
+  timeout ${SWITCH_LIMIT:-100} python3 benchmarks/train.py switch --setting cuda_block_cast_launch --values 0,1,2 \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --rounds 3 --steps 8 --warmup 2 \
+    --json "$OUT/block_launch_switch.json" > "$OUT/block_launch_switch.txt" 2>&1
+  tail -n 6 "$OUT/block_launch_switch.txt"
+  timeout ${SWITCH_LIMIT:-100} python3 benchmarks/train.py switch --setting fp8_head_loss_blocks \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --rounds 3 --steps 8 --warmup 2 \
+    --json "$OUT/head_loss_blocks_switch.json" > "$OUT/head_loss_blocks_switch.txt" 2>&1
+  tail -n 5 "$OUT/head_loss_blocks_switch.txt"
   ;;
 esac
