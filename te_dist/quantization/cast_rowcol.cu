@@ -267,7 +267,7 @@ __host__ __device__ __forceinline__ int float_bits(float f) {
   return bits;
 }
 
-// The multiplier of a block from its amax bits: triton_casts._fp8_scale (margin 0, fallback 1).
+// The multiplier of a block from its amax bits: triton_fp8_math._fp8_scale (margin 0, fallback 1).
 __host__ __device__ __forceinline__ float block_mult(int amax_bits, float fmt_max, bool pow2) {
   const int bits = amax_bits & 0x7FFFFFFF;
   const bool valid = bits > 0 && bits < 0x7F800000;

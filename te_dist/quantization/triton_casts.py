@@ -19,7 +19,8 @@ host sync), and they are **bit-identical** to the pure functions in :mod:`.cast`
   built from bits, 0xFF code for NaN blocks).
 
 NVFP4's kernels live in :mod:`.triton_nvfp4`, the per-tensor casts that also write the transposed
-copy in :mod:`.triton_rowcol`; both reuse the helpers here. Imported only through
+copy in :mod:`.triton_rowcol`, the scale and byte arithmetic they all share (the rules above) in
+:mod:`.triton_fp8_math`. Imported only through
 :mod:`.fused` (never at package import: CI has no Triton). Shapes: x
 ``[..., R, C]`` is viewed as ``[M = B*R, C]`` (B = product of the leading dims); the rowwise copy
 keeps x's shape, the columnwise copy is ``[..., C, R]`` (each matrix transposed), both quantized
@@ -36,6 +37,8 @@ import triton
 import triton.language as tl
 
 from . import cuda_rowcol
+from .triton_fp8_math import (_abs_bits, _abs_bits4, _block_scale, _fp8_byte, _fp8_scale, _inf_to_max, _recip,
+                              _saturate)
 from .triton_launch import cdiv, launch, next_power_of_2
 
 __all__ = [
@@ -55,9 +58,6 @@ class UnsupportedLayout(ValueError):
     compiled cast for that call only."""
 
 
-_FP32_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
-_F32_INF_BITS = tl.constexpr(0x7F800000)
-
 # --------------------------------------------------------------------------- tiles (heuristics)
 # Picked by a tile sweep (docs/quantization.md "Tiles"). Bandwidth wants many bytes in flight per SM and few registers per thread: every kernel works on
 # sub-tiles of ~16 elements per thread (no spills) and loops over several of them, so one program
@@ -73,79 +73,6 @@ _TILE = {(128, False): (1, 64, 4), (32, False): (8, 32, 4), (128, True): (1, 64,
 # group -> True: a row+col cast runs the rowwise kernel, then the tile kernel for the columnwise copy
 # only (x read twice, fewer reductions per tile); False: one tile kernel writes both copies
 _ROWCOL_SPLIT = {128: False, 32: False}
-
-
-# --------------------------------------------------------------------------- device helpers
-@triton.jit
-def _abs_bits(x):
-    """|x| as the int32 bits of its float32 value (sign cleared; NaN sorts above Inf)."""
-    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _merge_amax(amax_ptr, amax_bits):
-    """max(*amax_ptr, amax_bits) on int32 amax bits, with an atomic only where it raises the value read: for a
-    producer merging one value per row into one address (atomics on it serialize, reads do not; a stale read
-    costs an extra atomic, never a missed one)."""
-    if amax_bits > tl.load(amax_ptr):
-        tl.atomic_max(amax_ptr, amax_bits)
-
-
-@triton.jit
-def _recip(v):
-    """Correctly rounded float32 ``1 / v`` (torch's reciprocal), subnormal results kept."""
-    return (1.0 / v.to(tl.float64)).to(tl.float32)
-
-
-@triton.jit
-def _saturate(y, FMT_MAX: tl.constexpr):
-    """clamp(y, -max, max) that keeps NaN, as torch.clamp does."""
-    y = tl.where(y > FMT_MAX, FMT_MAX, y)
-    return tl.where(y < -FMT_MAX, -FMT_MAX, y)
-
-
-@triton.jit
-def _inf_to_max(scale):
-    """+Inf (an amax so small that fmt_max / amax overflows) -> the largest finite float32."""
-    return tl.where(scale.to(tl.int32, bitcast=True) == _F32_INF_BITS, _FP32_MAX, scale)
-
-
-@triton.jit
-def _round_down_pow2(scale):
-    bits = tl.maximum(scale.to(tl.int32, bitcast=True), 0x00800000) & 0x7F800000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_scale(amax_bits, FMT_MAX: tl.constexpr, POWER_2: tl.constexpr):
-    """scaling.per_tensor_scale(amax, fmt_max, power_2=POWER_2) with margin 0 and fallback 1.0."""
-    bits = amax_bits & 0x7FFFFFFF
-    valid = (bits > 0) & (bits < 0x7F800000)
-    amax = tl.where(valid, bits, 0x3F800000).to(tl.float32, bitcast=True)
-    scale = _inf_to_max(_recip(amax) * FMT_MAX)
-    scale = tl.where(valid, scale, 1.0)
-    if POWER_2:
-        scale = _round_down_pow2(scale)
-    return scale
-
-
-@triton.jit
-def _block_scale(amax_bits, FMT_MAX: tl.constexpr, POWER_2: tl.constexpr, MX: tl.constexpr,
-                 EMAX: tl.constexpr, MARGIN: tl.constexpr):
-    """(multiplier applied to x, stored scale): FP8 blocks -> (scale, fp32 scale_inv); MX -> (2**-X, E8M0 code)."""
-    if MX:
-        bits = amax_bits & 0x7FFFFFFF
-        biased = (bits >> 23) & 0xFF
-        e = biased - 127 - EMAX + MARGIN
-        e = tl.where(biased == 0, -127, e)
-        e = tl.minimum(tl.maximum(e, -127), 127)
-        neg = tl.minimum(tl.maximum(-e, -126), 127)
-        mult = ((neg + 127) << 23).to(tl.float32, bitcast=True)
-        stored = tl.where(bits > 0x7F800000, 255, e + 127).to(tl.uint8)
-    else:
-        mult = _fp8_scale(amax_bits, FMT_MAX, POWER_2)
-        stored = _recip(mult)
-    return mult, stored
 
 
 # --------------------------------------------------------------------------- per-tensor kernels
@@ -261,13 +188,6 @@ def _load_rows(x_ptr, idx_ptr, r, C, c3, mask, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _abs_bits4(x0, x1, x2, x3):
-    """Elementwise max of |x_j| bits over the four row sets of a sub-tile ([A, NG, G]; reduced later,
-    once: a reduction over rows crosses warps and costs a barrier)."""
-    return tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
-
-
-@triton.jit
 def _store_rowwise(x, r, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT_MAX: tl.constexpr,
                    POWER_2: tl.constexpr, MX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr,
                    SQUARE: tl.constexpr):
@@ -280,12 +200,6 @@ def _store_rowwise(x, r, row_ptr, row_s_ptr, C, c3, g, num_g, mask, sq_mult, FMT
         mult = m[:, :, None]
     y = _saturate(x * mult, FMT_MAX)
     tl.store(row_ptr + r[:, None, None] * C + c3, y.to(row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fp8_byte(x, mult, FMT_MAX: tl.constexpr, FP8: tl.constexpr):
-    """fp8(clamp(x * mult)) as its byte, widened to uint32 for packing."""
-    return _saturate(x * mult, FMT_MAX).to(FP8).to(tl.uint8, bitcast=True).to(tl.uint32)
 
 
 @triton.jit

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_casts import (UnsupportedLayout, _abs_bits, _amax_bits, _fp8_scale, _on_x_device, _recip,
-                           _split_shape, _zero_bits)
+from .triton_casts import UnsupportedLayout, _amax_bits, _on_x_device, _split_shape, _zero_bits
+from .triton_fp8_math import _abs_bits, _fp8_scale, _recip
 from .triton_launch import cdiv, launch
 
 __all__ = ["cast_nvfp4"]

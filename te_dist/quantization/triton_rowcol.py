@@ -17,7 +17,8 @@ import triton.language as tl
 
 from . import cuda_rowcol
 from .triton_casts import (_PT_TILE, UnsupportedLayout, _amax_bits, _cast_from_amax_bits, _delayed_outputs,
-                           _delayed_step, _fp8_scale, _on_x_device, _recip, _roll_history, _scalar_f32, _zero_bits)
+                           _delayed_step, _on_x_device, _roll_history, _scalar_f32, _zero_bits)
+from .triton_fp8_math import _fp8_scale, _recip
 from .triton_launch import cdiv, launch, next_power_of_2
 
 __all__ = ["UnsupportedLayout", "transpose_fp8", "current_scaling_quantize_rowcol", "cast_from_amax_rowcol",

@@ -71,7 +71,7 @@ def _build():
                 non_target = tl.where(inside, tl.maximum(rest, tl.max(lane_x, 0)), tl.max(m, 0))
             d = tl.maximum(tl.exp(non_target - row_lse), tl.abs(tl.exp(picked - row_lse) - 1.0))
             bits = d.to(tl.int32, bitcast=True)
-            if bits > tl.load(dmax):  # triton_casts._merge_amax's rule
+            if bits > tl.load(dmax):  # triton_fp8_math._merge_amax's rule
                 tl.atomic_max(dmax, bits)
 
     @triton.jit
@@ -97,7 +97,7 @@ def _build():
                 top = tl.maximum(top, tl.where(inside, bits, 0))
         if AMAX:
             row_top = tl.max(top, 0)
-            if row_top > tl.load(amax):  # triton_casts._merge_amax's rule (these kernels are built without imports)
+            if row_top > tl.load(amax):  # triton_fp8_math._merge_amax's rule (these kernels are built without imports)
                 tl.atomic_max(amax, row_top)
 
     return _cross_entropy_forward, _cross_entropy_backward

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization.triton_casts import (_abs_bits4, _block_scale, _fp8_byte, _fp8_scale, _recip, _saturate,
-                                         _store_rowwise)
+from ..quantization.triton_casts import _store_rowwise
+from ..quantization.triton_fp8_math import _abs_bits4, _block_scale, _fp8_byte, _fp8_scale, _recip, _saturate
 from ..quantization.triton_launch import cdiv, launch
 
 __all__ = ["cross_entropy_grad_fp8", "cross_entropy_grad_fp8_blocks"]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...quantization import amax_hints
-from ...quantization.triton_casts import _abs_bits, _block_scale, _merge_amax, _saturate
+from ...quantization.triton_fp8_math import _abs_bits, _block_scale, _merge_amax, _saturate
 from ...quantization.triton_launch import launch, next_power_of_2
 
 __all__ = ["scaled_swiglu_backward", "scaled_swiglu_forward_fp8", "FP8_BLOCK"]
