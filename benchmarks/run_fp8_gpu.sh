@@ -30,6 +30,16 @@
 set -u
 source tests/device_env.sh
 nvidia-smi -L > "$OUT/env.txt" 2>&1
+# switch_ab NAME SETTING RECIPE [train.py switch options]: the job's step with SETTING at its value in force and
+# flipped (or at --values), against bf16, in one process (CONFIG, default deepseek_like); $OUT/NAME.{txt,json}
+switch_ab() {
+  local name=$1 setting=$2 recipe=$3
+  shift 3
+  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting "$setting" \
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes "$recipe" "$@" --json "$OUT/$name.json" \
+    > "$OUT/$name.txt" 2>&1
+  tail -n 6 "$OUT/$name.txt"
+}
 case "${1:-all}" in
 build|all)
   # bf16 grouped GEMMs with bf16 and float32 output (tests/kernels/test_grouped_mm_gpu.py runs both)
@@ -97,10 +107,7 @@ head_loss)
   timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 -m gpu \
     tests/cli/test_head_loss.py tests/cli/test_cross_entropy.py > "$OUT/head_loss_tests.txt" 2>&1
   tail -n 4 "$OUT/head_loss_tests.txt"
-  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting fp8_head_loss \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/head_loss_switch.json" \
-    > "$OUT/head_loss_switch.txt" 2>&1
-  tail -n 5 "$OUT/head_loss_switch.txt"
+  switch_ab head_loss_switch fp8_head_loss current
   TE_DIST_FP8_HEAD_LOSS=1 timeout ${TRAIN_LIMIT:-300} python3 benchmarks/train.py throughput --nproc 1 --device cuda \
     --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-300} --variants none:1 current:1 \
     --fp8-dense --json "$OUT/head_loss_train.json" > "$OUT/head_loss_train.txt" 2>&1
@@ -110,19 +117,13 @@ lane_max)
   TE_DIST_HEAD_LOSS_LANE_MAX=1 timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
     -m gpu tests/cli/test_head_loss.py > "$OUT/lane_max_tests.txt" 2>&1
   tail -n 4 "$OUT/lane_max_tests.txt"
-  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting head_loss_lane_max \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/lane_max_switch.json" \
-    > "$OUT/lane_max_switch.txt" 2>&1
-  tail -n 5 "$OUT/lane_max_switch.txt"
+  switch_ab lane_max_switch head_loss_lane_max current
   ;;
 early)
   TE_DIST_EARLY_WEIGHT_CASTS=1 timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 \
     -m gpu tests/ops/test_weight_copy.py tests/moe/test_layer.py > "$OUT/early_tests.txt" 2>&1
   tail -n 4 "$OUT/early_tests.txt"
-  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting early_weight_casts \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes current --json "$OUT/early_switch.json" \
-    > "$OUT/early_switch.txt" 2>&1
-  tail -n 5 "$OUT/early_switch.txt"
+  switch_ab early_switch early_weight_casts current
   TE_DIST_EARLY_WEIGHT_CASTS=1 timeout ${IDLE_LIMIT:-150} python3 benchmarks/train.py idle \
     --config launchers/configs/${CONFIG:-deepseek_like}.yaml --json "$OUT/idle.json" > "$OUT/idle.txt" 2>&1
   grep -v Warn "$OUT/idle.txt" | cut -c1-200 | head -n 60
@@ -131,10 +132,7 @@ head_loss_blocks)
   timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
     tests/cli/test_head_loss.py > "$OUT/head_loss_blocks_tests.txt" 2>&1
   tail -n 4 "$OUT/head_loss_blocks_tests.txt"
-  timeout ${SWITCH_LIMIT:-120} python3 benchmarks/train.py switch --setting fp8_head_loss_blocks \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --json "$OUT/head_loss_blocks_switch.json" \
-    > "$OUT/head_loss_blocks_switch.txt" 2>&1
-  tail -n 5 "$OUT/head_loss_blocks_switch.txt"
+  switch_ab head_loss_blocks_switch fp8_head_loss_blocks block
   TE_DIST_FP8_HEAD_LOSS_BLOCKS=1 timeout ${TRAIN_LIMIT:-300} python3 benchmarks/train.py throughput --nproc 1 \
     --device cuda --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-300} \
     --variants none:1 block:1 --fp8-dense --json "$OUT/head_loss_blocks_train.json" > "$OUT/head_loss_blocks_train.txt" 2>&1
@@ -147,22 +145,13 @@ block_launch)
   timeout ${CAST_LIMIT:-120} python3 benchmarks/quantize.py blocks --json "$OUT/block_launch.json" \
     > "$OUT/block_launch.txt" 2>&1
   tail -n 14 "$OUT/block_launch.txt"
-  timeout ${SWITCH_LIMIT:-150} python3 benchmarks/train.py switch --setting cuda_block_cast_launch --values 0,1,2 \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --json "$OUT/block_launch_switch.json" \
-    > "$OUT/block_launch_switch.txt" 2>&1
-  tail -n 6 "$OUT/block_launch_switch.txt"
+  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1,2
   ;;
 pending)
   timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
     tests/quantization/test_cuda_block_cast.py tests/cli/test_head_loss.py > "$OUT/pending_tests.txt" 2>&1
   tail -n 6 "$OUT/pending_tests.txt"
-  timeout ${SWITCH_LIMIT:-100} python3 benchmarks/train.py switch --setting cuda_block_cast_launch --values 0,1,2 \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --rounds 3 --steps 8 --warmup 2 \
-    --json "$OUT/block_launch_switch.json" > "$OUT/block_launch_switch.txt" 2>&1
-  tail -n 6 "$OUT/block_launch_switch.txt"
-  timeout ${SWITCH_LIMIT:-100} python3 benchmarks/train.py switch --setting fp8_head_loss_blocks \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --recipes block --rounds 3 --steps 8 --warmup 2 \
-    --json "$OUT/head_loss_blocks_switch.json" > "$OUT/head_loss_blocks_switch.txt" 2>&1
-  tail -n 5 "$OUT/head_loss_blocks_switch.txt"
+  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1,2 --rounds 3 --steps 8 --warmup 2
+  switch_ab head_loss_blocks_switch fp8_head_loss_blocks block --rounds 3 --steps 8 --warmup 2
   ;;
 esac

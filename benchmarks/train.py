@@ -349,7 +349,7 @@ def _switch_values(field, in_force, given) -> list:
         if not isinstance(field.default, bool):
             raise SystemExit(f"--setting {field.name} is an integer field: give --values, e.g. --values 0,1,2")
         return [in_force, not in_force]
-    if isinstance(field.default, bool) or not isinstance(field.default, int):
+    if isinstance(field.default, bool):
         raise SystemExit(f"--values applies to an integer field of te_dist.settings, got {field.name!r}")
     try:
         values = [int(v) for v in given.split(",")]
