@@ -317,15 +317,15 @@ def blocks(args) -> list:
         ms = timing.interleaved_ms({n: (lambda n=n: cast(n)) for n in launches}, iters=args.iters, warmup=3,
                                    rounds=args.rounds)
         for n in launches:
-            rows_out.append(dict(shape=spec, launch=n, buffers_blocks=list(cuda_rowcol.BLOCK_LAUNCHES[n]), ms=ms[n],
+            rows_out.append(dict(shape=spec, launch=n, conversions=cuda_rowcol.BLOCK_LAUNCHES[n], ms=ms[n],
                                  of_copy=nbytes / ms[n] / copy_bw, over_launch0=ms[0] / ms[n], same=same[n]))
         del x, idx, want
         torch.cuda.empty_cache()
-    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (tile buffers, blocks per SM)")
-    print(f"{'rows x C':<14} {'launch':>6} {'(buf, blk)':>10} {'ms':>8} {'of copy':>8} {'launch 0/this':>13} "
+    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (cuda_rowcol.BLOCK_LAUNCHES)")
+    print(f"{'rows x C':<14} {'launch':>6} {'conversions':>26} {'ms':>8} {'of copy':>8} {'launch 0/this':>13} "
           f"{'same':>5}")
     for r in rows_out:
-        print(f"{r['shape']:<14} {r['launch']:>6} {str(tuple(r['buffers_blocks'])):>10} {r['ms']:8.3f} "
+        print(f"{r['shape']:<14} {r['launch']:>6} {r['conversions']:>26} {r['ms']:8.3f} "
               f"{r['of_copy']:8.2f} {r['over_launch0']:13.2f} {str(r['same']):>5}")
     return rows_out
 

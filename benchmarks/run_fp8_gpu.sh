@@ -22,9 +22,6 @@
 #                                          # the job's step off against on under block, then te-dist train with it on
 #   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (0 by default): the block-cast GPU tests
 #                                          # (every launch), each launch's cast time, the job's block step per launch
-#   bash benchmarks/run_fp8_gpu.sh pending   # the switches still off until measured (cuda_block_cast_launch,
-#                                          # fp8_head_loss_blocks) in one short call (~5 minutes): their GPU tests,
-#                                          # then each one's A/B in the job's block step (CONFIG=deepseek_like)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -145,13 +142,6 @@ block_launch)
   timeout ${CAST_LIMIT:-120} python3 benchmarks/quantize.py blocks --json "$OUT/block_launch.json" \
     > "$OUT/block_launch.txt" 2>&1
   tail -n 14 "$OUT/block_launch.txt"
-  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1,2
-  ;;
-pending)
-  timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
-    tests/quantization/test_cuda_block_cast.py tests/cli/test_head_loss.py > "$OUT/pending_tests.txt" 2>&1
-  tail -n 6 "$OUT/pending_tests.txt"
-  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1,2 --rounds 3 --steps 8 --warmup 2
-  switch_ab head_loss_blocks_switch fp8_head_loss_blocks block --rounds 3 --steps 8 --warmup 2
+  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1
   ;;
 esac

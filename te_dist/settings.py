@@ -85,8 +85,8 @@ def _tile(text: str) -> int:
 
 
 def _block_launch(text: str) -> int:
-    if text not in ("0", "1", "2"):
-        raise ValueError("expected 0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)")
+    if text not in ("0", "1"):
+        raise ValueError("expected 0 or 1 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)")
     return int(text)
 
 
@@ -112,8 +112,8 @@ def _is_tile(value) -> Optional[str]:
 
 
 def _is_block_launch(value) -> Optional[str]:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)
-    return None if ok else "0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1)
+    return None if ok else "0 or 1 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)"
 
 
 def _field(default, *, env: str, parse: Callable[[str], object], check: Callable[[object], Optional[str]], doc: str):
@@ -177,10 +177,10 @@ class Settings:
             "built on first use; the Triton tile cast where it cannot run). False: the Triton tile cast.")
     cuda_block_cast_launch: int = _field(
         0, env="TE_DIST_CUDA_BLOCK_CAST_LAUNCH", parse=_block_launch, check=_is_block_launch,
-        doc="how cuda_block_cast's kernel holds the next tile (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES): "
-            "0, two shared-memory buffers and two blocks per SM; 1 and 2, one buffer refilled as soon as the tile "
-            "is in registers, three or four blocks per SM (half the shared memory each). 1 and 2 are not yet "
-            "measured on a GPU.")
+        doc="how cuda_block_cast's kernel converts to FP8 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES): 0, "
+            "one value per conversion, each clamped first; 1, two values per conversion, saturated by the "
+            "conversion itself (the same bytes, about half the instructions of a kernel bound by them). 1 is not "
+            "yet measured on a GPU.")
     megatron_row_padding: bool = _field(
         True, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
@@ -222,7 +222,8 @@ class Settings:
         False, env="TE_DIST_FP8_HEAD_LOSS_BLOCKS", parse=_flag, check=_is_bool,
         doc="fp8_head_loss also under Float8BlockScaling with 1x128 gradient blocks (rows and vocabulary "
             "multiples of 128): the loss's backward writes both 1x128 copies of the logits' gradient and their "
-            "scales (te_dist.train.head_loss_triton.cross_entropy_grad_fp8_blocks). Off until measured on a GPU.")
+            "scales (te_dist.train.head_loss_triton.cross_entropy_grad_fp8_blocks). Off: no faster on an H100 "
+            "(docs/quantization.md).")
     fp8_fprop_fast_accum: bool = _field(
         True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "

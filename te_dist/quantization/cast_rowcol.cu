@@ -36,8 +36,9 @@
 // t < 128 finishes row t, t >= 128 column t - 128), then each thread writes its rowwise bytes and packs its
 // columns into words for the transposed tile, whose rows go out as 128 contiguous bytes. 16-bit x only.
 //   te_cr_blocks(x, idx or NULL, out or NULL, row_s, out_t, col_s, R, C, dtype, fmt, fmt_max, pow2,
-//                col_scales_t, stream): R % 128 == 0 and C % 128 == 0 (R: the rows cast, idx's length)
-//   te_cr_blocks_on_host(...): its phases on the host (bfloat16 x), for the CPU tests.
+//                col_scales_t, launch, stream): R % 128 == 0 and C % 128 == 0 (R: the rows cast, idx's length);
+//                launch 1 converts two values at a time (the same bytes, about half the instructions)
+//   te_cr_blocks_on_host(..., launch): its phases on the host (bfloat16 x), for the CPU tests.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -267,6 +268,9 @@ __host__ __device__ __forceinline__ int float_bits(float f) {
   return bits;
 }
 
+// The largest finite value of fmt (0 E4M3, 1 E5M2): where the paired conversions' saturation is fp8_byte's clamp.
+__host__ __device__ __forceinline__ float format_max(int fmt) { return fmt == 0 ? 448.0f : 57344.0f; }
+
 // The multiplier of a block from its amax bits: triton_fp8_math._fp8_scale (margin 0, fallback 1).
 __host__ __device__ __forceinline__ float block_mult(int amax_bits, float fmt_max, bool pow2) {
   const int bits = amax_bits & 0x7FFFFFFF;
@@ -377,6 +381,51 @@ __host__ __device__ __forceinline__ void blocks_store_rows(const BlockArgs& a, B
   }
 }
 
+// fp8 bytes of (a * scale, b * scale), a in the low byte, from one conversion. The conversion's saturation is
+// fp8_byte's clamp where fmt_max is the format's largest finite value (te_cr_blocks takes this path only then);
+// NaN stays NaN.
+template <__nv_fp8_interpretation_t kFmt>
+__host__ __device__ __forceinline__ uint32_t fp8_pair(float a, float b, float scale) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE, kFmt));
+}
+
+// Phase 3 as blocks_store_rows, the same bytes with half the conversions and no clamps: two columns of a row, or
+// two rows of a column, in one; the rowwise bytes only where the rowwise copy is written.
+template <typename T, __nv_fp8_interpretation_t kFmt>
+__host__ __device__ __forceinline__ void blocks_store_rows_paired(const BlockArgs& a, BlockSmem& sm, int64_t r0,
+                                                                  int64_t c0, int t, const Raw8<T> (&raw)[8]) {
+  const int j = t % 16, q = t / 16;
+  float col_mult[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) col_mult[k] = sm.col_mult[8 * j + k];
+  uint32_t words[8][2] = {};
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    float v0[8], v1[8];
+    raw[i].get(v0);
+    raw[i + 1].get(v1);
+    if (a.out != nullptr) {
+      const float rm0 = sm.row_mult[8 * q + i], rm1 = sm.row_mult[8 * q + i + 1];
+      uint32_t p0[4], p1[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        p0[k] = fp8_pair<kFmt>(v0[2 * k], v0[2 * k + 1], rm0);
+        p1[k] = fp8_pair<kFmt>(v1[2 * k], v1[2 * k + 1], rm1);
+      }
+      uint8_t* row = a.out + (r0 + 8 * q + i) * a.C + c0 + 8 * j;
+      *reinterpret_cast<uint2*>(row) = make_uint2(p0[0] | (p0[1] << 16), p0[2] | (p0[3] << 16));
+      *reinterpret_cast<uint2*>(row + a.C) = make_uint2(p1[0] | (p1[1] << 16), p1[2] | (p1[3] << 16));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) words[k][i / 4] |= fp8_pair<kFmt>(v0[k], v1[k], col_mult[k]) << (8 * (i % 4));
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q] = words[k][0];
+    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q + 1] = words[k][1];
+  }
+}
+
 // Phase 4 of thread t: half h of transposed row c (64 bytes = words 16h .. 16h+15).
 __host__ __device__ __forceinline__ void blocks_store_cols(const BlockArgs& a, const BlockSmem& sm, int64_t r0,
                                                            int64_t c0, int t) {
@@ -387,21 +436,18 @@ __host__ __device__ __forceinline__ void blocks_store_cols(const BlockArgs& a, c
   for (int i = 0; i < 4; ++i) dst[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
 }
 
-// Persistent blocks, each walking tiles blockIdx.x, + gridDim.x, ...: while a tile is reduced and stored, the next
-// one is already on its way into shared memory (cp.async), so loads and stores overlap; the four phases of a tile
-// are a barrier apart. Two ways to hold the next tile (kStages):
-//   2: a double buffer, the next tile's copy issued before this one's phase 1 (two blocks per SM fit);
-//   1: one buffer, the next tile's copy issued as soon as phase 1 has taken this one into registers, so it lands
-//      during phases 2-4; half the shared memory, so three or four blocks (kMinBlocks) share an SM.
-// te_cr_blocks' launch picks the pair (cuda_rowcol.BLOCK_LAUNCHES; te_dist.settings.cuda_block_cast_launch).
+// Persistent blocks (two per SM), each walking tiles blockIdx.x, + gridDim.x, ...: while a tile is reduced and
+// stored, the next one is already on its way into the other half of a shared-memory double buffer (cp.async), so
+// loads and stores overlap; the four phases of a tile are a barrier apart. kPaired: phase 3 by
+// blocks_store_rows_paired (te_cr_blocks' launch 1: cuda_rowcol.BLOCK_LAUNCHES, settings.cuda_block_cast_launch).
 constexpr int kTileBytes = kBlk * kBlk * 2;  // one 16-bit tile
-constexpr int blocks_smem(int stages) { return stages * kTileBytes + static_cast<int>(sizeof(BlockSmem)); }
+constexpr int kBlockSmem = 2 * kTileBytes + static_cast<int>(sizeof(BlockSmem));
 
-template <typename T, __nv_fp8_interpretation_t kFmt, int kStages, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
+template <typename T, __nv_fp8_interpretation_t kFmt, bool kPaired>
+__global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* bufs = reinterpret_cast<T*>(smem);
-  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem + kStages * kTileBytes);
+  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem + 2 * kTileBytes);
   const int64_t tiles_c = a.C / kBlk, tiles = (a.R / kBlk) * tiles_c;
   const int t = threadIdx.x;
   int64_t tile = blockIdx.x;
@@ -409,53 +455,43 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) cast_blocks_kernel(const
   asm volatile("cp.async.commit_group;\n" ::);
   for (int it = 0; tile < tiles; ++it, tile += gridDim.x) {
     const int64_t next = tile + gridDim.x;
-    T* buf = bufs + (kStages == 2 ? (it & 1) * kBlk * kBlk : 0);
-    if (kStages == 2) {
-      if (next < tiles)
-        blocks_prefetch(x, a, bufs + ((it + 1) & 1) * kBlk * kBlk, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
-      asm volatile("cp.async.commit_group;\n" ::);
-      asm volatile("cp.async.wait_group 1;\n" ::);  // this tile's copies landed (the next one's may be in flight)
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);  // this tile's copies landed
-    }
+    T* buf = bufs + (it & 1) * kBlk * kBlk;
+    if (next < tiles)
+      blocks_prefetch(x, a, bufs + ((it + 1) & 1) * kBlk * kBlk, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 1;\n" ::);  // this tile's copies landed (the next one's may be in flight)
     __syncthreads();
     const int64_t r0 = (tile / tiles_c) * kBlk, c0 = (tile % tiles_c) * kBlk;
     Raw8<T> raw[8];
     blocks_load(buf, sm, t, raw);
-    __syncthreads();  // every thread holds its patch: with one buffer, the next tile may come in now
-    if (kStages == 1) {
-      if (next < tiles) blocks_prefetch(x, a, bufs, (next / tiles_c) * kBlk, (next % tiles_c) * kBlk, t);
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
+    __syncthreads();
     blocks_scale(a, sm, r0, c0, t);
     __syncthreads();
-    blocks_store_rows<T, kFmt>(a, sm, r0, c0, t, raw);
+    if (kPaired) blocks_store_rows_paired<T, kFmt>(a, sm, r0, c0, t, raw);
+    else blocks_store_rows<T, kFmt>(a, sm, r0, c0, t, raw);
     __syncthreads();
     blocks_store_cols(a, sm, r0, c0, t);
-    __syncthreads();  // tile_t (and, with two buffers, this buffer) are free again
+    __syncthreads();  // tile_t and this buffer are free again
   }
 }
 
-constexpr int kNumBlockLaunches = 3;  // launch_blocks_fmt's (kStages, kMinBlocks): 0 (2, 2), 1 (1, 3), 2 (1, 4)
+constexpr int kNumBlockLaunches = 2;  // 0: blocks_store_rows, 1: blocks_store_rows_paired
 
-template <typename T, __nv_fp8_interpretation_t kFmt, int kStages, int kMinBlocks>
+template <typename T, __nv_fp8_interpretation_t kFmt, bool kPaired>
 cudaError_t launch_blocks_as(const void* x, const BlockArgs& a, int sms, cudaStream_t stream) {
-  auto kernel = cast_blocks_kernel<T, kFmt, kStages, kMinBlocks>;
-  const int64_t tiles = (a.R / kBlk) * (a.C / kBlk), most = static_cast<int64_t>(kMinBlocks) * sms;
+  auto kernel = cast_blocks_kernel<T, kFmt, kPaired>;
+  const int64_t tiles = (a.R / kBlk) * (a.C / kBlk), most = 2 * static_cast<int64_t>(sms);
   const unsigned grid = static_cast<unsigned>(tiles < most ? tiles : most);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, blocks_smem(kStages));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBlockSmem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, kThreads, blocks_smem(kStages), stream>>>(static_cast<const T*>(x), a);
+  kernel<<<grid, kThreads, kBlockSmem, stream>>>(static_cast<const T*>(x), a);
   return cudaGetLastError();
 }
 
 template <typename T, __nv_fp8_interpretation_t kFmt>
 cudaError_t launch_blocks_fmt(int launch, const void* x, const BlockArgs& a, int sms, cudaStream_t stream) {
-  switch (launch) {
-    case 1: return launch_blocks_as<T, kFmt, 1, 3>(x, a, sms, stream);
-    case 2: return launch_blocks_as<T, kFmt, 1, 4>(x, a, sms, stream);
-    default: return launch_blocks_as<T, kFmt, 2, 2>(x, a, sms, stream);
-  }
+  return launch == 1 ? launch_blocks_as<T, kFmt, true>(x, a, sms, stream)
+                     : launch_blocks_as<T, kFmt, false>(x, a, sms, stream);
 }
 
 template <typename T>
@@ -528,8 +564,10 @@ int te_cr_cast(const void* x, void* out, void* out_t, const float* scale, int* a
 // The block kernel's four phases on the host, block by block and thread by thread, each phase over all
 // threads before the next (as __syncthreads orders them): the CPU tests' check. bfloat16 x only.
 int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
-                         int64_t C, int fmt, float fmt_max, int pow2, int col_scales_t) {
-  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1)) return 1;
+                         int64_t C, int fmt, float fmt_max, int pow2, int col_scales_t, int launch) {
+  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || launch < 0 || launch >= kNumBlockLaunches)
+    return 1;
+  const bool paired = launch == 1 && fmt_max == format_max(fmt);
   static BlockSmem sm;
   static __nv_bfloat16 buf[kBlk * kBlk];
   static Raw8<__nv_bfloat16> raw[kThreads][8];
@@ -540,9 +578,12 @@ int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s,
       for (int t = 0; t < kThreads; ++t) blocks_prefetch(xt, a, buf, r0, c0, t);
       for (int t = 0; t < kThreads; ++t) blocks_load(buf, sm, t, raw[t]);
       for (int t = 0; t < kThreads; ++t) blocks_scale(a, sm, r0, c0, t);
+      using B16 = __nv_bfloat16;
       for (int t = 0; t < kThreads; ++t) {
-        if (fmt == 0) blocks_store_rows<__nv_bfloat16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
-        else blocks_store_rows<__nv_bfloat16, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
+        if (paired && fmt == 0) blocks_store_rows_paired<B16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
+        else if (paired) blocks_store_rows_paired<B16, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
+        else if (fmt == 0) blocks_store_rows<B16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
+        else blocks_store_rows<B16, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
       }
       for (int t = 0; t < kThreads; ++t) blocks_store_cols(a, sm, r0, c0, t);
     }
@@ -550,7 +591,7 @@ int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s,
   return 0;
 }
 
-// launch: which (kStages, kMinBlocks) launch_blocks_fmt runs (0: two buffers, two blocks per SM).
+// launch: 0 blocks_store_rows, 1 blocks_store_rows_paired (where fmt_max is the format's largest value; else 0).
 int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
                  int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, int launch,
                  cudaStream_t stream) {
@@ -564,6 +605,7 @@ int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* o
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
+  if (fmt_max != format_max(fmt)) launch = 0;  // the paired conversions saturate at the format's largest value only
   return dtype == 0 ? launch_blocks<__nv_bfloat16>(fmt, launch, x, a, stream)
                     : launch_blocks<__half>(fmt, launch, x, a, stream);
 }

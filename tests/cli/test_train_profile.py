@@ -68,13 +68,13 @@ def test_switch_times_the_job_step_with_a_setting_off_and_on(tmp_path):
 def test_switch_times_an_integer_setting_at_each_value_the_value_in_force_first(tmp_path):
     out = tmp_path / "switch.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "switch", "--setting", "cuda_block_cast_launch",
-           "--values", "2,0,2", "--config", str(ROOT / "launchers" / "configs" / "tiny_cpu.yaml"), "--recipes", "block",
+           "--values", "1,0,1", "--config", str(ROOT / "launchers" / "configs" / "tiny_cpu.yaml"), "--recipes", "block",
            "--device", "cpu", "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), TE_DIST_CUDA_BLOCK_CAST_LAUNCH="0")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["recipe"], r["setting"]) for r in rows] == [("none", None), ("block", 0), ("block", 2)]
+    assert [(r["recipe"], r["setting"]) for r in rows] == [("none", None), ("block", 0), ("block", 1)]
     assert rows[1]["on_over_off"] is None and rows[2]["on_over_off"] == rows[1]["ms_per_step"] / rows[2]["ms_per_step"]
     bad = subprocess.run(cmd[:6] + ["0,x", "--device", "cpu"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env=env)
