@@ -18,8 +18,6 @@
 #                                          # on, then the job's step off against on (CONFIG=deepseek_like)
 #   bash benchmarks/run_fp8_gpu.sh early      # early_weight_casts (on by default): its GPU tests with it on, the job's
 #                                          # step off against on, then where the step idles (CONFIG=deepseek_like)
-#   bash benchmarks/run_fp8_gpu.sh head_loss_blocks  # fp8_head_loss_blocks (off by default): the head-loss GPU tests,
-#                                          # the job's step off against on under block, then te-dist train with it on
 #   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (0 by default): the block-cast GPU tests
 #                                          # (every launch), each launch's cast time, the job's block step per launch
 #   (the headline rows of every area: benchmarks/run_suite.sh)
@@ -125,16 +123,6 @@ early)
     --config launchers/configs/${CONFIG:-deepseek_like}.yaml --json "$OUT/idle.json" > "$OUT/idle.txt" 2>&1
   grep -v Warn "$OUT/idle.txt" | cut -c1-200 | head -n 60
   ;;
-head_loss_blocks)
-  timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
-    tests/cli/test_head_loss.py > "$OUT/head_loss_blocks_tests.txt" 2>&1
-  tail -n 4 "$OUT/head_loss_blocks_tests.txt"
-  switch_ab head_loss_blocks_switch fp8_head_loss_blocks block
-  TE_DIST_FP8_HEAD_LOSS_BLOCKS=1 timeout ${TRAIN_LIMIT:-300} python3 benchmarks/train.py throughput --nproc 1 \
-    --device cuda --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-300} \
-    --variants none:1 block:1 --fp8-dense --json "$OUT/head_loss_blocks_train.json" > "$OUT/head_loss_blocks_train.txt" 2>&1
-  tail -n 5 "$OUT/head_loss_blocks_train.txt"
-  ;;
 block_launch)
   timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 100 -m gpu \
     tests/quantization/test_cuda_block_cast.py > "$OUT/block_launch_tests.txt" 2>&1
@@ -142,6 +130,6 @@ block_launch)
   timeout ${CAST_LIMIT:-120} python3 benchmarks/quantize.py blocks --json "$OUT/block_launch.json" \
     > "$OUT/block_launch.txt" 2>&1
   tail -n 14 "$OUT/block_launch.txt"
-  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1
+  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1 --rounds 5 --steps 10
   ;;
 esac

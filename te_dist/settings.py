@@ -218,12 +218,6 @@ class Settings:
         doc="fp8_head_loss's forward kernel takes each row's largest non-target logit from its per-lane running "
             "maxima and one strided read of the target's lane (te_dist.train.cross_entropy), instead of masking the "
             "target at every element (the same value). False: the per-element mask.")
-    fp8_head_loss_blocks: bool = _field(
-        False, env="TE_DIST_FP8_HEAD_LOSS_BLOCKS", parse=_flag, check=_is_bool,
-        doc="fp8_head_loss also under Float8BlockScaling with 1x128 gradient blocks (rows and vocabulary "
-            "multiples of 128): the loss's backward writes both 1x128 copies of the logits' gradient and their "
-            "scales (te_dist.train.head_loss_triton.cross_entropy_grad_fp8_blocks). Off: no faster on an H100 "
-            "(docs/quantization.md).")
     fp8_fprop_fast_accum: bool = _field(
         True, env="TE_DIST_FP8_FPROP_FAST_ACCUM", parse=_flag, check=_is_bool,
         doc="the tensor-scaled FP8 forward GEMMs (DelayedScaling, Float8CurrentScaling) on our CUTLASS kernels "

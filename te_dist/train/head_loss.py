@@ -6,15 +6,12 @@ Why: with the head on the native FP8 path under Float8CurrentScaling, the fused 
 writes the head's FP8 operand itself (te_dist.train.head_loss_triton) and the head's dgrad and wgrad take it
 (``DenseFP8.backward_quantized``). A per-tensor cast needs the amax before its first byte: the forward finds max
 |softmax - onehot| over the logits (``cross_entropy.forward_rows``), so the bytes are those of the bf16 gradient's
-cast, bit for bit.
-
-Under Float8BlockScaling with 1x128 gradient blocks (``te_dist.settings.fp8_head_loss_blocks``, off until measured
-on a GPU) the backward writes both 1x128 copies instead; their amaxes are the kernel's own, so the forward finds none.
+cast, bit for bit. (Float8BlockScaling's 1x128 gradient written the same way was no faster: docs/quantization.md.)
 
 Taken where ``te_dist.settings.fp8_head_loss`` is on (the default), gradients are recorded, the
-head is a BasicLinear without tensor parallelism whose native FP8 path runs for these rows (a multiple of 4;
-of 128 for blocks), the recipe's grad_output quantizer is current scaling without an amax group (or 1x128 blocks,
-as above), and the fused cross-entropy runs (CUDA, Triton). Everything else: ``cross_entropy(head(h), targets)``.
+head is a BasicLinear without tensor parallelism whose native FP8 path runs for these rows (a multiple of 4), the
+recipe's grad_output quantizer is current scaling without an amax group, and the fused cross-entropy runs (CUDA,
+Triton). Everything else: ``cross_entropy(head(h), targets)``.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import torch
 
 from .. import settings
 from ..autocast import get_active_recipe, get_recipe_key
-from ..quantization.blockwise import Float8BlockQuantizer
 from ..quantization.per_tensor import CurrentScalingQuantizer
 from .cross_entropy import cross_entropy, forward_rows, fused_available
 
@@ -44,17 +40,9 @@ def fp8_gradient_applies(head, h_TH: torch.Tensor) -> bool:
         return False
     head.ensure_recipe_state(recipe, get_recipe_key())  # what the head's own forward would do first
     grad_q = head.quantizers.grad_output
-    if _gradient_blocks(grad_q):
-        if h_TH.shape[0] % 128 or head.local_out_features % 128 or not settings.current().fp8_head_loss_blocks:
-            return False
-    elif not isinstance(grad_q, CurrentScalingQuantizer) or grad_q.group is not None:
+    if not isinstance(grad_q, CurrentScalingQuantizer) or grad_q.group is not None:
         return False
     return DenseFP8.applies(head, h_TH) and fused_available(h_TH)
-
-
-def _gradient_blocks(grad_q) -> bool:
-    """Whether the head's gradient quantizer casts 1x128 blocks (Float8BlockScaling's 1-D gradient scaling)."""
-    return isinstance(grad_q, Float8BlockQuantizer) and grad_q.block_shape == (1, 128)
 
 
 def lm_head_loss(head, h_TH: torch.Tensor, targets_T: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
@@ -75,9 +63,7 @@ class _HeadLossFP8(torch.autograd.Function):
         logits_TV = head.linear_forward(op_ctx, h_TH)
         if not isinstance(op_ctx.saved, DenseFP8Saved):  # fp8_gradient_applies said it would run natively
             raise RuntimeError("the LM head did not run its native FP8 forward")
-        # a per-tensor gradient's amax comes from the forward; 1x128 blocks find their own in the backward
-        blocks = _gradient_blocks(head.quantizers.grad_output)
-        dmax_bits = None if blocks else torch.zeros(1, dtype=torch.int32, device=logits_TV.device)
+        dmax_bits = torch.zeros(1, dtype=torch.int32, device=logits_TV.device)  # the gradient's amax, found here
         loss_T, lse_T = forward_rows(logits_TV, targets_T, dmax_bits)
         ctx.save_for_backward(logits_TV, targets_T, lse_T, dmax_bits)
         ctx.head, ctx.dense = head, op_ctx.saved
@@ -87,19 +73,14 @@ class _HeadLossFP8(torch.autograd.Function):
     def backward(ctx, grad):
         from ..ops.basic.dense_fp8 import DenseFP8
         from ..quantization.tensors import Float8Tensor
-        from .head_loss_triton import cross_entropy_grad_fp8, cross_entropy_grad_fp8_blocks
+        from .head_loss_triton import cross_entropy_grad_fp8
 
         logits_TV, targets_T, lse_T, dmax_bits = ctx.saved_tensors
         head, dense = ctx.head, ctx.dense
         ctx.head = ctx.dense = None
         q = head.quantizers.grad_output
-        if dmax_bits is None:  # 1x128 blocks (forward)
-            fused = cross_entropy_grad_fp8_blocks(logits_TV, targets_T, lse_T, grad, q.fp8_dtype, q.fmt_max,
-                                                  q.use_power_2_scales)
-            dyq = q.from_wgrad_cast(logits_TV.shape, logits_TV.dtype, fused)
-        else:
-            data, data_t, scale_inv = cross_entropy_grad_fp8(logits_TV, targets_T, lse_T, grad, dmax_bits,
-                                                             q.fp8_dtype, q.fmt_max, q.use_power_2_scales)
-            dyq = Float8Tensor(data, scale_inv, q.fmt, logits_TV.dtype, data_t=data_t)
+        data, data_t, scale_inv = cross_entropy_grad_fp8(logits_TV, targets_T, lse_T, grad, dmax_bits, q.fp8_dtype,
+                                                         q.fmt_max, q.use_power_2_scales)
+        dyq = Float8Tensor(data, scale_inv, q.fmt, logits_TV.dtype, data_t=data_t)
         dx, dw = DenseFP8.backward_quantized(head, dense, dyq, ctx.needs_input_grad[0], head.weight.dtype)
         return dx, dw, None, None

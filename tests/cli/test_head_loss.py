@@ -6,10 +6,9 @@ and the FP8 backward's bytes, transposed copy and scale equal the current-scalin
 fused backward writes, bit for bit, over ragged shapes, a target that is the row's maximum, both FP8 formats,
 power-of-two scales and a negative or zero upstream gradient; the forward's per-lane non-target max
 (``head_loss_lane_max``) against its per-element mask, row by row (also on the GPU). CPU: when the one-step path is taken (the switch, the
-head type, the recipe, the device) and that the fallback is the plain loss. GPU (``-m gpu``): the one step against
-the head's own forward and the fused loss, the same loss and the same gradients, bit for bit. The 1x128-block
-gradient (``fp8_head_loss_blocks``): its rows, transposed copy and both scale layouts against the block cast of the
-bf16 gradient (interpreter and GPU), the one step under Float8BlockScaling as above, and when it is taken."""
+head type, the recipe, the device; never Float8BlockScaling's 1x128 gradient) and that the fallback is the plain
+loss. GPU (``-m gpu``): the one step against the head's own forward and the fused loss, the same loss and the same
+gradients, bit for bit."""
 
 from __future__ import annotations
 
@@ -114,50 +113,6 @@ def test_fp8_gradient_equals_the_cast_of_the_bf16_gradient(T, V, dtype, fmt, pow
     assert torch.equal(data_t.view(torch.uint8), ref.view(torch.uint8).t().contiguous())
 
 
-def _check_block_gradient(logits, targets, grad_loss, fmt, power_2):
-    """cross_entropy_grad_fp8_blocks against the 1x128 block cast of the bf16 gradient (rows, and the transposed
-    copy with its M-major scales and their zero last row), bit for bit."""
-    from te_dist.quantization.cast import cast_fp8_blocks
-    from te_dist.train.head_loss_triton import cross_entropy_grad_fp8_blocks
-
-    _, lse_T = ce.forward_rows(logits, targets)
-    g = torch.tensor(grad_loss, device=logits.device)
-    grad = _bf16_gradient(logits, targets, g)
-    data, scale_inv, data_t, scale_inv_t = cross_entropy_grad_fp8_blocks(logits, targets, lse_T, g, *fmt, power_2)
-    ref, ref_s = cast_fp8_blocks(grad, 1, 128, *fmt, power_2)
-    ref_t, ref_t_s = cast_fp8_blocks(grad.t().contiguous(), 1, 128, *fmt, power_2)
-    assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
-    assert torch.equal(scale_inv, ref_s)
-    assert torch.equal(data_t.view(torch.uint8), ref_t.view(torch.uint8))
-    assert torch.equal(scale_inv_t[:-1].t(), ref_t_s)
-    assert not scale_inv_t[-1].any()
-
-
-@needs_interpreter
-@pytest.mark.parametrize("T,V,dtype", [(128, 384, torch.bfloat16), (256, 128, torch.bfloat16),
-                                       (128, 256, torch.float16)])
-@pytest.mark.parametrize("fmt,power_2", [(E4M3, True), (E5M2, False)])
-@pytest.mark.parametrize("grad_loss", [1.7, -0.5, 0.0])
-def test_block_fp8_gradient_equals_the_block_cast_of_the_bf16_gradient(T, V, dtype, fmt, power_2, grad_loss,
-                                                                         monkeypatch):
-    from triton_interpreter import patch_interpreter_conversions
-
-    patch_interpreter_conversions(monkeypatch)
-    logits, targets = _case(T, V, dtype)
-    logits[5, 3:40] = -60.0  # a row block that is nearly all zero gradient: tiny amaxes
-    _check_block_gradient(logits, targets, grad_loss, fmt, power_2)
-
-
-@needs_interpreter
-def test_block_gradient_off_the_128_grid_is_refused_before_any_kernel():
-    from te_dist.train.head_loss_triton import cross_entropy_grad_fp8_blocks
-
-    for T, V in ((96, 256), (128, 200)):
-        logits, targets = _case(T, V, torch.bfloat16)
-        with pytest.raises(ValueError, match=rf"multiples of 128.*\({T}, {V}\)"):
-            cross_entropy_grad_fp8_blocks(logits, targets, torch.zeros(T), torch.ones(()), *E4M3, True)
-
-
 @needs_interpreter
 def test_rows_off_the_word_multiple_are_refused_before_any_kernel():
     from te_dist.train.head_loss_triton import cross_entropy_grad_fp8
@@ -169,8 +124,8 @@ def test_rows_off_the_word_multiple_are_refused_before_any_kernel():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True),
-                                    R.Float8BlockScaling()], ids=["current", "current_pow2", "block"])
+@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True)],
+                         ids=["current", "current_pow2"])
 def test_one_step_equals_head_then_loss_in_the_interpreter(recipe, monkeypatch):
     """The autograd wiring on CPU: the head's native branch forced (its GEMMs emulated on the same quantized
     operands, tests/ops/test_dense_fp8.py), the Triton kernels and casts in the interpreter. Loss, dx and dW of the
@@ -190,11 +145,9 @@ def test_one_step_equals_head_then_loss_in_the_interpreter(recipe, monkeypatch):
     for one_step in (False, True):
         h = h0.clone().requires_grad_(True)
         head.weight.grad = None
-        with settings.override(fused_casts=True, fp8_head_loss_blocks=True), autocast(recipe=recipe):
+        with settings.override(fused_casts=True), autocast(recipe=recipe):
             if one_step:
                 head.ensure_recipe_state(get_active_recipe(), get_recipe_key())
-                blocks = isinstance(recipe, R.Float8BlockScaling)
-                assert head_loss._gradient_blocks(head.quantizers.grad_output) == blocks
                 loss = head_loss._HeadLossFP8.apply(h, head.weight, y, head)
             else:
                 loss = ce._FusedCrossEntropy.apply(head(h), y)
@@ -218,17 +171,18 @@ def test_the_one_step_path_is_taken_only_where_it_applies():
         assert not head_loss.fp8_gradient_applies(head, h)  # CPU rows
 
 
-@pytest.mark.parametrize("blocks,rows,want", [(False, 256, False), (True, 256, True), (True, 192, False)])
-def test_the_block_gradient_is_taken_with_its_switch_on_128_rows(blocks, rows, want, monkeypatch):
-    """Float8BlockScaling's 1x128 gradient: the one step only with fp8_head_loss_blocks on and rows a multiple of
-    128 (the head's own checks faked true: a CUDA tensor's stand-in)."""
+@pytest.mark.parametrize("recipe,want", [(R.Float8CurrentScaling(), True), (R.Float8BlockScaling(), False)],
+                         ids=["current", "block"])
+def test_the_one_step_is_taken_under_current_scaling_only(recipe, want, monkeypatch):
+    """With the head's own checks faked true (a CUDA tensor's stand-in): current scaling's gradient takes the one
+    step, Float8BlockScaling's 1x128 gradient the two (the loss, then the head's backward casting it)."""
     from te_dist.ops.basic.dense_fp8 import DenseFP8
 
     monkeypatch.setattr(DenseFP8, "applies", staticmethod(lambda op, x2: True))
     monkeypatch.setattr(head_loss, "fused_available", lambda logits: True)
     head = BasicLinear(128, 256, dtype=torch.bfloat16)
-    cuda_rows = type("Rows", (), {"is_cuda": True, "shape": (rows, 128), "dim": lambda self: 2})()
-    with settings.override(fp8_head_loss=True, fp8_head_loss_blocks=blocks), autocast(recipe=R.Float8BlockScaling()):
+    cuda_rows = type("Rows", (), {"is_cuda": True, "shape": (256, 128), "dim": lambda self: 2})()
+    with settings.override(fp8_head_loss=True), autocast(recipe=recipe):
         assert head_loss.fp8_gradient_applies(head, cuda_rows) == want
 
 
@@ -267,17 +221,8 @@ def test_fp8_gradient_kernel_equals_the_cast_on_cuda(cuda_device, T, V, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("T,V", [(1024, 32000), (256, 384)])
-@pytest.mark.parametrize("fmt,power_2", [(E4M3, True), (E5M2, False)], ids=["e4m3_pow2", "e5m2"])
-def test_block_fp8_gradient_kernel_equals_the_block_cast_on_cuda(cuda_device, T, V, fmt, power_2):
-    logits, targets = (t.to(cuda_device) for t in _case(T, V, torch.bfloat16))
-    _check_block_gradient(logits, targets, 3.0, fmt, power_2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True),
-                                    R.Float8BlockScaling()], ids=["current", "current_pow2", "block"])
+@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True)],
+                         ids=["current", "current_pow2"])
 def test_one_step_equals_head_then_loss_on_cuda(cuda_device, recipe):
     torch.manual_seed(0)
     T, H, V = 512, 256, 1024
@@ -288,7 +233,7 @@ def test_one_step_equals_head_then_loss_on_cuda(cuda_device, recipe):
     for on in (False, True):
         h = h0.clone().requires_grad_(True)
         head.weight.grad = None
-        with settings.override(fp8_head_loss=on, fp8_head_loss_blocks=True), autocast(recipe=recipe):
+        with settings.override(fp8_head_loss=on), autocast(recipe=recipe):
             assert head_loss.fp8_gradient_applies(head, h) == on
             loss = head_loss.lm_head_loss(head, h, y, fused=True)
         (loss * 3).backward()
