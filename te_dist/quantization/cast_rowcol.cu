@@ -268,8 +268,11 @@ __host__ __device__ __forceinline__ int float_bits(float f) {
   return bits;
 }
 
-// The largest finite value of fmt (0 E4M3, 1 E5M2): where the paired conversions' saturation is fp8_byte's clamp.
-__host__ __device__ __forceinline__ float format_max(int fmt) { return fmt == 0 ? 448.0f : 57344.0f; }
+// The launch that runs for a requested one: launch 1's paired conversions saturate at the format's largest finite
+// value (E4M3 448, E5M2 57344), which is fp8_byte's clamp only where fmt_max is that value; else launch 0.
+__host__ __device__ __forceinline__ int block_launch_for(int launch, int fmt, float fmt_max) {
+  return launch == 1 && fmt_max == (fmt == 0 ? 448.0f : 57344.0f) ? 1 : 0;
+}
 
 // The multiplier of a block from its amax bits: triton_fp8_math._fp8_scale (margin 0, fallback 1).
 __host__ __device__ __forceinline__ float block_mult(int amax_bits, float fmt_max, bool pow2) {
@@ -354,6 +357,16 @@ __host__ __device__ __forceinline__ void blocks_scale(const BlockArgs& a, BlockS
   }
 }
 
+// The end of phase 3: thread (j, q)'s packed columns, words[k] = rows 8q..8q+7 of column 8j + k, into tile_t.
+__host__ __device__ __forceinline__ void blocks_store_words(BlockSmem& sm, int j, int q,
+                                                          const uint32_t (&words)[8][2]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q] = words[k][0];
+    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q + 1] = words[k][1];
+  }
+}
+
 // Phase 3 of thread t: its rowwise bytes (8-byte stores), its columns packed into words in tile_t.
 template <typename T, __nv_fp8_interpretation_t kFmt>
 __host__ __device__ __forceinline__ void blocks_store_rows(const BlockArgs& a, BlockSmem& sm, int64_t r0, int64_t c0,
@@ -374,15 +387,11 @@ __host__ __device__ __forceinline__ void blocks_store_rows(const BlockArgs& a, B
     }
     if (a.out != nullptr) *reinterpret_cast<uint2*>(a.out + (r0 + 8 * q + i) * a.C + c0 + 8 * j) = make_uint2(lo, hi);
   }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q] = words[k][0];
-    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q + 1] = words[k][1];
-  }
+  blocks_store_words(sm, j, q, words);
 }
 
 // fp8 bytes of (a * scale, b * scale), a in the low byte, from one conversion. The conversion's saturation is
-// fp8_byte's clamp where fmt_max is the format's largest finite value (te_cr_blocks takes this path only then);
+// fp8_byte's clamp where fmt_max is the format's largest finite value (block_launch_for takes this path only then);
 // NaN stays NaN.
 template <__nv_fp8_interpretation_t kFmt>
 __host__ __device__ __forceinline__ uint32_t fp8_pair(float a, float b, float scale) {
@@ -419,11 +428,7 @@ __host__ __device__ __forceinline__ void blocks_store_rows_paired(const BlockArg
 #pragma unroll
     for (int k = 0; k < 8; ++k) words[k][i / 4] |= fp8_pair<kFmt>(v0[k], v1[k], col_mult[k]) << (8 * (i % 4));
   }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q] = words[k][0];
-    sm.tile_t[(8 * j + k) * kBlkStride + 2 * q + 1] = words[k][1];
-  }
+  blocks_store_words(sm, j, q, words);
 }
 
 // Phase 4 of thread t: half h of transposed row c (64 bytes = words 16h .. 16h+15).
@@ -567,7 +572,7 @@ int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s,
                          int64_t C, int fmt, float fmt_max, int pow2, int col_scales_t, int launch) {
   if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || launch < 0 || launch >= kNumBlockLaunches)
     return 1;
-  const bool paired = launch == 1 && fmt_max == format_max(fmt);
+  const bool paired = block_launch_for(launch, fmt, fmt_max) == 1;
   static BlockSmem sm;
   static __nv_bfloat16 buf[kBlk * kBlk];
   static Raw8<__nv_bfloat16> raw[kThreads][8];
@@ -605,7 +610,7 @@ int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* o
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
-  if (fmt_max != format_max(fmt)) launch = 0;  // the paired conversions saturate at the format's largest value only
+  launch = block_launch_for(launch, fmt, fmt_max);
   return dtype == 0 ? launch_blocks<__nv_bfloat16>(fmt, launch, x, a, stream)
                     : launch_blocks<__half>(fmt, launch, x, a, stream);
 }
