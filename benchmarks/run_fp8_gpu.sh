@@ -130,6 +130,6 @@ block_launch)
   timeout ${CAST_LIMIT:-120} python3 benchmarks/quantize.py blocks --json "$OUT/block_launch.json" \
     > "$OUT/block_launch.txt" 2>&1
   tail -n 14 "$OUT/block_launch.txt"
-  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1 --rounds 5 --steps 10
+  switch_ab block_launch_switch cuda_block_cast_launch block --values 0,1,2 --rounds 5 --steps 10
   ;;
 esac

@@ -85,8 +85,8 @@ def _tile(text: str) -> int:
 
 
 def _block_launch(text: str) -> int:
-    if text not in ("0", "1"):
-        raise ValueError("expected 0 or 1 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)")
+    if text not in ("0", "1", "2"):
+        raise ValueError("expected 0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)")
     return int(text)
 
 
@@ -112,8 +112,8 @@ def _is_tile(value) -> Optional[str]:
 
 
 def _is_block_launch(value) -> Optional[str]:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1)
-    return None if ok else "0 or 1 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)
+    return None if ok else "0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)"
 
 
 def _field(default, *, env: str, parse: Callable[[str], object], check: Callable[[object], Optional[str]], doc: str):
@@ -179,8 +179,9 @@ class Settings:
         0, env="TE_DIST_CUDA_BLOCK_CAST_LAUNCH", parse=_block_launch, check=_is_block_launch,
         doc="how cuda_block_cast's kernel converts to FP8 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES): 0, "
             "one value per conversion, each clamped first; 1, two values per conversion, saturated by the "
-            "conversion itself (the same bytes, about half the instructions of a kernel bound by them). 1 is not "
-            "yet measured on a GPU.")
+            "conversion itself (the same bytes, about half the instructions of a kernel bound by them); 2, as 1 "
+            "with the amaxes taken from the 16-bit magnitude bits two at a time (no conversion to float). 1 and 2 "
+            "are not yet measured on a GPU.")
     megatron_row_padding: bool = _field(
         True, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "

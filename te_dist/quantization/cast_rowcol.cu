@@ -37,8 +37,9 @@
 // columns into words for the transposed tile, whose rows go out as 128 contiguous bytes. 16-bit x only.
 //   te_cr_blocks(x, idx or NULL, out or NULL, row_s, out_t, col_s, R, C, dtype, fmt, fmt_max, pow2,
 //                col_scales_t, launch, stream): R % 128 == 0 and C % 128 == 0 (R: the rows cast, idx's length);
-//                launch 1 converts two values at a time (the same bytes, about half the instructions)
-//   te_cr_blocks_on_host(..., launch): its phases on the host (bfloat16 x), for the CPU tests.
+//                launch 1 converts two values at a time (the same bytes, about half the instructions), launch 2
+//                also takes the amaxes from 16-bit magnitude bits two at a time
+//   te_cr_blocks_on_host(x, ..., R, C, dtype, fmt, ..., launch): its phases on the host, for the CPU tests.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -268,10 +269,10 @@ __host__ __device__ __forceinline__ int float_bits(float f) {
   return bits;
 }
 
-// The launch that runs for a requested one: launch 1's paired conversions saturate at the format's largest finite
-// value (E4M3 448, E5M2 57344), which is fp8_byte's clamp only where fmt_max is that value; else launch 0.
+// The launch that runs for a requested one: the paired conversions of launches 1 and 2 saturate at the format's
+// largest finite value (E4M3 448, E5M2 57344), which is fp8_byte's clamp only where fmt_max is that value; else 0.
 __host__ __device__ __forceinline__ int block_launch_for(int launch, int fmt, float fmt_max) {
-  return launch == 1 && fmt_max == (fmt == 0 ? 448.0f : 57344.0f) ? 1 : 0;
+  return launch >= 1 && fmt_max == (fmt == 0 ? 448.0f : 57344.0f) ? launch : 0;
 }
 
 // The multiplier of a block from its amax bits: triton_fp8_math._fp8_scale (margin 0, fallback 1).
@@ -334,6 +335,48 @@ __host__ __device__ __forceinline__ void blocks_load(const T* buf, BlockSmem& sm
   }
 #pragma unroll
   for (int k = 0; k < 8; ++k) sm.amax.col_part[q][8 * j + k] = col_amax[k];
+}
+
+// Per 16-bit lane, the larger of a and b as unsigned integers (one instruction on sm_90).
+__host__ __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __vmaxu2(a, b);
+#else
+  const uint32_t lo = max(a & 0xFFFFu, b & 0xFFFFu), hi = max(a >> 16, b >> 16);
+  return lo | (hi << 16);
+#endif
+}
+
+// abs_bits of the float of a 16-bit value from its magnitude bits (sign cleared). Magnitude bits order like the
+// values (NaN above Inf), so the largest of them widened is abs_bits of the largest value: amax from integers.
+__host__ __device__ __forceinline__ int widen_bits(uint32_t bits, __nv_bfloat16*) { return static_cast<int>(bits << 16); }
+__host__ __device__ __forceinline__ int widen_bits(uint32_t bits, __half*) {
+  __half_raw h;
+  h.x = static_cast<unsigned short>(bits);
+  return abs_bits(__half2float(__half(h)));
+}
+
+// Phase 1 as blocks_load, the amaxes from the patch's magnitude bits two lanes at a time (launch 2): an AND and an
+// integer max per pair of elements and direction, no conversion to float (the same amax bits).
+template <typename T>
+__host__ __device__ __forceinline__ void blocks_load_packed(const T* buf, BlockSmem& sm, int t, Raw8<T> (&raw)[8]) {
+  const int j = t % 16, q = t / 16;
+  uint32_t col[4] = {0, 0, 0, 0};  // lanes: columns 8j + 2k (low) and 8j + 2k + 1 (high)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    raw[i].load(buf + (8 * q + i) * kBlk + 8 * j);
+    const uint32_t w[4] = {raw[i].bits.x & 0x7FFF7FFFu, raw[i].bits.y & 0x7FFF7FFFu, raw[i].bits.z & 0x7FFF7FFFu,
+                           raw[i].bits.w & 0x7FFF7FFFu};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) col[k] = max_u16x2(col[k], w[k]);
+    const uint32_t r = max_u16x2(max_u16x2(w[0], w[1]), max_u16x2(w[2], w[3]));
+    sm.amax.row_part[8 * q + i][j] = widen_bits(max(r & 0xFFFFu, r >> 16), static_cast<T*>(nullptr));
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    sm.amax.col_part[q][8 * j + 2 * k] = widen_bits(col[k] & 0xFFFFu, static_cast<T*>(nullptr));
+    sm.amax.col_part[q][8 * j + 2 * k + 1] = widen_bits(col[k] >> 16, static_cast<T*>(nullptr));
+  }
 }
 
 // Phase 2 of thread t: row t's (t < 128) or column t - 128's amax, its multiplier and its stored scale.
@@ -443,12 +486,13 @@ __host__ __device__ __forceinline__ void blocks_store_cols(const BlockArgs& a, c
 
 // Persistent blocks (two per SM), each walking tiles blockIdx.x, + gridDim.x, ...: while a tile is reduced and
 // stored, the next one is already on its way into the other half of a shared-memory double buffer (cp.async), so
-// loads and stores overlap; the four phases of a tile are a barrier apart. kPaired: phase 3 by
-// blocks_store_rows_paired (te_cr_blocks' launch 1: cuda_rowcol.BLOCK_LAUNCHES, settings.cuda_block_cast_launch).
+// loads and stores overlap; the four phases of a tile are a barrier apart. kLaunch (te_cr_blocks' launch:
+// cuda_rowcol.BLOCK_LAUNCHES, settings.cuda_block_cast_launch): 1 and 2 run phase 3 by blocks_store_rows_paired,
+// 2 phase 1 by blocks_load_packed.
 constexpr int kTileBytes = kBlk * kBlk * 2;  // one 16-bit tile
 constexpr int kBlockSmem = 2 * kTileBytes + static_cast<int>(sizeof(BlockSmem));
 
-template <typename T, __nv_fp8_interpretation_t kFmt, bool kPaired>
+template <typename T, __nv_fp8_interpretation_t kFmt, int kLaunch>
 __global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __restrict__ x, BlockArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* bufs = reinterpret_cast<T*>(smem);
@@ -468,11 +512,12 @@ __global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __res
     __syncthreads();
     const int64_t r0 = (tile / tiles_c) * kBlk, c0 = (tile % tiles_c) * kBlk;
     Raw8<T> raw[8];
-    blocks_load(buf, sm, t, raw);
+    if (kLaunch == 2) blocks_load_packed(buf, sm, t, raw);
+    else blocks_load(buf, sm, t, raw);
     __syncthreads();
     blocks_scale(a, sm, r0, c0, t);
     __syncthreads();
-    if (kPaired) blocks_store_rows_paired<T, kFmt>(a, sm, r0, c0, t, raw);
+    if (kLaunch >= 1) blocks_store_rows_paired<T, kFmt>(a, sm, r0, c0, t, raw);
     else blocks_store_rows<T, kFmt>(a, sm, r0, c0, t, raw);
     __syncthreads();
     blocks_store_cols(a, sm, r0, c0, t);
@@ -480,11 +525,11 @@ __global__ void __launch_bounds__(kThreads, 2) cast_blocks_kernel(const T* __res
   }
 }
 
-constexpr int kNumBlockLaunches = 2;  // 0: blocks_store_rows, 1: blocks_store_rows_paired
+constexpr int kNumBlockLaunches = 3;  // 0: blocks_store_rows; 1: blocks_store_rows_paired; 2: 1 + blocks_load_packed
 
-template <typename T, __nv_fp8_interpretation_t kFmt, bool kPaired>
+template <typename T, __nv_fp8_interpretation_t kFmt, int kLaunch>
 cudaError_t launch_blocks_as(const void* x, const BlockArgs& a, int sms, cudaStream_t stream) {
-  auto kernel = cast_blocks_kernel<T, kFmt, kPaired>;
+  auto kernel = cast_blocks_kernel<T, kFmt, kLaunch>;
   const int64_t tiles = (a.R / kBlk) * (a.C / kBlk), most = 2 * static_cast<int64_t>(sms);
   const unsigned grid = static_cast<unsigned>(tiles < most ? tiles : most);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBlockSmem);
@@ -495,8 +540,9 @@ cudaError_t launch_blocks_as(const void* x, const BlockArgs& a, int sms, cudaStr
 
 template <typename T, __nv_fp8_interpretation_t kFmt>
 cudaError_t launch_blocks_fmt(int launch, const void* x, const BlockArgs& a, int sms, cudaStream_t stream) {
-  return launch == 1 ? launch_blocks_as<T, kFmt, true>(x, a, sms, stream)
-                     : launch_blocks_as<T, kFmt, false>(x, a, sms, stream);
+  return launch == 2   ? launch_blocks_as<T, kFmt, 2>(x, a, sms, stream)
+         : launch == 1 ? launch_blocks_as<T, kFmt, 1>(x, a, sms, stream)
+                       : launch_blocks_as<T, kFmt, 0>(x, a, sms, stream);
 }
 
 template <typename T>
@@ -518,6 +564,31 @@ BlockArgs block_args(const void* idx, void* out, void* row_s, void* out_t, void*
   return BlockArgs{static_cast<const int64_t*>(idx), static_cast<uint8_t*>(out), static_cast<float*>(row_s),
                    static_cast<uint8_t*>(out_t), static_cast<float*>(col_s), R, C, fmt_max, pow2 != 0,
                    col_scales_t != 0};
+}
+
+// te_cr_blocks_on_host's body for one 16-bit type (launch: the one block_launch_for picked).
+template <typename T>
+void blocks_on_host(const T* x, const BlockArgs& a, int fmt, int launch) {
+  static BlockSmem sm;
+  static T buf[kBlk * kBlk];
+  static Raw8<T> raw[kThreads][8];
+  for (int64_t r0 = 0; r0 < a.R; r0 += kBlk) {
+    for (int64_t c0 = 0; c0 < a.C; c0 += kBlk) {
+      for (int t = 0; t < kThreads; ++t) blocks_prefetch(x, a, buf, r0, c0, t);
+      for (int t = 0; t < kThreads; ++t) {
+        if (launch == 2) blocks_load_packed(buf, sm, t, raw[t]);
+        else blocks_load(buf, sm, t, raw[t]);
+      }
+      for (int t = 0; t < kThreads; ++t) blocks_scale(a, sm, r0, c0, t);
+      for (int t = 0; t < kThreads; ++t) {
+        if (launch >= 1 && fmt == 0) blocks_store_rows_paired<T, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
+        else if (launch >= 1) blocks_store_rows_paired<T, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
+        else if (fmt == 0) blocks_store_rows<T, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
+        else blocks_store_rows<T, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
+      }
+      for (int t = 0; t < kThreads; ++t) blocks_store_cols(a, sm, r0, c0, t);
+    }
+  }
 }
 
 }  // namespace
@@ -567,36 +638,20 @@ int te_cr_cast(const void* x, void* out, void* out_t, const float* scale, int* a
 }
 
 // The block kernel's four phases on the host, block by block and thread by thread, each phase over all
-// threads before the next (as __syncthreads orders them): the CPU tests' check. bfloat16 x only.
+// threads before the next (as __syncthreads orders them): the CPU tests' check. dtype 0 bfloat16, 1 float16.
 int te_cr_blocks_on_host(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
-                         int64_t C, int fmt, float fmt_max, int pow2, int col_scales_t, int launch) {
-  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || launch < 0 || launch >= kNumBlockLaunches)
+                         int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, int launch) {
+  if (R <= 0 || C <= 0 || R % kBlk || C % kBlk || (fmt != 0 && fmt != 1) || dtype < 0 || dtype > 1 || launch < 0 ||
+      launch >= kNumBlockLaunches)
     return 1;
-  const bool paired = block_launch_for(launch, fmt, fmt_max) == 1;
-  static BlockSmem sm;
-  static __nv_bfloat16 buf[kBlk * kBlk];
-  static Raw8<__nv_bfloat16> raw[kThreads][8];
   const BlockArgs a = block_args(idx, out, row_s, out_t, col_s, R, C, fmt_max, pow2, col_scales_t);
-  const __nv_bfloat16* xt = static_cast<const __nv_bfloat16*>(x);
-  for (int64_t r0 = 0; r0 < R; r0 += kBlk) {
-    for (int64_t c0 = 0; c0 < C; c0 += kBlk) {
-      for (int t = 0; t < kThreads; ++t) blocks_prefetch(xt, a, buf, r0, c0, t);
-      for (int t = 0; t < kThreads; ++t) blocks_load(buf, sm, t, raw[t]);
-      for (int t = 0; t < kThreads; ++t) blocks_scale(a, sm, r0, c0, t);
-      using B16 = __nv_bfloat16;
-      for (int t = 0; t < kThreads; ++t) {
-        if (paired && fmt == 0) blocks_store_rows_paired<B16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
-        else if (paired) blocks_store_rows_paired<B16, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
-        else if (fmt == 0) blocks_store_rows<B16, __NV_E4M3>(a, sm, r0, c0, t, raw[t]);
-        else blocks_store_rows<B16, __NV_E5M2>(a, sm, r0, c0, t, raw[t]);
-      }
-      for (int t = 0; t < kThreads; ++t) blocks_store_cols(a, sm, r0, c0, t);
-    }
-  }
+  launch = block_launch_for(launch, fmt, fmt_max);
+  if (dtype == 0) blocks_on_host(static_cast<const __nv_bfloat16*>(x), a, fmt, launch);
+  else blocks_on_host(static_cast<const __half*>(x), a, fmt, launch);
   return 0;
 }
 
-// launch: 0 blocks_store_rows, 1 blocks_store_rows_paired (where fmt_max is the format's largest value; else 0).
+// launch: cuda_rowcol.BLOCK_LAUNCHES (1 and 2 where fmt_max is the format's largest value; else 0).
 int te_cr_blocks(const void* x, const void* idx, void* out, void* row_s, void* out_t, void* col_s, int64_t R,
                  int64_t C, int dtype, int fmt, float fmt_max, int pow2, int col_scales_t, int launch,
                  cudaStream_t stream) {

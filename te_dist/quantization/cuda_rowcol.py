@@ -31,7 +31,8 @@ SOURCE = Path(__file__).resolve().parent / "cast_rowcol.cu"
 TILE_ROWS, TILE_COLS = 64, 128  # one block's tile (cast_rowcol.cu): R and C must be multiples
 BLOCK = 128  # the 1x128 block cast's block length and square tile: its R and C must be multiples
 # the block kernel's launches (te_dist.settings.cuda_block_cast_launch), by id: how phase 3 converts to FP8
-BLOCK_LAUNCHES = ("one value per conversion", "two values per conversion")
+BLOCK_LAUNCHES = ("one value per conversion", "two values per conversion",
+                  "two values per conversion, amaxes from 16-bit magnitude bits two at a time")
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _BLOCK_DTYPES = (torch.bfloat16, torch.float16)  # the block kernel's 16-bit tiles
 _FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -55,8 +56,8 @@ class _Library:
         lib.te_cr_blocks.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_float, c.c_int,
                                                         c.c_int, c.c_int, c.c_void_p]
         lib.te_cr_blocks_on_host.restype = c.c_int
-        lib.te_cr_blocks_on_host.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_float, c.c_int,
-                                                                c.c_int, c.c_int]
+        lib.te_cr_blocks_on_host.argtypes = [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_float,
+                                                                c.c_int, c.c_int, c.c_int]
         self._lib = lib
 
     def cast(self, *args) -> None:
@@ -89,18 +90,19 @@ class _Library:
     def blocks_on_host(self, x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *,
                        rowwise: bool = True, col_scales_t: bool = False, gather: Optional[torch.Tensor] = None,
                        launch: int = 0):
-        """The block kernel's four phases on the host over a CPU bf16 x [R, C] (the CPU tests' check of its
-        tiling, scales, layouts and each launch's conversions): :func:`cast_blocks`'s outputs."""
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise ValueError(f"blocks_on_host takes a CPU bf16 x [R, C], received {tuple(x.shape)} {x.dtype} on "
-                             f"{x.device}")
+        """The block kernel's four phases on the host over a CPU bf16 or fp16 x [R, C] (the CPU tests' check of
+        its tiling, scales, layouts and each launch's amaxes and conversions): :func:`cast_blocks`'s outputs."""
+        if x.device.type != "cpu" or x.dtype not in _BLOCK_DTYPES or x.dim() != 2:
+            raise ValueError(f"blocks_on_host takes a CPU x [R, C] of {_BLOCK_DTYPES}, received {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
         x = x.contiguous()
         idx = None if gather is None else gather.to(torch.int64).contiguous()
         outs = _block_outputs(x, idx, fp8_dtype, rowwise, col_scales_t)
         rows, cols = outs[2].shape[1], outs[2].shape[0]
         rc = self._lib.te_cr_blocks_on_host(x.data_ptr(), None if idx is None else idx.data_ptr(),
                                             *(None if t is None else t.data_ptr() for t in outs), rows, cols,
-                                            _FORMATS[fp8_dtype], fmt_max, int(power_2), int(col_scales_t), launch)
+                                            _DTYPES[x.dtype], _FORMATS[fp8_dtype], fmt_max, int(power_2),
+                                            int(col_scales_t), launch)
         if rc != 0:
             raise ValueError(f"te_cr_blocks_on_host refused x {tuple(x.shape)} -> {fp8_dtype}")
         return outs
