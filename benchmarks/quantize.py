@@ -29,9 +29,9 @@ writing the FP8 copy of h, the backward reading it, and the backward reading bf1
 launch of today's rule against the former 4-warp launch, interleaved in one process, same outputs
 checked; ``of copy`` = the bytes the kernel moves at least once over ms, against the copy's bandwidth.
 
-``blocks``: Float8BlockScaling's 1x128 CUDA cast (``cuda_rowcol.cast_blocks``, both copies, M-major column scales,
+``blocks``: Float8BlockScaling's 1x128 CUDA cast (``cuda_blocks.cast_blocks``, both copies, M-major column scales,
 as the training step's activations and gradients take it) on rows x C, ``g``: the rows gathered from a source of
-an eighth as many (the MoE experts' input at top-8), under every launch of ``cuda_rowcol.BLOCK_LAUNCHES``,
+an eighth as many (the MoE experts' input at top-8), under every launch of ``cuda_blocks.BLOCK_LAUNCHES``,
 interleaved in one process, each checked equal to launch 0; ``of copy`` as above (x read, both copies and their
 scales written). Defaults: the DeepSeek-like job step's casts (expert input gathered, SwiGLU output, the LM head's
 gradient, an attention input).
@@ -293,7 +293,7 @@ def swiglu(args) -> list:
 
 
 def blocks(args) -> list:
-    from te_dist.quantization import cuda_rowcol
+    from te_dist.quantization import cuda_blocks
 
     fp8, fmt_max = torch.float8_e4m3fn, 448.0
     rows_out = []
@@ -308,20 +308,20 @@ def blocks(args) -> list:
         copy_bw = _copy_gbs(rows * cols, args.iters)
 
         def cast(launch):
-            return cuda_rowcol.cast_blocks(x, fp8, fmt_max, True, col_scales_t=True, gather=idx, launch=launch)
+            return cuda_blocks.cast_blocks(x, fp8, fmt_max, True, col_scales_t=True, gather=idx, launch=launch)
 
         want = cast(0)
-        launches = range(len(cuda_rowcol.BLOCK_LAUNCHES))
+        launches = range(len(cuda_blocks.BLOCK_LAUNCHES))
         same = {n: all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cast(n), want))
                 for n in launches}
         ms = timing.interleaved_ms({n: (lambda n=n: cast(n)) for n in launches}, iters=args.iters, warmup=3,
                                    rounds=args.rounds)
         for n in launches:
-            rows_out.append(dict(shape=spec, launch=n, conversions=cuda_rowcol.BLOCK_LAUNCHES[n], ms=ms[n],
+            rows_out.append(dict(shape=spec, launch=n, conversions=cuda_blocks.BLOCK_LAUNCHES[n], ms=ms[n],
                                  of_copy=nbytes / ms[n] / copy_bw, over_launch0=ms[0] / ms[n], same=same[n]))
         del x, idx, want
         torch.cuda.empty_cache()
-    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (cuda_rowcol.BLOCK_LAUNCHES)")
+    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (cuda_blocks.BLOCK_LAUNCHES)")
     print(f"{'rows x C':<14} {'launch':>6} {'conversions':>26} {'ms':>8} {'of copy':>8} {'launch 0/this':>13} "
           f"{'same':>5}")
     for r in rows_out:

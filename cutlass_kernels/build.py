@@ -1,8 +1,8 @@
 """Just-in-time build of the CUDA sources (grouped_gemm.cu instances and plain sources), cached on
 disk, loaded with ctypes.
 
-Cache key (sha256, ``_entry``): the source, arch, flags and the nvcc version; for an instance of a
-CUTLASS source also the headers our sources share (``SHARED_HEADERS``), every CUTLASS header (the
+Cache key (sha256, ``_entry``): the source, the headers beside it that it includes, arch, flags and the nvcc
+version; for an instance of a CUTLASS source also ``SHARED_HEADERS``, every CUTLASS header (the
 whole include tree, hashed once per process), the instance macros and the CUTLASS version. The disk
 cache itself (whole-or-absent entries, one build per key across processes, a broken entry rebuilt
 once) is ``cache.py``. Cache dir: ``$TE_DIST_CACHE`` or ``~/.cache/te_dist/kernels``.
@@ -16,6 +16,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -142,11 +143,12 @@ def build_instance(inst: Instance, *, verbose: bool = False) -> Path:
 def _entry(source: Path, name: str, macros=None, flags: Sequence[str] = BASE_FLAGS):
     """(cache target, compile command) of one library: an instance of a CUTLASS source (``macros``: its
     -D flags; its key also covers the shared headers, every CUTLASS header and the CUTLASS version) or,
-    with ``macros`` None, a plain CUDA source. Both keys cover the source, arch, flags and nvcc version."""
+    with ``macros`` None, a plain CUDA source (its key: also its quoted includes beside it)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    headers, includes, version = [], [], []
+    names = [] if macros is not None else re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.M)
+    headers, includes, version = [p.read_bytes() for p in map(source.with_name, names) if p.is_file()], [], []
     if macros is not None:
         cut = find_cutlass()
         if cut is None:

@@ -86,7 +86,7 @@ def _tile(text: str) -> int:
 
 def _block_launch(text: str) -> int:
     if text not in ("0", "1", "2"):
-        raise ValueError("expected 0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)")
+        raise ValueError("expected 0, 1 or 2 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES)")
     return int(text)
 
 
@@ -113,7 +113,7 @@ def _is_tile(value) -> Optional[str]:
 
 def _is_block_launch(value) -> Optional[str]:
     ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)
-    return None if ok else "0, 1 or 2 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES)"
+    return None if ok else "0, 1 or 2 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES)"
 
 
 def _field(default, *, env: str, parse: Callable[[str], object], check: Callable[[object], Optional[str]], doc: str):
@@ -173,11 +173,11 @@ class Settings:
     cuda_block_cast: bool = _field(
         True, env="TE_DIST_CUDA_BLOCK_CAST", parse=_flag, check=_is_bool,
         doc="Float8BlockScaling's 1x128 casts that write the columnwise copy (activations and gradients of bf16 or "
-            "fp16, gathered rows too) run in the CUDA kernel of te_dist.quantization.cuda_rowcol (128x128 tiles, "
+            "fp16, gathered rows too) run in the CUDA kernel of te_dist.quantization.cuda_blocks (128x128 tiles, "
             "built on first use; the Triton tile cast where it cannot run). False: the Triton tile cast.")
     cuda_block_cast_launch: int = _field(
         0, env="TE_DIST_CUDA_BLOCK_CAST_LAUNCH", parse=_block_launch, check=_is_block_launch,
-        doc="how cuda_block_cast's kernel converts to FP8 (te_dist.quantization.cuda_rowcol.BLOCK_LAUNCHES): 0, "
+        doc="how cuda_block_cast's kernel converts to FP8 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES): 0, "
             "one value per conversion, each clamped first; 1, two values per conversion, saturated by the "
             "conversion itself (the same bytes, about half the instructions of a kernel bound by them); 2, as 1 "
             "with the amaxes taken from the 16-bit magnitude bits two at a time (no conversion to float). 1 and 2 "

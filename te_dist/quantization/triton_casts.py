@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_rowcol
+from . import cuda_blocks
 from .triton_fp8_math import (_abs_bits, _abs_bits4, _block_scale, _fp8_byte, _fp8_scale, _inf_to_max, _recip,
                               _saturate)
 from .triton_launch import cdiv, launch, next_power_of_2
@@ -468,9 +468,9 @@ def _one_d_blocks(x, group, fp8_dtype, fmt_max, *, power_2, mx, emax, margin, sc
     columnwise scales come back M-major, [rows/G + 1, cols] with a zero last row (the wgrad layout).
     ``gather`` (2-D x, the columnwise copy asked for): cast rows ``gather`` of x instead (int64 [rows],
     negative for a zero row), read through the index by the tile kernel."""
-    if columnwise and not mx and group == cuda_rowcol.BLOCK and cuda_rowcol.blocks_enabled_for(x, fp8_dtype, gather):
+    if columnwise and not mx and group == cuda_blocks.BLOCK and cuda_blocks.blocks_enabled_for(x, fp8_dtype, gather):
         # both copies from one read in CUDA, 1.01-1.20x the tile kernel here (te_dist.settings.cuda_block_cast)
-        return cuda_rowcol.cast_blocks(x, fp8_dtype, fmt_max, power_2, rowwise=rowwise, col_scales_t=col_scales_t,
+        return cuda_blocks.cast_blocks(x, fp8_dtype, fmt_max, power_2, rowwise=rowwise, col_scales_t=col_scales_t,
                                        gather=gather)
     x = x.contiguous()
     lead, m, rows, cols = _split_shape(x)

@@ -168,3 +168,19 @@ def test_failed_compile_leaves_no_entry(fake_nvcc, source, monkeypatch):
     with pytest.raises(build.BuildError, match="nvcc failed"):
         build.build_plain_source(source)
     assert not [p for p in cache_root.iterdir() if p.suffix in (".so", ".sha256") or p.name.startswith(".")]
+
+
+def test_a_plain_sources_key_covers_the_headers_beside_it_that_it_includes(fake_nvcc, tmp_path):
+    """Editing a header a plain source includes by a quoted name gives a new cache entry (the cast sources share
+    cast_fp8_common.cuh); a header it does not include, or a system header, leaves the key as it was."""
+    src = tmp_path / "two.cu"
+    (tmp_path / "shared.cuh").write_text("#pragma once\nconstexpr int kA = 1;\n")
+    (tmp_path / "other.cuh").write_text("constexpr int kB = 2;\n")
+    src.write_text('#include <stdint.h>\n  #  include "shared.cuh"\nextern "C" int te_fake(void) { return kA; }\n')
+    first = build.build_plain_source(src)
+    (tmp_path / "other.cuh").write_text("constexpr int kB = 3;\n")
+    assert build.build_plain_source(src) == first
+    (tmp_path / "shared.cuh").write_text("#pragma once\nconstexpr int kA = 2;\n")
+    second = build.build_plain_source(src)
+    assert second != first and second.name.startswith("two-")
+

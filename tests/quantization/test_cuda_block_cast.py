@@ -1,4 +1,4 @@
-"""The 1x128 block cast in CUDA (cast_rowcol.cu's block kernel, ``te_dist.settings.cuda_block_cast``): both
+"""The 1x128 block cast in CUDA (cast_blocks.cu, ``te_dist.settings.cuda_block_cast``): both
 copies of an activation or gradient from one read, gathered rows too, bit for bit the reference cast.
 
 CPU: nvcc builds the kernel and its four phases run on the host (tiles, shared-memory reductions, scales,
@@ -15,7 +15,7 @@ import torch
 
 from te_dist import recipe as R
 from te_dist import settings
-from te_dist.quantization import cast, cuda_rowcol, make_quantizer
+from te_dist.quantization import cast, cuda_blocks, make_quantizer
 
 E4M3 = (torch.float8_e4m3fn, 448.0)
 E5M2 = (torch.float8_e5m2, 57344.0)
@@ -71,8 +71,8 @@ def host_lib(tmp_path_factory):
     cache = tmp_path_factory.mktemp("kcache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TE_DIST_CACHE", str(cache))
-        path = build.build_plain_source(cuda_rowcol.SOURCE)
-    return cuda_rowcol._Library(path)
+        path = build.build_plain_source(cuda_blocks.SOURCE)
+    return cuda_blocks._Library(path)
 
 
 # (rows, cols, rowwise, col_scales_t, gathered rows or 0): several tiles each way, one tile, gathers
@@ -80,7 +80,7 @@ _HOST_CASES = [(256, 384, True, False, 0), (128, 128, False, True, 0), (384, 256
                (200, 256, True, True, 256), (200, 128, False, False, 384)]
 
 
-@pytest.mark.parametrize("launch", range(len(cuda_rowcol.BLOCK_LAUNCHES)))
+@pytest.mark.parametrize("launch", range(len(cuda_blocks.BLOCK_LAUNCHES)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("power_2", [False, True], ids=["fp32", "pow2"])
@@ -100,7 +100,7 @@ def test_host_phases_write_the_reference_copies(host_lib, dtype, fmt, power_2, c
     _check(got, _reference(x, fmt, power_2, rowwise, col_scales_t, gather), f"{case}")
 
 
-@pytest.mark.parametrize("launch", range(len(cuda_rowcol.BLOCK_LAUNCHES)))
+@pytest.mark.parametrize("launch", range(len(cuda_blocks.BLOCK_LAUNCHES)))
 def test_a_clamp_below_the_formats_largest_value_holds_under_every_launch(host_lib, launch):
     """fmt_max under E4M3's 448 (values clamped there, not at the format's saturation): the reference's bytes
     under every launch (the paired conversions saturate at 448 only, so launches 1 and 2 run as launch 0)."""
@@ -117,33 +117,33 @@ def test_the_switch_and_the_checks_before_any_launch():
     and cast_blocks says what it takes and what it received before building or launching anything."""
     x = torch.ones(128, 256, dtype=torch.bfloat16)
     assert settings.current().cuda_block_cast is True
-    assert not cuda_rowcol.blocks_enabled_for(x, E4M3[0])  # a CPU tensor
+    assert not cuda_blocks.blocks_enabled_for(x, E4M3[0])  # a CPU tensor
     with settings.override(cuda_block_cast=False):
-        assert not cuda_rowcol.blocks_enabled_for(x, E4M3[0])
-    assert not cuda_rowcol.blocks_fit(x, E4M3[0], torch.zeros(128, dtype=torch.int32))  # not an int64 index
-    assert not cuda_rowcol.blocks_fit(torch.ones(100, 256, dtype=torch.bfloat16), E4M3[0])
+        assert not cuda_blocks.blocks_enabled_for(x, E4M3[0])
+    assert not cuda_blocks.blocks_fit(x, E4M3[0], torch.zeros(128, dtype=torch.int32))  # not an int64 index
+    assert not cuda_blocks.blocks_fit(torch.ones(100, 256, dtype=torch.bfloat16), E4M3[0])
     with pytest.raises(ValueError, match=r"multiples of 128.*received \(128, 256\) torch.bfloat16 on cpu"):
-        cuda_rowcol.cast_blocks(x, *E4M3, True)
+        cuda_blocks.cast_blocks(x, *E4M3, True)
     with pytest.raises(ValueError, match=r"takes a CPU x \[R, C\] of"):
-        cuda_rowcol._Library.blocks_on_host(None, x.float(), *E4M3, True)
+        cuda_blocks._Library.blocks_on_host(None, x.float(), *E4M3, True)
 
 
 def test_every_launch_is_one_the_library_knows_and_a_bad_one_is_refused_first(host_lib):
     """cuda_block_cast_launch: the ids of BLOCK_LAUNCHES are the library's (it refuses the next one, before any
     device call, naming the range), cast_blocks refuses a bad launch before anything else, and the setting
     parses 0 to the last id from the environment and nothing else."""
-    n = len(cuda_rowcol.BLOCK_LAUNCHES)
+    n = len(cuda_blocks.BLOCK_LAUNCHES)
     lib = host_lib._lib
     args = [None] * 6 + [128, 128, 0, 0, 448.0, 1, 1]
-    assert lib.te_cr_blocks(*args, n, None) != 0
-    error = lib.te_cr_last_error().decode()
+    assert lib.te_cb_blocks(*args, n, None) != 0
+    error = lib.te_cb_last_error().decode()
     assert f"launch={n}" in error and f"launch 0-{n - 1} needed" in error
-    assert lib.te_cr_blocks(*args[:6], 100, 128, *args[8:], n - 1, None) != 0  # the last id passes the launch check
-    assert f"launch={n - 1}" in lib.te_cr_last_error().decode()
+    assert lib.te_cb_blocks(*args[:6], 100, 128, *args[8:], n - 1, None) != 0  # the last id passes the launch check
+    assert f"launch={n - 1}" in lib.te_cb_last_error().decode()
     x = torch.ones(128, 256, dtype=torch.bfloat16)
     for bad in (n, -1, True, 1.0):
         with pytest.raises(ValueError, match=rf"launch is an index of BLOCK_LAUNCHES \(0-{n - 1}\).*{bad!r}"):
-            cuda_rowcol.cast_blocks(x, *E4M3, True, launch=bad)
+            cuda_blocks.cast_blocks(x, *E4M3, True, launch=bad)
     assert settings.current().cuda_block_cast_launch == 0
     for text in [str(i) for i in range(n)]:
         assert settings.from_environ({"TE_DIST_CUDA_BLOCK_CAST_LAUNCH": text})[0].cuda_block_cast_launch == int(text)
@@ -158,7 +158,7 @@ def test_every_launch_is_one_the_library_knows_and_a_bad_one_is_refused_first(ho
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRITON or not torch.cuda.is_available(), reason="needs triton and a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("launch", range(len(cuda_rowcol.BLOCK_LAUNCHES)))
+@pytest.mark.parametrize("launch", range(len(cuda_blocks.BLOCK_LAUNCHES)))
 def test_the_kernel_equals_the_triton_tile_cast(dtype, launch):
     """On the GPU: the CUDA kernel's copies == the Triton tile cast's, bit for bit, on an expert-sized input,
     plain and gathered, both scale layouts, with and without the rowwise copy, under every launch (more tiles
@@ -170,8 +170,8 @@ def test_the_kernel_equals_the_triton_tile_cast(dtype, launch):
     gather[::97] = -1
     for idx in (None, gather):
         for rowwise, col_scales_t in ((True, True), (False, True), (True, False)):
-            assert cuda_rowcol.blocks_enabled_for(x, E4M3[0], idx)
-            got = cuda_rowcol.cast_blocks(x, *E4M3, True, rowwise=rowwise, col_scales_t=col_scales_t, gather=idx,
+            assert cuda_blocks.blocks_enabled_for(x, E4M3[0], idx)
+            got = cuda_blocks.cast_blocks(x, *E4M3, True, rowwise=rowwise, col_scales_t=col_scales_t, gather=idx,
                                           launch=launch)
             with settings.override(cuda_block_cast=False):
                 want = triton_casts.cast_fp8_blocks(x, 1, 128, *E4M3, True, rowwise=rowwise, columnwise=True,
