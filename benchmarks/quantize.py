@@ -321,12 +321,12 @@ def blocks(args) -> list:
                                  of_copy=nbytes / ms[n] / copy_bw, over_launch0=ms[0] / ms[n], same=same[n]))
         del x, idx, want
         torch.cuda.empty_cache()
-    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (cuda_blocks.BLOCK_LAUNCHES)")
-    print(f"{'rows x C':<14} {'launch':>6} {'conversions':>26} {'ms':>8} {'of copy':>8} {'launch 0/this':>13} "
-          f"{'same':>5}")
+    print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (cuda_blocks.BLOCK_LAUNCHES: "
+          + "; ".join(f"{n} {text}" for n, text in enumerate(cuda_blocks.BLOCK_LAUNCHES)) + ")")
+    print(f"{'rows x C':<14} {'launch':>6} {'ms':>8} {'of copy':>8} {'launch 0/this':>13} {'same':>5}")
     for r in rows_out:
-        print(f"{r['shape']:<14} {r['launch']:>6} {r['conversions']:>26} {r['ms']:8.3f} "
-              f"{r['of_copy']:8.2f} {r['over_launch0']:13.2f} {str(r['same']):>5}")
+        print(f"{r['shape']:<14} {r['launch']:>6} {r['ms']:8.3f} {r['of_copy']:8.2f} {r['over_launch0']:13.2f} "
+              f"{str(r['same']):>5}")
     return rows_out
 
 
