@@ -84,9 +84,13 @@ def _tile(text: str) -> int:
     return int(text)
 
 
+_BLOCK_LAUNCH_IDS = (0, 1, 2)  # te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES' ids (its tests hold them equal)
+_BLOCK_LAUNCH_WORDS = "0, 1 or 2 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES)"
+
+
 def _block_launch(text: str) -> int:
-    if text not in ("0", "1", "2"):
-        raise ValueError("expected 0, 1 or 2 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES)")
+    if text not in tuple(map(str, _BLOCK_LAUNCH_IDS)):
+        raise ValueError(f"expected {_BLOCK_LAUNCH_WORDS}")
     return int(text)
 
 
@@ -112,8 +116,8 @@ def _is_tile(value) -> Optional[str]:
 
 
 def _is_block_launch(value) -> Optional[str]:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)
-    return None if ok else "0, 1 or 2 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES)"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value in _BLOCK_LAUNCH_IDS
+    return None if ok else _BLOCK_LAUNCH_WORDS
 
 
 def _field(default, *, env: str, parse: Callable[[str], object], check: Callable[[object], Optional[str]], doc: str):

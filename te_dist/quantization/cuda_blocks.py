@@ -68,11 +68,6 @@ class _Library:
 _LIBRARY = PlainLibrary(SOURCE, _Library, "the CUDA 1x128 block cast", "the Triton tile cast runs instead")
 
 
-def _library() -> Optional[_Library]:
-    """The compiled library, or None (warned once) when it cannot be built or opened here."""
-    return _LIBRARY.get()
-
-
 def _block_outputs(x, idx, fp8_dtype, rowwise: bool, col_scales_t: bool):
     """(row data, row scales, col data, col scales) for :func:`cast_blocks` (None for a copy not asked for)."""
     rows, cols = (x.shape[0] if idx is None else idx.shape[0]), x.shape[1]
@@ -99,7 +94,7 @@ def blocks_fit(x: torch.Tensor, fp8_dtype: torch.dtype, gather: Optional[torch.T
 
 def blocks_enabled_for(x: torch.Tensor, fp8_dtype: torch.dtype, gather: Optional[torch.Tensor] = None) -> bool:
     """The switch is on, x fits and the library is available (built on the first call that asks)."""
-    return settings.current().cuda_block_cast and blocks_fit(x, fp8_dtype, gather) and _library() is not None
+    return settings.current().cuda_block_cast and blocks_fit(x, fp8_dtype, gather) and _LIBRARY.get() is not None
 
 
 def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *, rowwise: bool = True,
@@ -120,7 +115,7 @@ def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2
         raise ValueError(f"cast_blocks takes a CUDA x [R, C] of {_BLOCK_DTYPES} with the rows cast and C multiples "
                          f"of {BLOCK}, a 1-D int64 gather on its device and an FP8 dtype of {tuple(FORMATS)}, "
                          f"received {tuple(x.shape)} {x.dtype} on {x.device} -> {fp8_dtype}, gather {got}")
-    lib = _library()
+    lib = _LIBRARY.get()
     if lib is None:
         raise RuntimeError(f"the CUDA 1x128 block cast is unavailable: {_LIBRARY.error}")
     x = x.contiguous()

@@ -62,11 +62,6 @@ class _Library:
 _LIBRARY = PlainLibrary(SOURCE, _Library, "the one-pass FP8 cast", "the cast then the byte transpose run instead")
 
 
-def _library() -> Optional[_Library]:
-    """The compiled library, or None (warned once) when it cannot be built or opened here."""
-    return _LIBRARY.get()
-
-
 def fits(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
     """Whether the kernel takes x [..., R, C]: a CUDA tensor of a supported dtype, R a multiple of
     ``TILE_ROWS``, C of ``TILE_COLS`` (a pure shape check: no build, no device query)."""
@@ -76,7 +71,7 @@ def fits(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
 
 def enabled_for(x: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
     """The switch is on, x fits and the library is available (built on the first call that asks)."""
-    return settings.current().cuda_rowcol_cast and fits(x, fp8_dtype) and _library() is not None
+    return settings.current().cuda_rowcol_cast and fits(x, fp8_dtype) and _LIBRARY.get() is not None
 
 
 def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float,
@@ -93,7 +88,7 @@ def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fm
                          f"{tuple(scale.shape)} on {scale.device}")
     if amax_bits is not None and (amax_bits.dtype != torch.int32 or amax_bits.device != x.device):
         raise ValueError(f"amax_bits must be int32 on {x.device}, received {amax_bits.dtype} on {amax_bits.device}")
-    lib = _library()
+    lib = _LIBRARY.get()
     if lib is None:
         raise RuntimeError(f"the one-pass FP8 cast is unavailable: {_LIBRARY.error}")
     x = x.contiguous()

@@ -47,7 +47,8 @@ class PlainLibrary:
         return self._lib is not None or self.error is not None
 
     def get(self):
-        if not self.tried:
+        """The opened library, or None where it cannot be built or opened here (asked on every cast: one check)."""
+        if self._lib is None and self.error is None:
             with self._lock:
                 if not self.tried:
                     try:
