@@ -31,9 +31,11 @@ experts empty; fewer experts, then fewer tokens, where the operands would pass `
 tensors: ``raw`` (torch._grouped_mm called directly), ``torch`` (te_dist.kernels with
 backend="torch": our wrapper around torch's kernel), ``auto`` (te_dist.kernels deciding, the group
 sizes on the host as the MoE layer passes them; its first call of a bucket, which measures where
-measuring is on, is made before the timing); the speed ratios raw/torch and raw/auto; the host µs to
-queue one call of each. Closing lines: the geomeans, the worst rows and the rows under the goals
-(torch path 0.99, auto 0.95 per row). The tuning file lives in ``--tune-dir`` (default: a new temp dir,
+measuring is on, is made before the timing); the speed ratios raw/torch and raw/auto; raw/raw, raw's
+call timed again as a fourth column (the row's noise floor: the same kernel on the same tensors); the host
+µs to queue one call of each. Closing lines: the geomeans, the worst rows and the rows under the goals
+(torch path 0.99, auto 0.95 per row), the noise floor's range, and the rows whose torch path runs raw's
+GPU kernels and nothing more (torch.profiler: no hidden copy). The tuning file lives in ``--tune-dir`` (default: a new temp dir,
 a fresh process's table); a second run with the same ``--tune-dir`` gives the warm-table numbers.
 ``--smoke`` runs three small shapes once and checks every column against torch; ``--dry-run`` prints
 the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
@@ -63,7 +65,7 @@ import math
 import random
 import tempfile
 from types import SimpleNamespace
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -390,12 +392,13 @@ def table_line(row: dict) -> str:
     ms, host = row["ms"], row.get("host_us", {})
     return (f"{row['shape']:<30}{row['direction']:<6}{sum(row['sizes']):>8}{ms['raw']:10.4f}{ms['torch']:10.4f}"
             f"{ms['auto']:10.4f}{ms['raw'] / ms['torch']:9.3f}{ms['raw'] / ms['auto']:9.3f}"
+            f"{ms['raw'] / ms['raw again'] if 'raw again' in ms else float('nan'):9.3f}"
             f"{host.get('raw', float('nan')):8.1f}{host.get('torch', float('nan')):8.1f}"
             f"{host.get('auto', float('nan')):8.1f}  {row.get('pick', '')}")
 
 
 HEADER = (f"{'shape':<30}{'dir':<6}{'rows':>8}{'raw ms':>10}{'torch ms':>10}{'auto ms':>10}{'raw/tor':>9}"
-          f"{'raw/auto':>9}{'us raw':>8}{'us tor':>8}{'us auto':>8}  auto pick")
+          f"{'raw/auto':>9}{'raw/raw':>9}{'us raw':>8}{'us tor':>8}{'us auto':>8}  auto pick")
 
 
 def summary_lines(rows: List[dict], worst: int = 3) -> List[str]:
@@ -406,6 +409,13 @@ def summary_lines(rows: List[dict], worst: int = 3) -> List[str]:
         under = sum(v < GOALS[column] for v, _ in ratios)
         out.append(f"{column}: geomean raw/{column} {timing.geomean([v for v, _ in ratios]):.3f} over {len(ratios)} rows; "
                    f"{under} under {GOALS[column]}; worst " + ", ".join(f"{v:.3f} ({name})" for v, name in ratios[:worst]))
+    again = sorted(r["ms"]["raw"] / r["ms"]["raw again"] for r in rows if "raw again" in r["ms"])
+    if again:
+        out.append(f"noise floor, the same raw call timed twice: {min(again):.3f}..{max(again):.3f} over {len(again)} rows")
+    listed = [r for r in rows if r.get("kernels", {}).get("raw")]
+    if listed:
+        same = sum(r["kernels"]["torch"] == r["kernels"]["raw"] for r in listed)
+        out.append(f"torch path runs raw's GPU kernels and nothing more (torch.profiler): {same} of {len(listed)} rows")
     hosts = [r["host_us"]["torch"] - r["host_us"]["raw"] for r in rows if "host_us" in r]
     if hosts:
         out.append(f"host time over raw, torch path: median {sorted(hosts)[len(hosts) // 2]:.1f} us, max {max(hosts):.1f} us")
@@ -427,16 +437,36 @@ def _calls(direction, x, w, dy, off, sizes) -> dict:
 
     E = w.shape[0]
     if direction == "fwd":
-        return {"raw": lambda: torch._grouped_mm(x, w, offs=off),
-                "torch": lambda: kernels.grouped_mm_forward(x, w, off, backend="torch"),
-                "auto": lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes)}
-    if direction == "dgrad":
-        return {"raw": lambda: torch._grouped_mm(dy, w.mT, offs=off),
-                "torch": lambda: kernels.grouped_mm_dgrad(dy, w, off, backend="torch"),
-                "auto": lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes)}
-    return {"raw": lambda: torch._grouped_mm(dy.mT, x, offs=off).mT,
-            "torch": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, backend="torch"),
-            "auto": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, group_sizes=sizes)}
+        calls = {"raw": lambda: torch._grouped_mm(x, w, offs=off),
+                 "torch": lambda: kernels.grouped_mm_forward(x, w, off, backend="torch"),
+                 "auto": lambda: kernels.grouped_mm_forward(x, w, off, group_sizes=sizes)}
+    elif direction == "dgrad":
+        calls = {"raw": lambda: torch._grouped_mm(dy, w.mT, offs=off),
+                 "torch": lambda: kernels.grouped_mm_dgrad(dy, w, off, backend="torch"),
+                 "auto": lambda: kernels.grouped_mm_dgrad(dy, w, off, group_sizes=sizes)}
+    else:
+        calls = {"raw": lambda: torch._grouped_mm(dy.mT, x, offs=off).mT,
+                 "torch": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, backend="torch"),
+                 "auto": lambda: kernels.grouped_mm_wgrad(x, dy, off, num_groups=E, group_sizes=sizes)}
+    calls["raw again"] = calls["raw"]  # the same call timed as a fourth column: the row's noise floor
+    return calls
+
+
+def cuda_kernels(fn) -> Optional[List[str]]:
+    """Names of the GPU kernels and copies one call of ``fn`` runs (torch.profiler), sorted; None where the
+    profiler gives no GPU activity. Our torch path running raw's list runs torch's kernel and nothing more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except RuntimeError:  # a build without the GPU profiler (kineto): the row says nothing of kernels
+        return None
+    names = sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return names or None
 
 
 def sweep(args) -> list:
@@ -480,7 +510,8 @@ def sweep(args) -> list:
             del first
             row = {"shape": s.name, "direction": direction, "E": E, "K": s.k, "N": s.n, "sizes": list(s.sizes),
                    "ms": timing.interleaved_ms(fns, iters=iters, warmup=args.warmup, rounds=rounds),
-                   "host_us": {name: timing.busy_host_us(fn) for name, fn in fns.items()},
+                   "host_us": {name: timing.busy_host_us(fn) for name, fn in fns.items() if name != "raw again"},
+                   "kernels": {name: cuda_kernels(fns[name]) for name in ("raw", "torch")},
                    "pick": kernels.describe_choice(direction, dy if direction == "dgrad" else x, w, group_sizes=s.sizes)}
             rows.append(row)
             print(table_line(row), flush=True)

@@ -318,7 +318,7 @@ def blocks(args) -> list:
                                    rounds=args.rounds)
         for n in launches:
             rows_out.append(dict(shape=spec, launch=n, conversions=cuda_blocks.BLOCK_LAUNCHES[n], ms=ms[n],
-                                 of_copy=nbytes / ms[n] / copy_bw, over_launch0=ms[0] / ms[n], same=same[n]))
+                                 of_copy=nbytes / ms[n] / 1e6 / copy_bw, over_launch0=ms[0] / ms[n], same=same[n]))
         del x, idx, want
         torch.cuda.empty_cache()
     print(f"1x128 CUDA block cast, {torch.cuda.get_device_name()}: each launch (cuda_blocks.BLOCK_LAUNCHES: "

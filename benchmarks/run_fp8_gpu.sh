@@ -18,7 +18,7 @@
 #                                          # on, then the job's step off against on (CONFIG=deepseek_like)
 #   bash benchmarks/run_fp8_gpu.sh early      # early_weight_casts (on by default): its GPU tests with it on, the job's
 #                                          # step off against on, then where the step idles (CONFIG=deepseek_like)
-#   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (0 by default): the block-cast GPU tests
+#   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (2 by default): the block-cast GPU tests
 #                                          # (every launch), each launch's cast time, the job's block step per launch
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).

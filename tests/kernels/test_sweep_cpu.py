@@ -71,6 +71,19 @@ def test_summary_gives_geomeans_worst_rows_and_goal_counts(sweep):
     assert "torch static" in sweep.table_line(rows[0]) and "0.500" in sweep.table_line(rows[1])
 
 
+def test_summary_gives_the_noise_floor_and_whether_the_torch_path_runs_raws_kernels(sweep):
+    """A fourth column times raw's call again (the row's noise floor); ``kernels`` lists each call's GPU kernels."""
+    rows = [_row("a", 1.0, 1.0, 1.0), _row("b", 1.0, 1.0, 1.0), _row("c", 1.0, 1.0, 1.0)]
+    for row, again, torch_kernels in zip(rows, (0.96, 1.0, 1.02), (["gemm"], ["copy", "gemm"], ["gemm"])):
+        row["ms"]["raw again"] = again
+        row["kernels"] = {"raw": ["gemm"], "torch": torch_kernels}
+    lines = sweep.summary_lines(rows)
+    assert "noise floor, the same raw call timed twice: 0.980..1.042 over 3 rows" in lines
+    assert "torch path runs raw's GPU kernels and nothing more (torch.profiler): 2 of 3 rows" in lines
+    assert f"{1.0 / 0.96:9.3f}" in sweep.table_line(rows[0])
+    assert len(sweep.summary_lines([_row("d", 1.0, 1.0, 1.0)])) == 3  # rows without those columns: no such lines
+
+
 def test_the_script_dry_run_prints_the_drawn_shapes_without_a_gpu():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), "--sweep", "--dry-run",

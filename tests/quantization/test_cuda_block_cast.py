@@ -144,7 +144,7 @@ def test_every_launch_is_one_the_library_knows_and_a_bad_one_is_refused_first(ho
     for bad in (n, -1, True, 1.0):
         with pytest.raises(ValueError, match=rf"launch is an index of BLOCK_LAUNCHES \(0-{n - 1}\).*{bad!r}"):
             cuda_blocks.cast_blocks(x, *E4M3, True, launch=bad)
-    assert settings.current().cuda_block_cast_launch == 0
+    assert settings.current().cuda_block_cast_launch == 2  # the default: measured fastest on an H100
     for text in [str(i) for i in range(n)]:
         assert settings.from_environ({"TE_DIST_CUDA_BLOCK_CAST_LAUNCH": text})[0].cuda_block_cast_launch == int(text)
     for text in (str(n), "-1", "one"):
