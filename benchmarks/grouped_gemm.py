@@ -31,7 +31,9 @@ experts empty; fewer experts, then fewer tokens, where the operands would pass `
 tensors: ``raw`` (torch._grouped_mm called directly), ``torch`` (te_dist.kernels with
 backend="torch": our wrapper around torch's kernel), ``auto`` (te_dist.kernels deciding, the group
 sizes on the host as the MoE layer passes them; its first call of a bucket, which measures where
-measuring is on, is made before the timing); the speed ratios raw/torch and raw/auto; raw/raw, raw's
+measuring is on, is made before the timing); the speed ratios raw/torch and raw/auto, each the median
+over the rounds of that round's ratio (a round times the columns back to back, so drift between rounds
+cancels; ``ratio`` in the JSON); raw/raw, raw's
 call timed again as a fourth column (the row's noise floor: the same kernel on the same tensors); the host
 µs to queue one call of each. Closing lines: the geomeans, the worst rows and the rows under the goals
 (torch path 0.99, auto 0.95 per row), the noise floor's range, and the rows whose torch path runs raw's
@@ -63,6 +65,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import tempfile
 from types import SimpleNamespace
 from typing import List, NamedTuple, Optional
@@ -391,8 +394,8 @@ def smoke_shapes() -> List[Shape]:
 def table_line(row: dict) -> str:
     ms, host = row["ms"], row.get("host_us", {})
     return (f"{row['shape']:<30}{row['direction']:<6}{sum(row['sizes']):>8}{ms['raw']:10.4f}{ms['torch']:10.4f}"
-            f"{ms['auto']:10.4f}{ms['raw'] / ms['torch']:9.3f}{ms['raw'] / ms['auto']:9.3f}"
-            f"{ms['raw'] / ms['raw again'] if 'raw again' in ms else float('nan'):9.3f}"
+            f"{ms['auto']:10.4f}{_ratio(row, 'torch'):9.3f}{_ratio(row, 'auto'):9.3f}"
+            f"{_ratio(row, 'raw again') if 'raw again' in ms else float('nan'):9.3f}"
             f"{host.get('raw', float('nan')):8.1f}{host.get('torch', float('nan')):8.1f}"
             f"{host.get('auto', float('nan')):8.1f}  {row.get('pick', '')}")
 
@@ -405,11 +408,11 @@ def summary_lines(rows: List[dict], worst: int = 3) -> List[str]:
     """Geo-means of the speed ratios against raw torch, the worst rows, and the rows under each goal."""
     out = []
     for column in ("torch", "auto"):
-        ratios = sorted(((r["ms"]["raw"] / r["ms"][column], f"{r['shape']} {r['direction']}") for r in rows))
+        ratios = sorted(((_ratio(r, column), f"{r['shape']} {r['direction']}") for r in rows))
         under = sum(v < GOALS[column] for v, _ in ratios)
         out.append(f"{column}: geomean raw/{column} {timing.geomean([v for v, _ in ratios]):.3f} over {len(ratios)} rows; "
                    f"{under} under {GOALS[column]}; worst " + ", ".join(f"{v:.3f} ({name})" for v, name in ratios[:worst]))
-    again = sorted(r["ms"]["raw"] / r["ms"]["raw again"] for r in rows if "raw again" in r["ms"])
+    again = sorted(_ratio(r, "raw again") for r in rows if "raw again" in r["ms"])
     if again:
         out.append(f"noise floor, the same raw call timed twice: {min(again):.3f}..{max(again):.3f} over {len(again)} rows")
     listed = [r for r in rows if r.get("kernels", {}).get("raw")]
@@ -469,6 +472,18 @@ def cuda_kernels(fn) -> Optional[List[str]]:
     return names or None
 
 
+def _timed(fns: dict, **timed) -> dict:
+    """{"ms": each column's median ms, "ratio": raw over each other column, paired by round}."""
+    samples = timing.interleaved_samples(fns, **timed)
+    return {"ms": {name: statistics.median(v) for name, v in samples.items()},
+            "ratio": {name: timing.paired_ratio(samples["raw"], v) for name, v in samples.items() if name != "raw"}}
+
+
+def _ratio(row: dict, column: str) -> float:
+    """raw over ``column`` of a row: paired by round where the row has it, else the ratio of the medians."""
+    return row["ratio"][column] if "ratio" in row else row["ms"]["raw"] / row["ms"][column]
+
+
 def sweep(args) -> list:
     shapes = smoke_shapes() if args.smoke else draw_shapes(args.seed, args.shapes, max_tokens=args.max_tokens,
                                                             max_weight_gib=args.max_weight_gib)
@@ -509,7 +524,7 @@ def sweep(args) -> list:
                     assert err < 2e-2, f"{s.name} {direction} {name}: relative error {err:.2e} against torch"
             del first
             row = {"shape": s.name, "direction": direction, "E": E, "K": s.k, "N": s.n, "sizes": list(s.sizes),
-                   "ms": timing.interleaved_ms(fns, iters=iters, warmup=args.warmup, rounds=rounds),
+                   **_timed(fns, iters=iters, warmup=args.warmup, rounds=rounds),
                    "host_us": {name: timing.busy_host_us(fn) for name, fn in fns.items() if name != "raw again"},
                    "kernels": {name: cuda_kernels(fns[name]) for name in ("raw", "torch")},
                    "pick": kernels.describe_choice(direction, dy if direction == "dgrad" else x, w, group_sizes=s.sizes)}

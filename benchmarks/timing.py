@@ -164,6 +164,18 @@ def each_call_ms(fn, *, iters: int, warmup: int = 3) -> float:
 def interleaved_ms(fns: dict, *, iters: int, warmup: int, rounds: int, precondition: bool = True) -> dict:
     """{name: median ms per call}: ``rounds`` rounds, each timing every fn once in a rotated order, each
     sample behind the preconditioning GEMMs, so clock and power drift hit every variant alike."""
+    samples = interleaved_samples(fns, iters=iters, warmup=warmup, rounds=rounds, precondition=precondition)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def paired_ratio(base: list, other: list) -> float:
+    """Median over rounds of base/other, each round's pair timed back to back (interleaved_samples): drift
+    between rounds cancels, which a ratio of the two medians keeps."""
+    return statistics.median(b / o for b, o in zip(base, other))
+
+
+def interleaved_samples(fns: dict, *, iters: int, warmup: int, rounds: int, precondition: bool = True) -> dict:
+    """{name: [ms per call, one per round]}: interleaved_ms's rounds, every sample kept in round order."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -173,7 +185,7 @@ def interleaved_ms(fns: dict, *, iters: int, warmup: int, rounds: int, precondit
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
             samples[n].append(_sample_ms(fns[n], iters, precondition))
-    return {n: statistics.median(v) for n, v in samples.items()}
+    return samples
 
 
 def busy_host_us(fn, calls: int = 20, rounds: int = 5) -> float:

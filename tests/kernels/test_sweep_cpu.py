@@ -84,6 +84,16 @@ def test_summary_gives_the_noise_floor_and_whether_the_torch_path_runs_raws_kern
     assert len(sweep.summary_lines([_row("d", 1.0, 1.0, 1.0)])) == 3  # rows without those columns: no such lines
 
 
+def test_ratios_pair_the_rounds_so_drift_between_rounds_cancels(sweep):
+    """Rounds at two clock states: paired, raw/torch is each round's 1/1.1 whatever the medians land on."""
+    raw, torch_ms = [1.0, 3.0, 3.0, 1.0, 3.0], [1.1, 3.3, 3.3, 1.1, 3.3]  # both columns drift together
+    assert sweep.timing.paired_ratio(raw, torch_ms) == pytest.approx(1 / 1.1)
+    row = _row("p", 1.0, 1.0, 1.0)
+    row["ratio"] = {"torch": 0.9, "auto": 1.2}
+    line = sweep.table_line(row)
+    assert "    0.900    1.200" in line and "worst 0.900 (p fwd)" in sweep.summary_lines([row])[0]
+
+
 def test_the_script_dry_run_prints_the_drawn_shapes_without_a_gpu():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), "--sweep", "--dry-run",
