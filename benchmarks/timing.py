@@ -262,6 +262,10 @@ def write_json(path, data, **meta) -> None:
     try:
         revision = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                   text=True, timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        if revision and changed:  # a working tree ahead of its HEAD (a device's copy): the revision alone would lie
+            revision += "+changes"
     except (OSError, subprocess.SubprocessError):
         revision = None
     base = {"hardware": hardware(), "torch": torch.__version__,
