@@ -24,23 +24,22 @@ group to whole tiles, so equal splits flatter it), ``auto`` given the sizes on t
 six GEMMs of one layer step per column.
 
 ``--sweep``: te_dist's grouped GEMM against torch._grouped_mm on shapes drawn from ``--seed``
-(``draw_shapes``): experts E log-uniform in 8..256, K and N multiples of 16 in 512..8192, mean tokens
-per expert log-uniform in 1..8192, group sizes Zipf-skewed with an exponent in 0..1.5 and 0-25% of the
-experts empty; fewer experts, then fewer tokens, where the operands would pass ``--max-weight-gib`` or
-``--max-tokens``; fwd, dgrad and wgrad of each. Columns, ms per call in one process on the same
-tensors: ``raw`` (torch._grouped_mm called directly), ``torch`` (te_dist.kernels with
-backend="torch": our wrapper around torch's kernel), ``auto`` (te_dist.kernels deciding, the group
-sizes on the host as the MoE layer passes them; its first call of a bucket, which measures where
-measuring is on, is made before the timing); the speed ratios raw/torch and raw/auto, each the median
-over the rounds of that round's ratio (a round times the columns back to back, so drift between rounds
-cancels; ``ratio`` in the JSON); raw/raw, raw's
-call timed again as a fourth column (the row's noise floor: the same kernel on the same tensors); the host
-µs to queue one call of each. Closing lines: the geomeans, the worst rows and the rows under the goals
-(torch path 0.99, auto 0.95 per row), the noise floor's range, and the rows whose torch path runs raw's
-GPU kernels and nothing more (torch.profiler: no hidden copy). The tuning file lives in ``--tune-dir`` (default: a new temp dir,
-a fresh process's table); a second run with the same ``--tune-dir`` gives the warm-table numbers.
-``--smoke`` runs three small shapes once and checks every column against torch; ``--dry-run`` prints
-the drawn shapes only (no GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
+(``draw_shapes``): experts E log-uniform in 8..256, K and N multiples of 16 in 512..8192, mean tokens per
+expert log-uniform in 1..8192, group sizes Zipf-skewed with an exponent in 0..1.5 and 0-25% of the experts
+empty; fewer experts, then fewer tokens, where the operands would pass ``--max-weight-gib`` or
+``--max-tokens``; fwd, dgrad and wgrad of each. Columns, ms per call in one process on the same tensors:
+``raw`` (torch._grouped_mm called directly), ``torch`` (te_dist.kernels with backend="torch": our wrapper
+around torch's kernel), ``auto`` (te_dist.kernels deciding, the group sizes on the host as the MoE layer
+passes them; its first call of a bucket, which measures where measuring is on, is made before the timing); the
+speed ratios raw/torch and raw/auto, each the median over the rounds of that round's ratio (a round times the
+columns back to back, so drift between rounds cancels; ``ratio`` in the JSON); raw/raw, raw's call timed again
+as a fourth column (the row's noise floor: the same kernel on the same tensors); the host µs to queue one call
+of each. Closing lines: the geomeans, the worst rows and the rows under the goals (torch path 0.99, auto 0.95
+per row), the noise floor's range, and the rows whose torch path runs raw's GPU kernels and nothing more
+(torch.profiler: no hidden copy). The tuning file lives in ``--tune-dir`` (default: a new temp dir, a fresh
+process's table); a second run with the same ``--tune-dir`` gives the warm-table numbers. ``--smoke`` runs
+three small shapes once and checks every column against torch; ``--dry-run`` prints the drawn shapes only (no
+GPU); ``TE_DIST_TUNE=0`` times the static rule alone.
 
 ``--host-cpu``: the host time our wrapper adds to a call, on any machine (``host_time``). torch runs
 ``torch._grouped_mm`` on CPU too, so on tiny bf16 operands ``raw`` (torch's call) and ``torch``
