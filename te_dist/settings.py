@@ -183,9 +183,9 @@ class Settings:
         2, env="TE_DIST_CUDA_BLOCK_CAST_LAUNCH", parse=_block_launch, check=_is_block_launch,
         doc="how cuda_block_cast's kernel converts to FP8 (te_dist.quantization.cuda_blocks.BLOCK_LAUNCHES): 0, "
             "one value per conversion, each clamped first; 1, two values per conversion, saturated by the "
-            "conversion itself (the same bytes, about half the instructions); 2, as 1 "
-            "with the amaxes taken from the 16-bit magnitude bits two at a time (no conversion to float): the "
-            "fastest on an H100 (the job's block step 1.012x launch 0's).")
+            "conversion itself (the same bytes, about half the instructions); 2, as 1 with the amaxes taken from "
+            "the 16-bit magnitude bits two at a time (no conversion to float): the fastest on an H100 (the job's "
+            "block step 1.012x launch 0's).")
     megatron_row_padding: bool = _field(
         True, env="TE_DIST_MEGATRON_ROW_PADDING", parse=_flag, check=_is_bool,
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
