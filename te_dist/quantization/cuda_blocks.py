@@ -9,7 +9,6 @@ build warns once and the callers keep the Triton tile cast. Nothing here runs at
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from pathlib import Path
 from typing import Optional
@@ -17,7 +16,7 @@ from typing import Optional
 import torch
 
 from .. import settings
-from .plain_cuda import DTYPES, FORMATS, PlainLibrary, open_c_functions
+from .plain_cuda import DTYPES, FORMATS, PlainLibrary, launch_on, open_c_functions
 
 __all__ = ["SOURCE", "BLOCK", "BLOCK_LAUNCHES", "blocks_fit", "blocks_enabled_for", "cast_blocks"]
 
@@ -38,11 +37,6 @@ class _Library:
             "te_cb_blocks_on_host": [c.c_void_p] * 6 + [c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_float]
             + [c.c_int] * 3,
         })
-
-    def blocks(self, *args) -> None:
-        if self._lib.te_cb_blocks(*args) != 0:
-            error = self._lib.te_cb_last_error().decode(errors="replace")
-            raise RuntimeError(f"cast_blocks launch failed: {error}")
 
     def blocks_on_host(self, x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2: bool, *,
                        rowwise: bool = True, col_scales_t: bool = False, gather: Optional[torch.Tensor] = None,
@@ -122,10 +116,7 @@ def cast_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, fmt_max: float, power_2
     idx = None if gather is None else gather.contiguous()
     outs = _block_outputs(x, idx, fp8_dtype, rowwise, col_scales_t)
     rows, cols = outs[2].shape[1], outs[2].shape[0]
-    on_x = x.device.index == torch.cuda.current_device()
-    with contextlib.nullcontext() if on_x else torch.cuda.device(x.device):
-        lib.blocks(x.data_ptr(), None if idx is None else idx.data_ptr(),
-                   *(None if t is None else t.data_ptr() for t in outs), rows, cols, DTYPES[x.dtype],
-                   FORMATS[fp8_dtype], float(fmt_max), int(power_2), int(col_scales_t), launch,
-                   torch.cuda.current_stream(x.device).cuda_stream)
+    launch_on(lib._lib, "te_cb_blocks", x.device, x.data_ptr(), None if idx is None else idx.data_ptr(),
+              *(None if t is None else t.data_ptr() for t in outs), rows, cols, DTYPES[x.dtype], FORMATS[fp8_dtype],
+              float(fmt_max), int(power_2), int(col_scales_t), launch)
     return outs

@@ -12,7 +12,6 @@ path. Nothing here runs at import.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from pathlib import Path
 from typing import Optional, Tuple
@@ -20,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import settings
-from .plain_cuda import DTYPES, FORMATS, PlainLibrary, open_c_functions
+from .plain_cuda import DTYPES, FORMATS, PlainLibrary, launch_on, open_c_functions
 
 __all__ = ["SOURCE", "TILE_ROWS", "TILE_COLS", "fits", "enabled_for", "cast_rowcol"]
 
@@ -35,10 +34,6 @@ class _Library:
             "te_cr_cast": [c.c_void_p] * 5 + [c.c_int64] * 3 + [c.c_int, c.c_int, c.c_float, c.c_void_p],
             "te_cr_cast_on_host": [c.c_void_p] * 3 + [c.c_float, c.c_void_p] + [c.c_int64] * 3 + [c.c_int, c.c_float],
         })
-
-    def cast(self, *args) -> None:
-        if self._lib.te_cr_cast(*args) != 0:
-            raise RuntimeError(f"cast_rowcol launch failed: {self._lib.te_cr_last_error().decode(errors='replace')}")
 
     def cast_on_host(self, x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, fmt_max: float,
                      amax_bits: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +91,7 @@ def cast_rowcol(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fm
     matrices = x.numel() // (rows * cols)
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     data_t = torch.empty((*x.shape[:-2], cols, rows), dtype=fp8_dtype, device=x.device)
-    # the launch goes to the current device: switch only where x lives elsewhere (the callers already run there)
-    on_x = x.device.index == torch.cuda.current_device()
-    with contextlib.nullcontext() if on_x else torch.cuda.device(x.device):
-        lib.cast(x.data_ptr(), data.data_ptr(), data_t.data_ptr(), scale.data_ptr(),
-                 None if amax_bits is None else amax_bits.data_ptr(), matrices, rows, cols, DTYPES[x.dtype],
-                 FORMATS[fp8_dtype], float(fmt_max), torch.cuda.current_stream(x.device).cuda_stream)
+    launch_on(lib._lib, "te_cr_cast", x.device, x.data_ptr(), data.data_ptr(), data_t.data_ptr(), scale.data_ptr(),
+              None if amax_bits is None else amax_bits.data_ptr(), matrices, rows, cols, DTYPES[x.dtype],
+              FORMATS[fp8_dtype], float(fmt_max))
     return data, data_t

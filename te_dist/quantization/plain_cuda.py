@@ -5,6 +5,7 @@ their C ABIs share."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import warnings
@@ -13,7 +14,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DTYPES", "FORMATS", "PlainLibrary", "open_c_functions"]
+__all__ = ["DTYPES", "FORMATS", "PlainLibrary", "open_c_functions", "launch_on"]
 
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # x's dtype id in the kernels' C ABI
 FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # the FP8 format id in the kernels' C ABI
@@ -28,6 +29,17 @@ def open_c_functions(path: Path, prefix: str, argtypes: dict) -> ctypes.CDLL:
         function = getattr(lib, name)
         function.restype, function.argtypes = ctypes.c_int, types
     return lib
+
+
+def launch_on(lib: ctypes.CDLL, name: str, device: torch.device, *args) -> None:
+    """``lib.<name>(*args, stream)`` on ``device``'s current stream: the launch goes to the current device, so it
+    switches only where ``device`` is another (the callers already run there); a non-zero return raises with the
+    library's ``<prefix>_last_error`` (the prefix: ``name`` up to its second underscore)."""
+    with contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device):
+        rc = getattr(lib, name)(*args, torch.cuda.current_stream(device).cuda_stream)
+    if rc != 0:
+        error = getattr(lib, "_".join(name.split("_")[:2]) + "_last_error")().decode(errors="replace")
+        raise RuntimeError(f"{name} launch failed: {error}")
 
 
 class PlainLibrary:

@@ -56,3 +56,27 @@ def test_each_cast_has_its_own_library_and_none_is_built_at_import():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_launch_takes_the_devices_stream_last_and_a_refusal_raises_the_librarys_words(monkeypatch):
+    """``launch_on``: the arguments as given, then the current stream of the tensor's device; a non-zero return
+    raises with ``<prefix>_last_error``'s text. CPU: the device queries and the library are faked."""
+    import contextlib
+    import types
+
+    import torch
+
+    from te_dist.quantization.plain_cuda import launch_on
+
+    calls, switched = [], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=77))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: switched.append(device) or contextlib.nullcontext())
+    lib = types.SimpleNamespace(te_xx_cast=lambda *args: calls.append(args) or (0 if args[0] else 3),
+                                te_xx_last_error=lambda: b"rows 100 off the tile")
+    launch_on(lib, "te_xx_cast", torch.device("cuda", 0), 1, 2.5, None)
+    assert calls == [(1, 2.5, None, 77)] and switched == []  # on the current device: no switch
+    launch_on(lib, "te_xx_cast", torch.device("cuda", 1), 5)
+    assert calls[-1] == (5, 77) and switched == [torch.device("cuda", 1)]  # another device: switched to it
+    with pytest.raises(RuntimeError, match="te_xx_cast launch failed: rows 100 off the tile"):
+        launch_on(lib, "te_xx_cast", torch.device("cuda", 0), 0)
