@@ -3,7 +3,7 @@
     python benchmarks/quantize.py casts                 # every recipe's cast of x (CUDA: 8192x8192 bf16, else tiny)
     python benchmarks/quantize.py casts --eager         # without torch.compile (what fusion buys)
     python benchmarks/quantize.py casts --device cpu --rows 256 --cols 512
-    python benchmarks/quantize.py weights [--configs mixtral,deepseek,qwen3_235b] [--recipes current,delayed,block]
+    python benchmarks/quantize.py weights [--configs mixtral,deepseek,qwen3_235b,gptoss] [--recipes current,delayed,block]
                                           [--sweep]     # (GPU) the expert weights' FP8 cast per training step
     python benchmarks/quantize.py swiglu [--shapes 262144x1024,32768x14336]  # (GPU) the FP8 SwiGLU kernels' launches
     python benchmarks/quantize.py blocks [--shapes 266240x2048g,32768x32000]  # (GPU) the 1x128 CUDA cast's launches
@@ -176,6 +176,7 @@ WEIGHT_CONFIGS = {
     "mixtral": dict(hidden=4096, ffn=14336, experts=8),
     "deepseek": dict(hidden=7168, ffn=2048, experts=64),
     "qwen3_235b": dict(hidden=4096, ffn=1536, experts=128),
+    "gptoss": dict(hidden=2880, ffn=2880, experts=32),  # features off the 128 grid
 }
 BYTES_PER_ELEMENT = {"current": 6, "delayed": 4, "block": 4}
 BLOCK_TILES = [(1, 64, 4), (1, 32, 4), (1, 64, 8), (2, 64, 8), (1, 128, 8), (2, 32, 4)]
