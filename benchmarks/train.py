@@ -32,8 +32,9 @@ that knows only byte frequencies); with several recipes ``te-dist plot`` draws t
 no collectives; the FP8 recipes with ``model.fp8_dense``, as ``throughput --fp8-dense``; ``--unfused``: the loss on
 float32 logits and foreach AdamW). Wall ms per step over ``--steps`` after ``--warmup``, then torch.profiler over two
 more steps: kernel time per step summed by kind (``KINDS``, the first whose words a kernel's name holds) and the
-``--top`` heaviest kernels. On CPU the ops' own CPU time stands in for kernel time (a check of the script, not a
-figure).
+``--top`` heaviest kernels; then cProfile over ``--steps`` more: the host's time per step working and waiting for
+the GPU (``host_split``: mostly waiting means the step is GPU-bound). On CPU the ops' own CPU time stands in for
+kernel time (a check of the script, not a figure).
 
 ``switch``: a fast path's switch (a boolean field of te_dist.settings, or an integer one with ``--values``) measured
 in the job's step: the same process builds the job's model, loss and AdamW per recipe (as ``profile``) and times
@@ -306,6 +307,31 @@ def job_step(config: str, recipe_name: str, *, device: str, fused: bool):
     return step, B * S, sync
 
 
+_WAITS = ("synchronize", "'item'", "'tolist'", "'cpu'")  # calls in which the host waits for the GPU (host reads)
+
+
+def host_split(step, sync, steps: int) -> tuple:
+    """(working, waiting) host ms per step over ``steps`` steps under cProfile (its own overhead included): the time
+    inside the calls that wait for the GPU (``_WAITS``: event and device synchronizes, a tensor read to the host;
+    the final sync too) against the rest. A host that waits most of the step queues work faster than the GPU runs
+    it: the step is GPU-bound, and cutting host work would not shorten it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    waits = lambda key: any(w in key[2] for w in _WAITS)  # noqa: E731
+    total = sum(entry[2] for entry in stats.values())
+    # the outermost waiting calls (torch.cuda.synchronize holds torch._C._cuda_synchronize), with what they call
+    waiting = sum(entry[3] for key, entry in stats.items() if waits(key) and not any(map(waits, entry[4])))
+    return (total - waiting) / steps * 1e3, waiting / steps * 1e3
+
+
 def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, steps: int, warmup: int,
                    top: int) -> dict:
     import torch
@@ -332,14 +358,17 @@ def profile_recipe(config: str, recipe_name: str, *, device: str, fused: bool, s
             per_kernel[event.key] += us / 2e3  # ms per step
             per_kind[kind_of(event.key)] += us / 2e3
             calls[event.key] += event.count / 2
+    working, waiting = host_split(step, sync, steps)
     print(f"== {config} {recipe_name}: {ms:.2f} ms/step, {tokens_per_step / ms * 1e3:,.0f} tokens/s, kernels "
-          f"{sum(per_kind.values()):.2f} ms\n   " + "  ".join(f"{k} {t:.2f}" for k, t in per_kind.most_common()))
+          f"{sum(per_kind.values()):.2f} ms\n   " + "  ".join(f"{k} {t:.2f}" for k, t in per_kind.most_common())
+          + f"\n   host (cProfile): {working:.2f} ms/step working, {waiting:.2f} waiting for the GPU")
     for name, t in per_kernel.most_common(top):
         print(f"   {t:7.2f} ms {calls[name]:5.0f} calls  {name[:150]}")
     del step
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"ms_per_step": ms, "kinds_ms": dict(per_kind), "top_ms": per_kernel.most_common(top)}
+    return {"ms_per_step": ms, "kinds_ms": dict(per_kind), "top_ms": per_kernel.most_common(top),
+            "host_working_ms": working, "host_waiting_ms": waiting}
 
 
 def _switch_values(field, in_force, given) -> list:

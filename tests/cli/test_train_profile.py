@@ -23,6 +23,35 @@ def test_profile_sums_kernel_time_by_kind_per_recipe(tmp_path):
         assert recipe["ms_per_step"] > 0 and len(recipe["top_ms"]) == 3
         assert sum(recipe["kinds_ms"].values()) > 0
     assert data["current"]["kinds_ms"].get("cast", 0) > 0  # the FP8 recipe quantizes; bf16 casts nothing of its own
+    for recipe in data.values():  # the host's split: on CPU nothing runs apart from the host, so it mostly works
+        assert recipe["host_working_ms"] > 0 and 0 <= recipe["host_waiting_ms"] < recipe["host_working_ms"]
+    assert "host (cProfile):" in proc.stdout
+
+
+def test_host_split_counts_the_calls_that_wait_for_the_gpu_as_waiting():
+    """The time a step spends in a function named like a synchronize (its own time, as a CUDA event's wait is the
+    builtin's own) is waiting; the rest of its time is working."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from train import host_split
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def synchronize():  # stands in for Event.synchronize: 20 ms spent in the call itself
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+
+    def step():
+        end = time.perf_counter() + 0.01
+        while time.perf_counter() < end:  # host work
+            pass
+        synchronize()
+
+    working, waiting = host_split(step, lambda: None, 3)
+    assert 8 < working < 19 and 19 < waiting < 40, (working, waiting)
 
 
 def test_kernel_kinds_file_casts_as_casts_though_their_names_carry_fp8_types():
