@@ -51,7 +51,7 @@ def test_host_split_counts_the_calls_that_wait_for_the_gpu_as_waiting():
         synchronize()
 
     working, waiting = host_split(step, lambda: None, 3)
-    assert 8 < working < 19 and 19 < waiting < 40, (working, waiting)
+    assert working > 5 and 0.5 < waiting / (working + waiting) < 0.85, (working, waiting)  # ~10 ms and ~20 ms a step
 
 
 def test_kernel_kinds_file_casts_as_casts_though_their_names_carry_fp8_types():
