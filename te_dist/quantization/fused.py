@@ -35,6 +35,7 @@ __all__ = [
     "fused_casts_for",
     "run_fused",
     "transpose_fp8",
+    "gather_rows_fp8",
 ]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -140,3 +141,17 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
             if out is not None:
                 return out
     return data.transpose(-1, -2).contiguous()
+
+
+def gather_rows_fp8(data: torch.Tensor, index: torch.Tensor, zero_rows=None):
+    """``(rows, rows_t)`` of 2-D FP8 bytes (uint8): the rows ``index`` (``zero_rows`` of them zero) and their
+    transpose, written in one pass (``triton_rowcol.gather_rows_fp8``) on CUDA where the fused casts run and
+    ``te_dist.settings.fp8_gather_transposed`` is on; None: the caller gathers, then transposes."""
+    if not settings.current().fp8_gather_transposed or settings.current().fused_casts is False:
+        return None
+    if not data.is_cuda or not _device_ok(data.device):
+        return None
+    module = _load("rowcol")[0]
+    if module is None:
+        return None
+    return run_fused(("gather_rows_fp8",), module.gather_rows_fp8, data, index, zero_rows)

@@ -126,6 +126,13 @@ class Float8Tensor(QuantizedTensor):
         if self.data is None or self.data.dim() != 2:
             raise ValueError(f"take_rows needs the rowwise data of a 2-D tensor, got shape {tuple(self.shape)} "
                              f"with{'out' if self.data is None else ''} rowwise data")
+        if transposed:  # both layouts in one pass where the fused kernels run (fused.gather_rows_fp8)
+            from .fused import gather_rows_fp8
+
+            pair = gather_rows_fp8(self.data.view(torch.uint8), index, zero_rows)
+            if pair is not None:
+                rows, rows_t = (t.view(self.data.dtype) for t in pair)
+                return Float8Tensor(rows, self.scale_inv, self.fmt, self.dtype, data_t=rows_t)
         rows = self.data.view(torch.uint8).index_select(0, index)
         if zero_rows is not None:
             rows.index_fill_(0, zero_rows, 0)

@@ -21,8 +21,8 @@ from .triton_casts import (_PT_TILE, UnsupportedLayout, _amax_bits, _cast_from_a
 from .triton_fp8_math import _fp8_scale, _recip
 from .triton_launch import cdiv, launch, next_power_of_2
 
-__all__ = ["UnsupportedLayout", "transpose_fp8", "current_scaling_quantize_rowcol", "cast_from_amax_rowcol",
-           "delayed_scaling_step_rowcol"]
+__all__ = ["UnsupportedLayout", "transpose_fp8", "gather_rows_fp8", "current_scaling_quantize_rowcol",
+           "cast_from_amax_rowcol", "delayed_scaling_step_rowcol"]
 
 
 @triton.jit
@@ -43,15 +43,18 @@ def _roll_history_kernel(amax_ptr, hist_ptr, scale_ptr, new_hist_ptr, new_scale_
 
 
 @triton.jit
-def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.constexpr):
+def _transpose_bytes_kernel(src_ptr, dst_ptr, idx_ptr, rows_ptr, R, C, TR: tl.constexpr, TC: tl.constexpr,
+                            GATHER: tl.constexpr):
     """dst [B, C, R] = src [B, R, C], each matrix transposed (grid axis 2: B), for 1-byte elements (FP8
-    data as uint8), R % 4 == 0.
+    data as uint8), R % 4 == 0. ``GATHER`` (one matrix): row r of the result is src row ``idx[r]`` (zero
+    where ``idx[r] < 0``), and the gathered rows are also stored as they are at ``rows_ptr`` [R, C].
 
     Why: torch's transpose copy moves one byte per thread access (docs/quantization.md compares them).
     A program reads TR rows as four row sets (rows 4a+j, [A, 1, TC]), packs the four bytes of each
     column into one uint32 and transposes only these words, so every store is a whole word. Integers
     only: no FP8 conversion is laid out by the compiler here (Triton 3.6 places the bytes of a
-    per-tensor cast writing both copies in one pass wrongly on the GPU)."""
+    per-tensor cast writing both copies in one pass wrongly on the GPU). The gather writes both layouts
+    from one read of the gathered bytes (an index_select, then this transpose, read them twice)."""
     A: tl.constexpr = TR // 4
     pid_r = tl.program_id(0)
     r3 = (pid_r.to(tl.int64) * TR + 4 * tl.arange(0, A))[:, None, None]  # first row of each word
@@ -61,7 +64,13 @@ def _transpose_bytes_kernel(src_ptr, dst_ptr, R, C, TR: tl.constexpr, TC: tl.con
     src = src_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + matrix
     w = tl.zeros((A, 1, TC), dtype=tl.uint32)
     for j in tl.static_range(4):
-        b = tl.load(src + (r3 + j) * C + c3, mask=(c3 < C) & (r3 + j < R), other=0)
+        inside = (c3 < C) & (r3 + j < R)
+        if GATHER:
+            row = tl.load(idx_ptr + r3 + j, mask=r3 + j < R, other=-1)  # the source row (int64), -1: zero
+            b = tl.load(src + row * C + c3, mask=inside & (row >= 0), other=0)
+            tl.store(rows_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + (r3 + j) * C + c3, b, mask=inside)
+        else:
+            b = tl.load(src + (r3 + j) * C + c3, mask=inside, other=0)
         w = w | (b.to(tl.uint32) << (8 * j))
     words = pid_r.to(tl.int64) * A + tl.arange(0, A)  # word index along R (row // 4)
     dst = dst_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + matrix // 4
@@ -75,6 +84,7 @@ def _rowcol_layout(x: torch.Tensor) -> None:
                                 f"R % 4 == 0, got shape {tuple(x.shape)}")
 
 
+@_on_x_device
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """``data.transpose(-1, -2).contiguous()`` for FP8 data [..., R, C] with R % 4 == 0 (each matrix of a
     stack transposed: a grouped weight's dgrad layout), in one pass of whole words."""
@@ -83,9 +93,33 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     matrices = data.numel() // (rows * cols)
     out = torch.empty((*data.shape[:-2], cols, rows), dtype=data.dtype, device=data.device)
     tr, tc, warps = _PT_TILE
+    data = data.contiguous()
     launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc), matrices),
-           data.contiguous(), out, rows, cols, TR=tr, TC=tc, num_warps=warps)
+           data, out, data, data, rows, cols, TR=tr, TC=tc, GATHER=False, num_warps=warps)
     return out
+
+
+@_on_x_device
+def gather_rows_fp8(data: torch.Tensor, index: torch.Tensor, zero_rows=None):
+    """``(rows, rows_t)``: ``data.index_select(0, index)`` with the rows ``zero_rows`` zero, and the same rows
+    transposed (``[C, R]`` contiguous, the wgrad operand), for 2-D FP8 data and ``len(index) % 4 == 0``, in one
+    pass that reads the gathered bytes once. ``index`` must lie in ``[0, len(data))``, as index_select's."""
+    if data.dim() != 2 or index.dim() != 1 or not index.numel() or index.numel() % 4 or not data.numel():
+        raise UnsupportedLayout(f"the FP8 row gather with a transposed copy takes 2-D data and a non-empty index of "
+                                f"a multiple of 4 rows, got data {tuple(data.shape)} and index {tuple(index.shape)}")
+    if index.device != data.device:  # the caller's index_select then words the error
+        raise UnsupportedLayout(f"the FP8 row gather takes an index on the data's device {data.device}, "
+                                f"got {index.device}")
+    rows, cols = index.numel(), data.shape[1]
+    source = index.to(torch.int64)
+    if zero_rows is not None and zero_rows.numel():
+        source = source.index_fill(0, zero_rows, -1)
+    out = torch.empty((rows, cols), dtype=data.dtype, device=data.device)
+    out_t = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
+    tr, tc, warps = _PT_TILE
+    launch(_transpose_bytes_kernel, (cdiv(rows, tr), cdiv(cols, tc), 1),
+           data.contiguous(), out_t, source.contiguous(), out, rows, cols, TR=tr, TC=tc, GATHER=True, num_warps=warps)
+    return out, out_t
 
 
 @_on_x_device

@@ -223,7 +223,8 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
     """On the GPU the predicate picks the native path itself: fc1 quantizes the token rows without the
     bf16 copy (per-tensor: FP8 bytes gathered; block: the cast reads through the index), as does fc2's
     backward with its output gradient, with the same output and gradients as the dispatcher's copy,
-    bit for bit, and the native kernels ran."""
+    bit for bit, and the native kernels ran; the same with the gathered FP8 bytes written in both layouts in
+    one pass (fp8_gather_transposed)."""
     from te_dist.quantization.tensors import Float8Tensor
 
     from te_dist.quantization import triton_casts
@@ -235,7 +236,7 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
     monkeypatch.setattr(triton_casts, "cast_fp8_blocks", lambda *a, **k: (
         taken.append(1) if k.get("gather") is not None else None) or real_cast(*a, **k))
     results = []
-    for gather_in_experts in (True, False):
+    for gather_in_experts, one_pass in ((True, False), (False, False), (True, True)):
         torch.manual_seed(0)
         layer = MoELayer(256, 128, 8, 2, dtype=torch.bfloat16, device="cuda")
         x = torch.randn(512, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -243,14 +244,15 @@ def test_layer_on_the_gpu_is_the_same_with_the_gather_in_the_experts(monkeypatch
         for _ in range(2):  # DelayedScaling: the second step casts with the first one's amax
             x.grad = None
             layer.zero_grad(set_to_none=True)
-            with td.autocast(recipe=type(recipe)()), td.settings.override(gather_in_experts=gather_in_experts):
+            with td.autocast(recipe=type(recipe)()), td.settings.override(gather_in_experts=gather_in_experts,
+                                                                           fp8_gather_transposed=one_pass):
                 y = layer(x)
                 y.float().square().sum().backward()
             out.append((y.detach(), x.grad, layer.fc1.weight.grad, layer.fc2.weight.grad))
         assert layer.fc1.has_native_weight_copy and layer.fc2.has_native_weight_copy
         results.append(out)
     # per step: x_TH's rows for fc1 and the combine's output gradient for fc2, only where the experts took the gather
-    assert len(taken) == 4
-    for got, want in zip(results[0], results[1]):
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
+    assert len(taken) == 8
+    for copied, gathered, one_pass in zip(results[1], results[0], results[2]):
+        for a, b, c in zip(gathered, copied, one_pass):
+            assert torch.equal(a, b) and torch.equal(c, b)

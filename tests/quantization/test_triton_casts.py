@@ -296,6 +296,37 @@ def test_delayed_scaling_rolls_the_history_after_every_program(rowcol, algo):
         _, ref_history, ref_scale, _ = ref
 
 
+def test_fp8_row_gather_writes_both_layouts(device, rowcol):
+    """gather_rows_fp8: the rows of index_select (the rows zero_rows zeroed) and their transpose, the same bytes,
+    for row counts on and off the program's 64-row tile and columns off its 128; an index of a row count off
+    whole words, 1-D data or an empty index: UnsupportedLayout (the caller then gathers and transposes)."""
+    gen = torch.Generator().manual_seed(3)
+    for sources, rows, cols in ((40, 72, 64), (130, 260, 200), (7, 4, 16)):
+        data = torch.randint(0, 256, (sources, cols), generator=gen, dtype=torch.uint8).to(device)
+        index = torch.randint(0, sources, (rows,), generator=gen).to(device)
+        zero_rows = torch.tensor([0, rows - 1, rows // 2]).to(device)
+        want = data.index_select(0, index).index_fill_(0, zero_rows, 0)
+        got, got_t = rowcol.gather_rows_fp8(data, index, zero_rows)
+        _assert_same(got, want, f"{rows}x{cols} rows")
+        _assert_same(got_t, _t(want), f"{rows}x{cols} transposed rows")
+        got, got_t = rowcol.gather_rows_fp8(data.view(torch.float8_e4m3fn), index)
+        _assert_same(got.view(torch.uint8), data.index_select(0, index), f"{rows}x{cols} rows, no zero rows")
+        _assert_same(got_t.view(torch.uint8), _t(data.index_select(0, index)), f"{rows}x{cols} transposed")
+    data = torch.zeros(8, 16, dtype=torch.uint8, device=device)
+    for bad_data, bad_index in ((data, torch.arange(6)), (data.view(-1), torch.arange(8)), (data, torch.arange(0))):
+        with pytest.raises(rowcol.UnsupportedLayout, match="a multiple of 4 rows"):
+            rowcol.gather_rows_fp8(bad_data, bad_index.to(device))
+
+
+def test_fp8_row_gather_is_off_by_default_and_cuda_only(policy):
+    """fp8_gather_transposed is off until measured on a GPU; on, CPU data still gathers then transposes."""
+    data, index = torch.zeros(8, 16, dtype=torch.uint8), torch.arange(8)
+    assert settings.current().fp8_gather_transposed is False
+    assert policy.gather_rows_fp8(data, index) is None
+    with settings.override(fp8_gather_transposed=True, fused_casts=True):
+        assert policy.gather_rows_fp8(data, index) is None
+
+
 def test_per_tensor_transposed_data_needs_rows_in_words(device, rowcol):
     """Rows not a multiple of 4 (one word of four FP8 bytes), a 1-D or an empty x: UnsupportedLayout, so
     the quantizer takes the plain cast and transposes."""
@@ -708,8 +739,9 @@ def _compile_configs(tc):
                    "new_scale_ptr": "*fp32", "new_scale_inv_ptr": "*fp32", "hist_len": "i32", "margin_mul": "fp32"}
             yield rc._roll_history_kernel, sig, dict(FMT_MAX=fmax, ALGO_MAX=algo_max, BLOCK=1024, ITERS=1), 1
         tr, tcols, warps = tc._PT_TILE
-        yield rc._transpose_bytes_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8", "R": "i32", "C": "i32"}, dict(
-            TR=tr, TC=tcols), warps
+        for gather in (False, True):  # the byte transpose, and the row gather writing both layouts
+            sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "idx_ptr": "*i64", "rows_ptr": "*u8", "R": "i32", "C": "i32"}
+            yield rc._transpose_bytes_kernel, sig, dict(TR=tr, TC=tcols, GATHER=gather), warps
         for sr in (False, True):
             nb, iters, warps = nv._NVFP4_ROWS
             sig = {"x_ptr": inp, "out_ptr": "*i32", "s_ptr": "*u8", "amax_ptr": "*i32", "s_inv_ptr": "*fp32",
