@@ -175,11 +175,10 @@ class Settings:
             "read x once in a CUDA kernel (te_dist.quantization.cuda_rowcol; built on first use, the Triton "
             "path where it cannot be). False: the Triton cast, then the Triton byte transpose.")
     fp8_gather_transposed: bool = _field(
-        False, env="TE_DIST_FP8_GATHER_TRANSPOSED", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_GATHER_TRANSPOSED", parse=_flag, check=_is_bool,
         doc="the per-tensor FP8 row gather of the expert rows (gather_in_experts) writes the gathered rows and "
-            "their transposed copy (fc1's wgrad operand) in one Triton pass that reads the gathered bytes once "
-            "(te_dist.quantization.triton_rowcol.gather_rows_fp8). Off until measured on a GPU. False: "
-            "index_select, then the byte transpose.")
+            "their transposed copy (the wgrad operand) in one Triton pass that reads the gathered bytes once "
+            "(te_dist.quantization.triton_rowcol.gather_rows_fp8). False: index_select, then the byte transpose.")
     cuda_block_cast: bool = _field(
         True, env="TE_DIST_CUDA_BLOCK_CAST", parse=_flag, check=_is_bool,
         doc="Float8BlockScaling's 1x128 casts that write the columnwise copy (activations and gradients of bf16 or "

@@ -318,12 +318,13 @@ def test_fp8_row_gather_writes_both_layouts(device, rowcol):
             rowcol.gather_rows_fp8(bad_data, bad_index.to(device))
 
 
-def test_fp8_row_gather_is_off_by_default_and_cuda_only(policy):
-    """fp8_gather_transposed is off until measured on a GPU; on, CPU data still gathers then transposes."""
+def test_fp8_row_gather_is_on_by_default_and_cuda_only(policy):
+    """fp8_gather_transposed is on (the GPU test of tests/moe/test_row_gather.py runs it against the switch off);
+    CPU data gathers then transposes, the fused casts forced on or not."""
     data, index = torch.zeros(8, 16, dtype=torch.uint8), torch.arange(8)
-    assert settings.current().fp8_gather_transposed is False
+    assert settings.current().fp8_gather_transposed is True
     assert policy.gather_rows_fp8(data, index) is None
-    with settings.override(fp8_gather_transposed=True, fused_casts=True):
+    with settings.override(fused_casts=True):
         assert policy.gather_rows_fp8(data, index) is None
 
 
