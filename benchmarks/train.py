@@ -83,7 +83,12 @@ def te_dist_train(out: Path, nproc: int, *extra, cwd=None, timeout=None) -> list
 
 
 def throughput(args) -> list:
+    """One ``te-dist train`` job per variant; each row is printed (flushed) when its job ends, its ratio against the
+    first variant's, so a run cut short by a time limit still shows the jobs that finished."""
     results = []
+    print(f"te-dist train throughput: nproc={args.nproc} steps={args.steps} config={args.config or 'defaults'}")
+    print(f"{'recipe':<10}{'ep':>4}{'tokens/s':>14}{'median':>12}{'ratio':>8}{'loss first->last':>22}"
+          f"{'job wall s':>12}  settings", flush=True)
     for spec in args.variants:
         recipe, _, rest = spec.partition(":")
         ep, _, settings = rest.partition(":")
@@ -101,18 +106,14 @@ def throughput(args) -> list:
             rows = te_dist_train(Path(out), args.nproc, *extra)
             wall = time.perf_counter() - t0
         steady = [r["tokens_per_s"] for r in rows if r["step"] > 2] or [r["tokens_per_s"] for r in rows]
-        results.append({"recipe": recipe, "ep": int(ep or args.nproc), "settings": settings,
-                        "tokens_per_s": statistics.mean(steady), "median_tokens_per_s": statistics.median(steady),
-                        "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "job_wall_s": wall})
-    base = results[0]["tokens_per_s"]
-    print(f"te-dist train throughput: nproc={args.nproc} steps={args.steps} config={args.config or 'defaults'}")
-    print(f"{'recipe':<10}{'ep':>4}{'tokens/s':>14}{'median':>12}{'ratio':>8}{'loss first->last':>22}"
-          f"{'job wall s':>12}  settings")
-    for r in results:
-        r["ratio"] = r["tokens_per_s"] / base
+        r = {"recipe": recipe, "ep": int(ep or args.nproc), "settings": settings,
+             "tokens_per_s": statistics.mean(steady), "median_tokens_per_s": statistics.median(steady),
+             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "job_wall_s": wall}
+        r["ratio"] = r["tokens_per_s"] / (results[0] if results else r)["tokens_per_s"]
+        results.append(r)
         print(f"{r['recipe']:<10}{r['ep']:>4}{r['tokens_per_s']:>14,.0f}{r['median_tokens_per_s']:>12,.0f}"
               f"{r['ratio']:>8.2f}{r['first_loss']:>11.4f} -> {r['last_loss']:<7.4f}{r['job_wall_s']:>12.1f}  "
-              f"{r['settings']}")
+              f"{r['settings']}", flush=True)
     print(fp8_ceiling(args.config, {"model.fp8_dense": True} if args.fp8_dense else None))
     return results
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from module_globals import writes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,3 +129,27 @@ def test_train_idle_finds_the_gaps_between_device_events():
     assert (window, idle) == (200, 20 + 50)
     assert [(g, start, k["name"]) for g, start, k in gaps] == [(20, 180, "b"), (50, 210, "d")]
     assert train._gpu_gaps([dict(cat="cpu_op", name="host", ts=0, dur=5)]) == (0.0, 0.0, [])
+
+
+def test_train_throughput_prints_each_job_when_it_ends(monkeypatch, capsys):
+    """benchmarks/train.py throughput: a job's row (ratio against the first job's tokens/s) is printed as soon as
+    that job ends, so a run stopped by a time limit in a later job still shows the finished ones."""
+    import argparse
+
+    train = _script("train")
+    jobs = iter([[dict(step=s, tokens_per_s=100.0 * s, loss=5.0 / s) for s in (1, 3, 4)],
+                 [dict(step=s, tokens_per_s=125.0 * s, loss=5.0 / s) for s in (1, 3, 4)]])
+
+    def job(out, nproc, *extra):
+        rows = next(jobs, None)
+        if rows is None:
+            raise SystemExit("the third job ran out of time")
+        return rows
+
+    monkeypatch.setattr(train, "te_dist_train", job)
+    args = argparse.Namespace(variants=["none:1", "current:1", "block:1"], nproc=1, steps=4, config=None,
+                              device=None, seed=None, fp8_dense=False)
+    with pytest.raises(SystemExit, match="out of time"):
+        train.throughput(args)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("none", "current"))]
+    assert [(r[0], r[2], r[4]) for r in rows] == [("none", "350", "1.00"), ("current", "438", "1.25")]
