@@ -130,28 +130,25 @@ def run_fused(key: tuple, fn: Callable, *args, **kwargs):
         return None
 
 
+def _rowcol_module(data: torch.Tensor):
+    """The byte kernels' module (``triton_rowcol``) where the fused casts run for this CUDA data, else None."""
+    if settings.current().fused_casts is False or not data.is_cuda or not _device_ok(data.device):
+        return None
+    return _load("rowcol")[0]
+
+
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """``data.transpose(-1, -2).contiguous()`` of FP8 data (each matrix of a stack): the Triton byte
     transpose on CUDA where the fused casts run (torch's transpose copy moves one byte per access), else
     torch's."""
-    if settings.current().fused_casts is not False and data.is_cuda and _device_ok(data.device):
-        module = _load("rowcol")[0]
-        if module is not None:
-            out = run_fused(("transpose_fp8",), module.transpose_fp8, data)
-            if out is not None:
-                return out
-    return data.transpose(-1, -2).contiguous()
+    module = _rowcol_module(data)
+    out = None if module is None else run_fused(("transpose_fp8",), module.transpose_fp8, data)
+    return data.transpose(-1, -2).contiguous() if out is None else out
 
 
 def gather_rows_fp8(data: torch.Tensor, index: torch.Tensor, zero_rows=None):
     """``(rows, rows_t)`` of 2-D FP8 bytes (uint8): the rows ``index`` (``zero_rows`` of them zero) and their
     transpose, written in one pass (``triton_rowcol.gather_rows_fp8``) on CUDA where the fused casts run and
     ``te_dist.settings.fp8_gather_transposed`` is on; None: the caller gathers, then transposes."""
-    if not settings.current().fp8_gather_transposed or settings.current().fused_casts is False:
-        return None
-    if not data.is_cuda or not _device_ok(data.device):
-        return None
-    module = _load("rowcol")[0]
-    if module is None:
-        return None
-    return run_fused(("gather_rows_fp8",), module.gather_rows_fp8, data, index, zero_rows)
+    module = _rowcol_module(data) if settings.current().fp8_gather_transposed else None
+    return None if module is None else run_fused(("gather_rows_fp8",), module.gather_rows_fp8, data, index, zero_rows)
