@@ -61,13 +61,13 @@ class Fp8Instance:
 
     @property
     def macros(self):
-        schedule, tile_m, tile_n, (cluster_m, cluster_n) = FP8_CONFIGS[self.config]
+        schedule, tile_m, tile_n, (cluster_m, cluster_n), *epilogue_n = FP8_CONFIGS[self.config]
         return (f"-DTE_FB_KIND={KINDS[self.direction]}", f"-DTE_FB_CONFIG={self.config}",
                 f"-DTE_FB_A_E5M2={int(self.a_format == 'e5m2')}", f"-DTE_FB_B_E5M2={int(self.b_format == 'e5m2')}",
                 f"-DTE_FB_OUT_F32={int(self.out_f32)}", f"-DTE_FB_TENSOR_SCALES={int(self.tensor_scales)}",
                 f"-DTE_FB_SCHEDULE={SCHEDULES[schedule]}",
                 f"-DTE_FB_TILE_M={tile_m}", f"-DTE_FB_TILE_N={tile_n}",
-                f"-DTE_FB_CLUSTER_M={cluster_m}", f"-DTE_FB_CLUSTER_N={cluster_n}")
+                f"-DTE_FB_CLUSTER_M={cluster_m}", f"-DTE_FB_CLUSTER_N={cluster_n}", f"-DTE_FB_EPI_N={sum(epilogue_n)}")
 
 
 def build_fp8_instance(inst: Fp8Instance, *, verbose: bool = False) -> Path:

@@ -1,10 +1,8 @@
-// te_dist FP8 grouped GEMM for Hopper (sm_90a), CUTLASS 3.x ptr-array TMA warp-specialized kernels:
-// block scales (Float8BlockScaling, the DeepSeek-V3 scheme) with blockwise scale promotion, or one
-// scale per operand (DelayedScaling, Float8CurrentScaling) applied in the epilogue.
+// te_dist FP8 grouped GEMM for Hopper (sm_90a), CUTLASS 3.x ptr-array TMA warp-specialized kernels: block scales
+// (Float8BlockScaling) with blockwise promotion, or one scale per operand (Delayed, Float8CurrentScaling) in the epilogue.
 //
-// Every operand arrives K-major (FP8 wgmma reads both operands K-major), quantized along K in
-// blocks of 128, with float32 dequantization scales ("scale_inv"). One source, compiled per
-// instance (-D macros, part of the JIT cache key):
+// Every operand arrives K-major (FP8 wgmma reads both K-major), quantized along K in blocks of 128, with float32
+// dequantization scales ("scale_inv"). One source, compiled per instance (-D macros, part of the JIT cache key):
 //   TE_FB_KIND 0 fwd   : y[T,N]     = x[T,K] @ w[e]^T     A = x  rowwise  [T,K]  1x128 scales [T, K/128]
 //                                                          B = w  rowwise  [E,N,K] 128x128 scales [E, N/128, K/128]
 //              1 dgrad : dx[T,K]    = dy[T,N] @ w[e]      A = dy rowwise  [T,N]  1x128 scales [T, N/128]
@@ -17,24 +15,23 @@
 //   TE_FB_TENSOR_SCALES: sfa and sfb each point at ONE float (the per-tensor scale_inv); the
 //     operands' layouts are as above, and wgrad's groups need only start on a 16-row boundary.
 //   TE_FB_SCHEDULE, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}: the tile (TILE_K is the scale block, 128).
+//   TE_FB_EPI_N: the epilogue's sub-tile is TILE_M x EPI_N; 0: CUTLASS's pick (128 x 32 for the cooperative tiles).
 //
-// Accumulation: the tensor cores accumulate each 128-long K block in their FP8 accumulator; the
-// mainloop then multiplies it by the two blocks' scales and adds it into an fp32 accumulator
-// (CUTLASS's blockwise "scale promotion", one promotion per scale block). With tensor scales the
-// mainloop adds the tensor cores' accumulator into the fp32 one at the same interval (CUTLASS's FP8
-// mainloop, mma_promotion_interval 4 = every 128 elements of K), unscaled; schedules 2 and 3 (fast accumulation,
-// TransformerEngine's default for the forward GEMM) never promote: all of K stays in the tensor cores' accumulator.
-// Epilogue (per group e): out = row_scale[row] * acc + bias[e][col]; either may be null. With tensor
-// scales acc is first multiplied by alpha = sfa * sfb, a product the prepare kernel writes into the
+// Accumulation: the tensor cores accumulate each 128-long K block in their FP8 accumulator; the mainloop then
+// multiplies it by the two blocks' scales and adds it into an fp32 accumulator (CUTLASS's blockwise "scale promotion",
+// one promotion per scale block). With tensor scales the mainloop adds the tensor cores' accumulator into the fp32 one
+// at the same interval (CUTLASS's FP8 mainloop, mma_promotion_interval 4 = every 128 elements of K), unscaled;
+// schedules 2 and 3 (fast accumulation, TransformerEngine's default for the forward GEMM) never promote: all of K stays
+// in the tensor cores' accumulator. Epilogue (per group e): out = row_scale[row] * acc + bias[e][col]; either may be
+// null. With tensor scales acc is first multiplied by alpha = sfa * sfb, a product the prepare kernel writes into the
 // workspace (so the cached kernel Params, which point at it, hold across calls).
 //
-// The 1x128 scales of A in fwd/dgrad are read per group M-major (CUTLASS derives a group's scale
-// layout from its own row count), so te_fb_run first rewrites the caller's [T, K/128] scales into
-// one [K/128, rows_e] block per group in the caller's scratch buffer (T*K/128 floats).
+// The 1x128 scales of A in fwd/dgrad are read per group M-major (CUTLASS derives a group's scale layout from its own
+// row count), so te_fb_run first rewrites the caller's [T, K/128] scales into one [K/128, rows_e] block per group in
+// the caller's scratch buffer (T*K/128 floats).
 //
-// C ABI only (no torch headers). Per-group shapes, pointers and strides are written on the device
-// from the int32 cumulative end offsets (no host sync, CUDA-graph capturable). Empty groups are
-// legal; wgrad writes zeros for them.
+// C ABI only (no torch headers). Per-group shapes, pointers and strides are written on the device from the int32
+// cumulative end offsets (no host sync, CUDA-graph capturable). Empty groups are legal; wgrad writes zeros for them.
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
@@ -59,8 +56,8 @@
 // so a library is never built as an instance other than the one its name and cache key say.
 #if !defined(TE_FB_KIND) || !defined(TE_FB_A_E5M2) || !defined(TE_FB_B_E5M2) || !defined(TE_FB_OUT_F32) || \
     !defined(TE_FB_TENSOR_SCALES) || !defined(TE_FB_CONFIG) || !defined(TE_FB_SCHEDULE) || !defined(TE_FB_TILE_M) || \
-    !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || !defined(TE_FB_CLUSTER_N)
-#error "define TE_FB_{KIND,A_E5M2,B_E5M2,OUT_F32,TENSOR_SCALES,CONFIG,SCHEDULE}, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}"
+    !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || !defined(TE_FB_CLUSTER_N) || !defined(TE_FB_EPI_N)
+#error "define TE_FB_{KIND,A_E5M2,B_E5M2,OUT_F32,TENSOR_SCALES,CONFIG,SCHEDULE,EPI_N}, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}"
 #endif
 
 using namespace cute;
@@ -128,9 +125,10 @@ using Epilogue = cute::conditional_t<kTensorScales, TensorScaleEpilogue<TileShap
 using MainloopLayoutA = cute::conditional_t<kTensorScales, LayoutA*, cute::tuple<LayoutA*, LayoutSFA*>>;
 using MainloopLayoutB = cute::conditional_t<kTensorScales, LayoutB*, cute::tuple<LayoutB*, LayoutSFB*>>;
 
+using EpilogueTile = cute::conditional_t<TE_FB_EPI_N == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+                                         Shape<Int<TE_FB_TILE_M>, Int<TE_FB_EPI_N == 0 ? 32 : TE_FB_EPI_N>>>;
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, ElementAcc, float,
     void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule, Epilogue>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<

@@ -26,7 +26,8 @@ FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale 
 
 Fast (``_fast``): all of K in the tensor cores' accumulator, never promoted into a second fp32 one (TE's forward
 default; te_dist.settings.fp8_fprop_fast_accum), which frees the registers these wider tiles need. Ids 2, 4-6, 9, 10:
-candidates that lost (docs/kernels.md "FP8 tiles and fast accumulation").
+candidates that lost (docs/kernels.md "FP8 tiles and fast accumulation"). 11, 12: config 0 with a 128 x 64 / 128 x 128
+epilogue sub-tile (CUTLASS's is 128 x 32) for short-contraction wgrads: candidates, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -97,13 +98,14 @@ def choose_config(direction: str, num_rows: int, n: int, k: int, num_groups: int
     raise AssertionError("RULES must end with a catch-all row")
 
 
-# id: (schedule, tile M, tile N, (cluster M, cluster N)); "_fast": fast accumulation (tensor-scaled fwd only)
+# id: (schedule, tile M, tile N, (cluster M, cluster N)[, epilogue sub-tile N]); "_fast": fast accumulation
 FP8_CONFIGS = {
     0: ("cooperative", 128, 128, (1, 2)),
     1: ("pingpong", 64, 128, (1, 1)),
     3: ("cooperative", 128, 192, (1, 1)),
     7: ("cooperative_fast", 128, 256, (1, 2)),
     8: ("pingpong_fast", 128, 128, (1, 2)),
+    11: ("cooperative", 128, 128, (1, 2), 64), 12: ("cooperative", 128, 128, (1, 2), 128),
 }
 FP8_WGRAD_CONFIG, FP8_SMALL_M_ROWS = 0, 192
 

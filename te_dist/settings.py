@@ -238,6 +238,10 @@ class Settings:
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "
             "GEMM, for tile sweeps. None: the rule (heuristics.fp8_config).")
+    fp8_wgrad_tile: Optional[int] = _field(
+        None, env="TE_DIST_FP8_WGRAD_TILE", parse=_tile, check=_is_tile,
+        doc="the CUTLASS FP8 tile of every FP8 wgrad GEMM (an id of cutlass_kernels.heuristics.FP8_CONFIGS), for A/Bs "
+            "of a wgrad tile in the training step; fp8_tile, where set, wins. None: the rule (heuristics.fp8_config).")
 
 
 def fields() -> Tuple[dataclasses.Field, ...]:

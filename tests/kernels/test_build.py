@@ -71,6 +71,28 @@ def test_fp8_instance_names_and_validation():
     assert {("wgrad", "e5m2", True), ("dgrad", "e5m2", True), ("fwd", "e4m3", True), ("fwd", "e4m3", False)} <= built
 
 
+def test_fp8_candidate_epilogue_tiles_differ_from_config_0_by_their_epilogue_alone():
+    """Configs 11 and 12 are config 0 with a wider epilogue sub-tile (TE_FB_EPI_N; 0 = CUTLASS's pick): the same
+    macros otherwise, so a sweep that times them against 0 times the epilogue alone. The rule never picks them, and
+    the default builds (all_fp8_instances) leave them out."""
+    import itertools
+
+    from cutlass_kernels import heuristics as h
+    from cutlass_kernels.fp8_block import Fp8Instance, all_fp8_instances
+
+    for config, width in ((11, 64), (12, 128)):
+        cand, base = Fp8Instance("wgrad", config, "e5m2", tensor_scales=True), Fp8Instance("wgrad", 0, "e5m2",
+                                                                                           tensor_scales=True)
+        differ = set(cand.macros) ^ set(base.macros)
+        assert differ == {f"-DTE_FB_CONFIG={config}", "-DTE_FB_CONFIG=0", f"-DTE_FB_EPI_N={width}", "-DTE_FB_EPI_N=0"}
+        assert cand.name == f"te_fb_wgrad_c{config}_e5m2xe4m3_bf16_tensor"
+    assert all(any(m == "-DTE_FB_EPI_N=0" for m in i.macros) for i in all_fp8_instances())
+    for d, rows, groups, tensor, fast in itertools.product(("fwd", "dgrad", "wgrad"), (1, 512, 8192, 1 << 17), (1, 8, 64),
+                                                           (False, True), (False, True)):
+        assert h.fp8_config(d, rows, groups, tensor_scales=tensor, fast=fast, contraction=7168, columns=2048) in (
+            0, 1, 3, 7, 8)
+
+
 def test_build_cli_names_every_instance_it_can_build_and_refuses_others(capsys, monkeypatch, tmp_path):
     """``--only`` takes any recipe's instance, candidate tiles included, and a name it cannot build is
     an error before anything is compiled (it used to be dropped silently)."""

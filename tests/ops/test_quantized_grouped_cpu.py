@@ -402,6 +402,31 @@ def test_the_fp8_tile_setting_reaches_every_launch(fake_fp8_library):
     assert [c["config"] for c in fake_fp8_library] == [0, 3, 0]
 
 
+def test_the_fp8_wgrad_tile_setting_reaches_the_wgrad_launches_alone(fake_fp8_library):
+    """te_dist.settings.fp8_wgrad_tile forces the tile of the wgrad launches (the others keep the rule's); fp8_tile,
+    where set, wins; a tile that does not exist is refused before any launch, naming the setting."""
+    from te_dist import settings
+    from te_dist.gemm import cutlass_backend as cb
+
+    recipe = R.Float8CurrentScaling()
+    xq = make_quantizer(recipe, "input")(torch.randn(256, 128), rowwise=True, columnwise=True)
+    dyq = make_quantizer(recipe, "grad_output")(torch.randn(256, 128), rowwise=True, columnwise=True)
+    wq = K.prepare_quantized_weight(make_quantizer(recipe, "weight")(torch.randn(2, 128, 128), rowwise=True,
+                                                                      columnwise=True))
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    with settings.override(fp8_wgrad_tile=2):
+        cb.fp8_forward(xq, wq, offs)
+        cb.fp8_wgrad(xq, dyq, offs, 2)
+        with settings.override(fp8_tile=3):
+            cb.fp8_wgrad(xq, dyq, offs, 2)
+        with pytest.raises(ValueError, match=r"te_dist.settings.fp8_wgrad_tile=17 names no FP8 tile"):
+            with settings.override(fp8_wgrad_tile=17):
+                cb.fp8_wgrad(xq, dyq, offs, 2)
+    cb.fp8_wgrad(xq, dyq, offs, 2)
+    assert [(c["direction"], c["config"]) for c in fake_fp8_library] == [("fwd", 0), ("wgrad", 2), ("wgrad", 3),
+                                                                         ("wgrad", 0)]
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_the_tile_rule_hears_the_scaling_the_contraction_and_the_fast_switch(fake_fp8_library, recipe):
     """What each launch tells the tile rule: its scaling, the fwd contraction (K), the output columns (fwd N,
