@@ -152,10 +152,10 @@ def wgrad(x_TK, dy_TN, offsets_E, num_groups: int, out_dtype=None, group_sizes=N
 # --------------------------------------------------------------------------- FP8
 
 
-def _forced_fp8_tile(fb, direction):
+def _forced_fp8_tile(fb, direction, current):
     """``te_dist.settings.fp8_tile``, else a wgrad's ``fp8_wgrad_tile`` (None: the rule), checked against the tiles."""
-    name = "fp8_wgrad_tile" if direction == "wgrad" and _settings.current().fp8_tile is None else "fp8_tile"
-    if (tile := getattr(_settings.current(), name)) is not None and tile not in fb.FP8_CONFIGS:
+    name = "fp8_wgrad_tile" if direction == "wgrad" and current.fp8_tile is None else "fp8_tile"
+    if (tile := getattr(current, name)) is not None and tile not in fb.FP8_CONFIGS:
         raise ValueError(f"te_dist.settings.{name}={tile} names no FP8 tile (set by {_settings.source(name)}); "
                          f"the tiles are {sorted(fb.FP8_CONFIGS)}")
     return tile
@@ -165,10 +165,10 @@ def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, 
                 group_sizes, per_tensor: bool):
     """One FP8 kernel call; ``per_tensor``: a_scale and b_scale are one float each (the
     tensor-scaled instances), else block-scale tables."""
-    fb = kernels_module().fp8_block
-    config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, forced=_forced_fp8_tile(fb, direction),
-                                  contraction=k, columns=n if direction == "fwd" else k, tensor_scales=per_tensor,
-                                  fast=_settings.current().fp8_fprop_fast_accum)
+    fb, current = kernels_module().fp8_block, _settings.current()
+    config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, contraction=k,
+                                  columns=n if direction == "fwd" else k, tensor_scales=per_tensor,
+                                  fast=current.fp8_fprop_fast_accum, forced=_forced_fp8_tile(fb, direction, current))
     lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
     scratch = None
     if direction != "wgrad" and not per_tensor:
