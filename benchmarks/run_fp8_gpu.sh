@@ -12,7 +12,7 @@
 #   bash benchmarks/run_fp8_gpu.sh tiles   # the FP8 tile sweep (TILE_ARGS; its instances built first), then the FP8
 #                                          # grouped GPU tests with fp8_fprop_fast_accum on
 #   bash benchmarks/run_fp8_gpu.sh fast    # the training step with fp8_fprop_fast_accum off, then on
-#   bash benchmarks/run_fp8_gpu.sh wgrad_tile  # a candidate wgrad tile (WGRAD_TILE, default 11; docs/kernels.md "FP8
+#   bash benchmarks/run_fp8_gpu.sh wgrad_tile  # a candidate wgrad tile (WGRAD_TILE, default 0, the former rule; docs/kernels.md "FP8
 #                                          # tiles"): the layer's training step with the rule's wgrad tile, then with it
 #                                          # (te_dist.settings.fp8_wgrad_tile); its tile sweep first: TILE_ARGS=... tiles
 #   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step on against off, then
@@ -85,7 +85,7 @@ fast)
   done
   ;;
 wgrad_tile)
-  for tile in rule ${WGRAD_TILE:-11}; do
+  for tile in rule ${WGRAD_TILE:-0}; do
     env $([ "$tile" = rule ] || echo "TE_DIST_FP8_WGRAD_TILE=$tile") timeout ${LAYER_LIMIT:-200} python3 benchmarks/fp8_layer.py \
       ${LAYER_ARGS:---configs deepseek,qwen3_235b --recipes current,block --micro-batches 1,4 --iters 4 --warmup 2} \
       --json "$OUT/fp8_layer_wgrad_$tile.json" > "$OUT/fp8_layer_wgrad_$tile.txt" 2>&1

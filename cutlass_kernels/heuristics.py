@@ -18,16 +18,16 @@ FP8 tiles compiled from fp8_block_gemm.cu (``FP8_CONFIGS``; TILE_K is the scale 
 
 | id | schedule    | tile M x N | cluster | meant for |
 |----|-------------|------------|---------|-----------|
-| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: block-scaled fwd and dgrad, every wgrad |
+| 0  | cooperative | 128 x 128  | 1 x 2   | many rows per expert: block-scaled fwd and dgrad |
 | 1  | ping-pong   | 64 x 128   | 1 x 1   | few rows per expert (<= ``FP8_SMALL_M_ROWS`` on average): 64-row padding |
 | 3  | cooperative | 128 x 192  | 1 x 1   | tensor-scaled fwd and dgrad whose N fills 192-column tiles (``FP8_MIN_FILL``) |
 | 7  | cooperative, fast | 128 x 256 | 1 x 2 | tensor-scaled fwd with ``fast`` over ``FP8_FAST_MAX_SHORT_K`` of contraction |
 | 8  | ping-pong, fast | 128 x 128 | 1 x 2 | the same up to it: a short mainloop, so the overlapped epilogue pays |
+| 11 | cooperative | 128 x 128  | 1 x 2   | every wgrad: config 0 with a 128 x 64 epilogue sub-tile (CUTLASS's: 128 x 32) |
 
 Fast (``_fast``): all of K in the tensor cores' accumulator, never promoted into a second fp32 one (TE's forward
-default; te_dist.settings.fp8_fprop_fast_accum), which frees the registers these wider tiles need. Ids 2, 4-6, 9, 10:
-candidates that lost (docs/kernels.md "FP8 tiles and fast accumulation"). 11, 12: config 0 with a 128 x 64 / 128 x 128
-epilogue sub-tile (CUTLASS's is 128 x 32) for short-contraction wgrads: candidates, not yet run on a GPU.
+default; te_dist.settings.fp8_fprop_fast_accum), which frees the registers these wider tiles need. 11: a wgrad's short
+contraction (one expert's tokens) leaves its epilogue heavy. Ids 2, 4-6, 9, 10, 12 lost (docs/kernels.md, FP8 tiles).
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ FP8_CONFIGS = {
     3: ("cooperative", 128, 192, (1, 1)),
     7: ("cooperative_fast", 128, 256, (1, 2)),
     8: ("pingpong_fast", 128, 128, (1, 2)),
-    11: ("cooperative", 128, 128, (1, 2), 64), 12: ("cooperative", 128, 128, (1, 2), 128),
+    11: ("cooperative", 128, 128, (1, 2), 64),
 }
-FP8_WGRAD_CONFIG, FP8_SMALL_M_ROWS = 0, 192
+FP8_WGRAD_CONFIG, FP8_SMALL_M_ROWS = 11, 192
 
 
 def config_fits(direction: str, config: int, tensor_scales: bool = False) -> bool:

@@ -49,7 +49,7 @@ def test_fp8_instance_names_and_validation():
     assert inst.name == "te_fb_wgrad_c0_e5m2xe4m3_bf16"
     assert "-DTE_FB_KIND=2" in inst.macros and "-DTE_FB_A_E5M2=1" in inst.macros
     assert {i.direction for i in all_fp8_instances()} == {"fwd", "dgrad", "wgrad"}
-    assert choose_fp8_config("wgrad", 64, 8) == 0 and choose_fp8_config("fwd", 64 * 8, 8) == 1
+    assert choose_fp8_config("wgrad", 64, 8) == 11 and choose_fp8_config("fwd", 64 * 8, 8) == 1
     with pytest.raises(ValueError, match="a_format"):
         Fp8Instance("fwd", 0, a_format="e2m1")
     with pytest.raises(ValueError, match="config"):
@@ -71,26 +71,28 @@ def test_fp8_instance_names_and_validation():
     assert {("wgrad", "e5m2", True), ("dgrad", "e5m2", True), ("fwd", "e4m3", True), ("fwd", "e4m3", False)} <= built
 
 
-def test_fp8_candidate_epilogue_tiles_differ_from_config_0_by_their_epilogue_alone():
-    """Configs 11 and 12 are config 0 with a wider epilogue sub-tile (TE_FB_EPI_N; 0 = CUTLASS's pick): the same
-    macros otherwise, so a sweep that times them against 0 times the epilogue alone. The rule never picks them, and
-    the default builds (all_fp8_instances) leave them out."""
+def test_the_wgrad_tile_is_config_0_with_a_wider_epilogue_alone():
+    """Config 11, every wgrad's tile, is config 0 with a 128 x 64 epilogue sub-tile (TE_FB_EPI_N; 0 = CUTLASS's pick,
+    128 x 32): the same macros otherwise, so its A/B against 0 times the epilogue alone. The default builds hold it
+    for wgrad alone, and the rule picks it for every wgrad and nowhere else."""
     import itertools
 
     from cutlass_kernels import heuristics as h
     from cutlass_kernels.fp8_block import Fp8Instance, all_fp8_instances
 
-    for config, width in ((11, 64), (12, 128)):
-        cand, base = Fp8Instance("wgrad", config, "e5m2", tensor_scales=True), Fp8Instance("wgrad", 0, "e5m2",
-                                                                                           tensor_scales=True)
-        differ = set(cand.macros) ^ set(base.macros)
-        assert differ == {f"-DTE_FB_CONFIG={config}", "-DTE_FB_CONFIG=0", f"-DTE_FB_EPI_N={width}", "-DTE_FB_EPI_N=0"}
-        assert cand.name == f"te_fb_wgrad_c{config}_e5m2xe4m3_bf16_tensor"
-    assert all(any(m == "-DTE_FB_EPI_N=0" for m in i.macros) for i in all_fp8_instances())
+    assert h.FP8_WGRAD_CONFIG == 11
+    cand, base = Fp8Instance("wgrad", 11, "e5m2", tensor_scales=True), Fp8Instance("wgrad", 0, "e5m2",
+                                                                                   tensor_scales=True)
+    differ = set(cand.macros) ^ set(base.macros)
+    assert differ == {"-DTE_FB_CONFIG=11", "-DTE_FB_CONFIG=0", "-DTE_FB_EPI_N=64", "-DTE_FB_EPI_N=0"}
+    assert cand.name == "te_fb_wgrad_c11_e5m2xe4m3_bf16_tensor"
+    for inst in all_fp8_instances():
+        assert (inst.config == 11) == (inst.direction == "wgrad"), inst.name
+        assert ("-DTE_FB_EPI_N=64" in inst.macros) == (inst.config == 11), inst.name
     for d, rows, groups, tensor, fast in itertools.product(("fwd", "dgrad", "wgrad"), (1, 512, 8192, 1 << 17), (1, 8, 64),
                                                            (False, True), (False, True)):
-        assert h.fp8_config(d, rows, groups, tensor_scales=tensor, fast=fast, contraction=7168, columns=2048) in (
-            0, 1, 3, 7, 8)
+        tile = h.fp8_config(d, rows, groups, tensor_scales=tensor, fast=fast, contraction=7168, columns=2048)
+        assert tile == 11 if d == "wgrad" else tile in (0, 1, 3, 7, 8)
 
 
 def test_build_cli_names_every_instance_it_can_build_and_refuses_others(capsys, monkeypatch, tmp_path):
