@@ -16,6 +16,9 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
   * ``+opt vs bf16``: the same ratio with the optimizer step's time counted (per micro-batch share);
   * ``path``: native (the quantized grouped kernels ran) or emulated (fake-quantize, then bf16);
   * ``diff``: the arm's first output against bf16's on the same weights (relative Frobenius).
+``--optimizer-copies`` adds a ``delayed:copies`` row per M: ``te_dist.optim.AdamWWithFP8Copies`` writes the expert
+weights' FP8 copies in its update and every step's first forward takes them (no cast in the micro-batches; the
+copies' writes counted in the optimizer's time, so ``+opt`` is the fair figure for that row).
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
 every forward (the old fixed-weight figure; not a training step).
 ``te_dist.settings.fp8_pad_off_grid`` (on by default; ``TE_DIST_FP8_PAD_OFF_GRID=0`` turns it off, ``--pad-off-grid``
@@ -39,6 +42,7 @@ import torch
 import timing  # noqa: I001 - first: this checkout's te_dist on the path
 import te_dist as td
 from te_dist.moe import MoELayer
+from te_dist.optim import AdamWWithFP8Copies
 from te_dist.recipe import recipe_from_name
 
 CONFIGS = {
@@ -53,10 +57,13 @@ CONFIGS = {
 class Arm:
     """One recipe's training loop on a shared layer: its own optimizer state, the same inputs."""
 
-    def __init__(self, layer, recipe, micro_batches, fixed=False):
-        self.layer, self.recipe, self.micro, self.fixed = layer, recipe, micro_batches, fixed
+    def __init__(self, layer, recipe, micro_batches, fixed=False, copies=False):
+        self.layer, self.recipe, self.micro, self.fixed, self.copies = layer, recipe, micro_batches, fixed, copies
         params = [p for p in layer.parameters() if p.requires_grad]
-        self.optimizer = None if fixed else torch.optim.AdamW(params, lr=1e-5, fused=True)
+        if copies:  # the update writes the expert weights' copies, which the next step's first forward takes
+            self.optimizer = AdamWWithFP8Copies(params, lr=1e-5, fused=True, copies_of=[layer])
+        else:
+            self.optimizer = None if fixed else torch.optim.AdamW(params, lr=1e-5, fused=True)
         layer.is_first_microbatch = True if fixed else None  # fixed: cast once, then reuse (nothing writes)
 
     def step(self, xs, grads, events):
@@ -65,7 +72,7 @@ class Arm:
         events[0].record()
         out = None
         for i, (x, g) in enumerate(zip(xs, grads)):
-            if self.micro > 1 and not self.fixed:
+            if (self.micro > 1 or self.copies) and not self.fixed:
                 layer.is_first_microbatch = i == 0
             with td.autocast(recipe=self.recipe):
                 y = layer(x)
@@ -73,7 +80,8 @@ class Arm:
             out = y if out is None else out
         events[1].record()
         if self.optimizer is not None:
-            self.optimizer.step()
+            with td.settings.override(fp8_optimizer_copies=self.copies):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:
             layer.zero_grad(set_to_none=True)
@@ -130,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="instead of the table: each arm's N heaviest GPU kernels over --iters steps (torch.profiler)")
+    p.add_argument("--optimizer-copies", action="store_true",
+                   help="add a delayed:copies row per M: te_dist.optim.AdamWWithFP8Copies writes the expert weights' "
+                        "FP8 copies with its update (te_dist.settings.fp8_optimizer_copies), every step's first "
+                        "forward takes them; its optimizer time is in +opt")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
     timing.add_json_option(p)
@@ -167,16 +179,18 @@ def run_configs(args, pad_off_grid: bool) -> list:
             arms = [("bf16", None, False)] + [(r, r, False) for r in args.recipes.split(",")]
             if args.fixed and micro == 1:
                 arms += [(f"{r}:fixed", r, True) for r in args.recipes.split(",")]
+            if args.optimizer_copies:
+                arms.append(("delayed:copies", "delayed", "copies"))
             base = None
-            for label, rname, fixed in arms:
+            for label, rname, kind in arms:
                 recipe = None if rname is None else recipe_from_name(rname)
+                arm = Arm(layer, recipe, micro, fixed=kind is True, copies=kind == "copies")
                 if args.profile:
                     print(f"profile {name} {label} M={micro}", flush=True)
-                    profile_arm(Arm(layer, recipe, micro, fixed), xs, grads, args.iters, args.warmup, args.profile)
+                    profile_arm(arm, xs, grads, args.iters, args.warmup, args.profile)
                     continue
                 try:
-                    mb, opt, diff, native = run_arm(Arm(layer, recipe, micro, fixed), xs, grads, args.iters,
-                                                    args.warmup)
+                    mb, opt, diff, native = run_arm(arm, xs, grads, args.iters, args.warmup)
                 except Exception as exc:  # one arm's failure is a row, not the end of the table
                     print(f"row {name} {label} M={micro} failed: {exc!r:.300}", flush=True)
                     continue

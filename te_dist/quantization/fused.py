@@ -60,12 +60,15 @@ def fused_casts_enabled() -> Optional[bool]:
 @functools.lru_cache(maxsize=None)
 def _load(family: str = "fp8"):
     """(module or None, import error text) of a kernel family ("fp8": ``triton_casts``, "nvfp4":
-    ``triton_nvfp4``, "rowcol": ``triton_rowcol``); imported once, on first use, never at package import."""
+    ``triton_nvfp4``, "rowcol": ``triton_rowcol``, "adamw_copy": ``triton_adamw_copy``); imported once, on first
+    use, never at package import."""
     try:
         if family == "nvfp4":
             from . import triton_nvfp4 as module
         elif family == "rowcol":
             from . import triton_rowcol as module
+        elif family == "adamw_copy":
+            from . import triton_adamw_copy as module
         else:
             from . import triton_casts as module
     except Exception as exc:  # ImportError without triton; anything else is a broken triton install
@@ -86,8 +89,7 @@ def _device_ok(device: torch.device) -> bool:
 
 
 def fused_casts_for(x: torch.Tensor, family: str = "fp8"):
-    """The kernel module of ``family`` ("fp8": ``triton_casts``, "nvfp4": ``triton_nvfp4``, "rowcol":
-    ``triton_rowcol``) when x should take the fused path, else None."""
+    """The kernel module of ``family`` (:func:`_load` names them) when x should take the fused path, else None."""
     enabled = settings.current().fused_casts
     if enabled is False or x.dtype not in FUSED_DTYPES:
         return None

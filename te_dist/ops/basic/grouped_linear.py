@@ -402,7 +402,7 @@ class GroupedLinear(BasicOperation):
     def has_native_weight_copy(self) -> bool:
         """True once the native quantized path cast this weight (so that path ran under the
         current recipe): what ``te-dist train`` reports after its first step."""
-        return self._weight_copy.casts > 0
+        return self._weight_copy.casts + self._weight_copy.offers_taken > 0
 
     def quantized_weight(self):
         """The weight quantized under the current recipe, in both GEMM layouts: cast anew unless
@@ -419,6 +419,25 @@ class GroupedLinear(BasicOperation):
         q = self._quantizers
         if q.active and q.backward_override is None and self.native_shape_ok:
             self._weight_copy.prepare(*self._copy_request())
+
+    def optimizer_copy_quantizer(self):
+        """The weight quantizer an optimizer may cast this weight's copy with, in its update of the weight
+        (``te_dist.optim.AdamWWithFP8Copies``), or None. Only where the next forward would take that copy as
+        its own cast: the last forward took the native path on the unpadded weight under a caller driving
+        ``is_first_microbatch`` (it kept a copy), under DelayedScaling (a scale known before the update) whose
+        scale is set and whose amax is reduced by no group or callable."""
+        q = self._quantizers
+        wq = q.weight if q.active and q.backward_override is None else None
+        if not self._weight_copy.kept or getattr(wq, "recipe_type", None) is not DelayedScaling:
+            return None
+        if wq.num_updates == 0 or not wq._fusable() or self._native_padding() is not None:
+            return None
+        return wq
+
+    def offer_weight_copy(self, copy) -> None:
+        """Hand the next forward the weight copy an optimizer wrote with its update (``WeightCopy.offer``)."""
+        weight, key, _, _ = self._copy_request()
+        self._weight_copy.offer(weight, key, kernels().prepare_quantized_weight(copy))
 
     def _copy_request(self):
         """``(weight, settings key, cast, is_first_microbatch)`` for the weight copy."""

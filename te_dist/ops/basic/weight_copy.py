@@ -20,6 +20,12 @@ same, and no torch optimizer has stepped since it was cast (a process-wide count
 casts. What stays the caller's word: that nothing wrote the weight behind both autograd and every
 torch optimizer (``.data`` writes, a parameter-buffer all-gather) between its True and its False.
 
+An optimizer that writes the copy with its update (``te_dist.optim.AdamWWithFP8Copies``, under
+``te_dist.settings.fp8_optimizer_copies``) offers it (:meth:`WeightCopy.offer`) under the key the next forward
+will see (the same storage, version and settings, one more optimizer step); a forward whose caller drives the
+protocol (True or False) takes it instead of casting, and keeps it. With None the offer is dropped and the forward
+casts. The caller's word then also covers the time between the optimizer's step and that forward.
+
 A caller may also ask for the copy ahead of the forward that uses it (:meth:`WeightCopy.prepare`: the MoE
 layer queues its experts' weight casts while the dispatch's counts travel to the host, docs/moe.md "The
 host read"). The copy so made goes to the next forward only, and only under the same key (storage,
@@ -73,17 +79,25 @@ def set_first_microbatch(model: torch.nn.Module, first: Optional[bool]) -> None:
 class WeightCopy:
     """One op's quantized weight copy and its reuse rule (the module docstring)."""
 
-    __slots__ = ("_key", "_copy", "_ready", "casts")
+    __slots__ = ("_key", "_copy", "_ready", "_offered", "casts", "offers_taken")
 
     def __init__(self):
         self._key = None
         self._copy = None
         self._ready = None  # (key, copy) made by prepare() for the next get()
+        self._offered = None  # (key, copy) an optimizer wrote with its update, for the next get()
         self.casts = 0  # casts made under the current recipe (what ``te-dist train`` reports)
+        self.offers_taken = 0  # optimizer-written copies a forward took instead of casting
 
     @staticmethod
     def _key_of(weight: torch.Tensor, settings_key: str) -> tuple:
         return (weight._version, weight.data_ptr(), tuple(weight.shape), settings_key, _steps[0])
+
+    def offer(self, weight: torch.Tensor, settings_key: str, copy) -> None:
+        """Hand the next forward a copy of ``weight`` that an optimizer wrote with its update, from inside that
+        optimizer's step: keyed by the step count the step hook reaches once the step returns (module docstring)."""
+        _install_step_hook()
+        self._offered = (self._key_of(weight, settings_key)[:-1] + (_steps[0] + 1,), copy)
 
     def prepare(self, weight: torch.Tensor, settings_key: str, cast: Callable,
                 is_first_microbatch: Optional[bool]) -> None:
@@ -102,6 +116,11 @@ class WeightCopy:
         ready, self._ready = self._ready, None
         if ready is not None and ready[0] == key:  # prepare() made it for this forward
             return ready[1]
+        offered, self._offered = self._offered, None
+        if offered is not None and is_first_microbatch is not None and offered[0] == key:
+            self.offers_taken += 1
+            self._key, self._copy = key, offered[1]
+            return offered[1]
         if is_first_microbatch is False and self._copy is not None and self._key == key:
             return self._copy
         copy = cast()

@@ -1,0 +1,80 @@
+"""AdamW's update of a grouped weight that also writes the weight's delayed-scaling FP8 copy, in one pass.
+
+Why: a training step casts every expert weight once (read bf16, write FP8 in both GEMM layouts, 4 bytes per element),
+right after the optimizer read and wrote the same weight. Here the update writes the copy from the values it just
+rounded to bf16, so the cast costs its 2 bytes of writes alone (te_dist.optim says who may use the copy).
+
+The copy's bytes are the delayed-scaling cast's (:func:`.triton_rowcol.delayed_scaling_step_rowcol`) of the updated
+weight with the quantizer's scale: the same saturating cast of the same bf16 values, amax(w) recorded as int32 bits,
+then the same history roll. The update is ``torch.optim.AdamW``'s (decoupled weight decay, bias-corrected moments)
+in float32 on the parameter's dtype. Imported only through :func:`te_dist.optim.adamw_fp8_copy_kernels` (Triton).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_casts import _delayed_outputs, _scalar_f32, _zero_bits
+from .triton_fp8_math import _abs_bits, _merge_amax, _saturate
+from .triton_launch import cdiv, launch, next_power_of_2
+from .triton_rowcol import _roll_history_kernel
+
+__all__ = ["adamw_delayed_copy"]
+
+_TILE = 64  # rows and columns of one program's tile
+
+
+@triton.jit
+def _adamw_copy_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, R, C,
+                       decay, beta1, beta2, eps, step_size, bc2_sqrt, FMT_MAX: tl.constexpr, TILE: tl.constexpr):
+    """One [TILE, TILE] tile of matrix ``pid 2`` of w [E, R, C]: update w, m, v; write fp8(w * scale) to data
+    [E, R, C] and data_t [E, C, R]; merge max |w| into the amax bits."""
+    e = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    inside = (rows[:, None] < R) & (cols[None, :] < C)
+    at = e * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
+    p = tl.load(p_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    p = p * decay
+    m = m + (1.0 - beta1) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    w = p.to(p_ptr.dtype.element_ty)
+    tl.store(p_ptr + at, w, mask=inside)
+    tl.store(m_ptr + at, m.to(m_ptr.dtype.element_ty), mask=inside)
+    tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=inside)
+    x = w.to(tl.float32)
+    _merge_amax(amax_ptr, tl.max(tl.max(tl.where(inside, _abs_bits(x), 0), axis=1), axis=0))
+    q = _saturate(x * tl.load(scale_ptr), FMT_MAX).to(data_ptr.dtype.element_ty)
+    tl.store(data_ptr + at, q, mask=inside)
+    at_t = e * R * C + cols[None, :].to(tl.int64) * R + rows[:, None]
+    tl.store(data_t_ptr + tl.trans(at_t), tl.trans(q), mask=tl.trans(inside))
+
+
+def adamw_delayed_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float, step: int, scale, history, fp8_dtype, fmt_max: float, margin: int,
+                       algo: str):
+    """One AdamW step of ``p`` [E, R, C] (its moments updated in place) and the delayed-scaling copy of the result.
+    Returns NEW (data [E, R, C], data_t [E, C, R], history, scale, scale_inv), as the delayed cast does."""
+    E, R, C = p.shape
+    history, new_history, new_scale, new_scale_inv = _delayed_outputs(history, algo, p.device)
+    scale = _scalar_f32(scale)
+    data = torch.empty(p.shape, dtype=fp8_dtype, device=p.device)
+    data_t = torch.empty((E, C, R), dtype=fp8_dtype, device=p.device)
+    bits = _zero_bits(p.device)
+    launch(_adamw_copy_kernel, (cdiv(R, _TILE), cdiv(C, _TILE), E), p, grad, exp_avg, exp_avg_sq, data, data_t,
+           scale, bits, R, C, 1.0 - lr * weight_decay, beta1, beta2, eps, lr / (1.0 - beta1 ** step),
+           math.sqrt(1.0 - beta2 ** step), FMT_MAX=fmt_max, TILE=_TILE, num_warps=4)
+    hist_len = history.numel()
+    hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
+    launch(_roll_history_kernel, (1,), bits, history, scale, new_history, new_scale, new_scale_inv,
+           hist_len, math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=hist_block,
+           ITERS=cdiv(hist_len, hist_block), num_warps=1)
+    return data, data_t, new_history, new_scale, new_scale_inv

@@ -1,0 +1,164 @@
+"""te_dist.optim.AdamWWithFP8Copies: the weight copy written with the update is the cast the next forward would
+make, and a forward takes it only under WeightCopy's rule.
+
+Always (CI): the offer's rule in WeightCopy, which ops say yes, and the optimizer without its kernels (CPU, no
+Triton) is torch's AdamW bit for bit. The kernel cases run in Triton's interpreter on CPU tensors
+(``TRITON_INTERPRET=1`` with triton installed, else skipped: CI has no Triton; conversions routed through torch,
+tests/triton_interpreter.py) and on a GPU (``-m gpu``), where the forward takes the native path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import te_dist as td
+from te_dist import kernels as K
+from te_dist import recipe as R
+from te_dist import settings
+from te_dist.ops import GroupedLinear, OperationFuser
+from te_dist.ops.basic.weight_copy import WeightCopy
+from te_dist.optim import AdamWWithFP8Copies
+from te_dist.quantization.cast import cast_fp8_per_tensor, delayed_scale_update
+from triton_interpreter import needs_interpreter, patch_interpreter_conversions
+
+SIZES = (128, 0, 128)
+
+
+def _op(device, seed=0):
+    torch.manual_seed(seed)
+    return GroupedLinear(3, 256, 128, dtype=torch.bfloat16, device=device)
+
+
+def _x(device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(SIZES), 256, dtype=torch.bfloat16, generator=g).to(device)
+
+
+def _train_forward(op, x, recipe):
+    with td.autocast(recipe=recipe):
+        y = OperationFuser([op])(x, torch.tensor(SIZES))
+    y.float().square().mean().backward()
+    return y
+
+
+def _torch_step():
+    """A torch optimizer step somewhere in the process (what the global step hook counts)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    torch.optim.SGD([p], lr=0.1).step()
+
+
+@pytest.mark.parametrize("case", ["taken", "none", "version", "another_step", "settings"])
+def test_an_offered_copy_goes_to_the_next_driven_forward_under_its_key(case):
+    copies, w = WeightCopy(), torch.zeros(4, 4)
+    copies.offer(w, "recipe", "offered")
+    _torch_step()  # the step that offered it ends (the hook counts it)
+    flag, key = (None if case == "none" else True), ("other" if case == "settings" else "recipe")
+    if case == "version":
+        w.add_(1)  # an in-place write autograd sees
+    if case == "another_step":
+        _torch_step()
+    got = copies.get(w, key, lambda: "cast", flag)
+    assert got == ("offered" if case == "taken" else "cast")
+    assert copies.offers_taken == (case == "taken") and copies.casts == (case != "taken")
+    assert copies.get(w, key, lambda: "cast", False) == ("cast" if case == "none" else got)  # kept, or cast anew
+
+
+def test_only_a_driven_delayed_scaling_op_on_the_native_path_asks_for_the_copy(monkeypatch):
+    monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
+    x = _x("cpu")
+    for recipe, flag, wanted in ((R.DelayedScaling(), True, True), (R.DelayedScaling(), None, False),
+                                 (R.Float8CurrentScaling(), True, False), (R.Float8BlockScaling(), True, False)):
+        op = _op("cpu")
+        op.is_first_microbatch = flag
+        _train_forward(op, x, recipe)
+        q = op.optimizer_copy_quantizer()
+        assert (q is op._quantizers.weight) if wanted else q is None, (recipe, flag)
+
+
+def test_without_its_kernels_the_optimizer_is_torch_adamw(monkeypatch):
+    """CPU tensors without forced Triton casts: the op asks for its copy, but no kernel writes it, and every
+    parameter takes AdamW's own step: the same bits as torch's."""
+    monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
+    recipe, x = R.DelayedScaling(), _x("cpu")
+    ours, theirs = _op("cpu"), _op("cpu")
+    opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, copies_of=[ours]),
+            torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
+    with settings.override(fp8_optimizer_copies=True):
+        for _ in range(3):
+            for op, opt in zip((ours, theirs), opts):
+                op.is_first_microbatch = True
+                _train_forward(op, x, recipe)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            assert ours.optimizer_copy_quantizer() is not None
+    assert torch.equal(ours.weight, theirs.weight)
+    assert ours._weight_copy._offered is None and ours._weight_copy.casts == 3
+
+
+@pytest.fixture(params=[pytest.param("cpu", marks=needs_interpreter), pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch):
+    """A device the kernel runs on: Triton's interpreter (conversions through torch, the native path assumed)
+    or the GPU (the predicate's answer)."""
+    if request.param == "cpu":
+        patch_interpreter_conversions(monkeypatch)
+        monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
+        with settings.override(fused_casts=True):
+            yield torch.device("cpu")
+        return
+    yield torch.device("cuda")
+
+
+def test_the_update_writes_the_cast_the_forward_would_make(device, monkeypatch):
+    """Three optimizer steps at one micro-batch each: after each, the offered copy is the delayed-scaling cast of
+    the updated weight with the scale the forward would have used, the quantizer rolled as that cast rolls it, and
+    the next forward takes it (one cast in all: the first forward's)."""
+    prepared = []
+    real = K.prepare_quantized_weight
+    monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: prepared.append(q) or real(q))
+    recipe = R.DelayedScaling()
+    op, x = _op(device), _x(device)
+    opt = AdamWWithFP8Copies(op.parameters(), lr=1e-2, weight_decay=0.1, copies_of=[op])
+    with settings.override(fp8_optimizer_copies=True):
+        for step in range(3):
+            op.is_first_microbatch = True
+            _train_forward(op, x, recipe)
+            assert op._weight_copy.casts == 1 and op._weight_copy.offers_taken == step
+            q = op._quantizers.weight
+            scale, history = q.scale.clone(), q.amax_history.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            copy = prepared[-1]
+            w = op.weight.detach()
+            expected = cast_fp8_per_tensor(w, scale, q.fp8_dtype, q.fmt_max)
+            assert torch.equal(copy.data.view(torch.uint8), expected.view(torch.uint8))
+            assert torch.equal(copy.data_t.view(torch.uint8), expected.transpose(1, 2).contiguous().view(torch.uint8))
+            assert torch.equal(copy.scale_inv.reshape(()), (1.0 / scale).reshape(()))
+            want = delayed_scale_update(w.float().abs().amax(), history, scale, q.fmt_max, q.margin,
+                                        q.amax_compute_algo)
+            for got, ref in zip((q.amax_history, q.scale, q.scale_inv), want):
+                assert torch.equal(got.reshape(-1), ref.reshape(-1))
+    assert op._weight_copy.offers_taken == 2  # the third step's copy waits for a fourth forward
+
+
+def test_the_update_is_adamws(device):
+    """The same gradients into AdamWWithFP8Copies (its kernel) and torch's AdamW: the same weights to within a
+    tenth of a step (the kernel computes in float32; torch's CPU loop in the parameter's dtype)."""
+    recipe = R.DelayedScaling()
+    ours, theirs = _op(device), _op(device)
+    x = _x(device)
+    opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, copies_of=[ours]),
+            torch.optim.AdamW(theirs.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)]
+    with settings.override(fp8_optimizer_copies=True):
+        for step in range(3):
+            ours.is_first_microbatch = True
+            _train_forward(ours, x, recipe)
+            grad = ours.weight.grad.clone()
+            theirs.weight.grad = grad.clone()
+            theirs.weight.data.copy_(ours.weight.data)
+            for opt in reversed(opts):  # ours last: a torch step after it would void its offer
+                opt.step()
+            torch.testing.assert_close(ours.weight.float(), theirs.weight.float(), rtol=1.6e-2, atol=1e-3)
+            ours.weight.grad = None
+    assert ours._weight_copy.offers_taken == 2 and opts[0].state[ours.weight]["step"].item() == 3
