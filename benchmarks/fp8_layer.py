@@ -16,7 +16,7 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
   * ``+opt vs bf16``: the same ratio with the optimizer step's time counted (per micro-batch share);
   * ``path``: native (the quantized grouped kernels ran) or emulated (fake-quantize, then bf16);
   * ``diff``: the arm's first output against bf16's on the same weights (relative Frobenius).
-``--optimizer-copies`` adds a ``delayed:copies`` row per M: ``te_dist.optim.AdamWWithFP8Copies`` writes the expert
+``--optimizer-copies`` adds a ``delayed:copies`` / ``block:copies`` row per M (of those in --recipes): ``te_dist.optim.AdamWWithFP8Copies`` writes the expert
 weights' FP8 copies in its update and every step's first forward takes them (no cast in the micro-batches; the
 copies' writes counted in the optimizer's time, so ``+opt`` is the fair figure for that row).
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
@@ -139,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="instead of the table: each arm's N heaviest GPU kernels over --iters steps (torch.profiler)")
     p.add_argument("--optimizer-copies", action="store_true",
-                   help="add a delayed:copies row per M: te_dist.optim.AdamWWithFP8Copies writes the expert weights' "
-                        "FP8 copies with its update (te_dist.settings.fp8_optimizer_copies), every step's first "
-                        "forward takes them; its optimizer time is in +opt")
+                   help="add a delayed:copies / block:copies row per M (of those recipes): te_dist.optim."
+                        "AdamWWithFP8Copies writes the expert weights' FP8 copies with its update "
+                        "(te_dist.settings.fp8_optimizer_copies), every step's first forward takes them; its optimizer "
+                        "time is in +opt")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
     timing.add_json_option(p)
@@ -180,7 +181,7 @@ def run_configs(args, pad_off_grid: bool) -> list:
             if args.fixed and micro == 1:
                 arms += [(f"{r}:fixed", r, True) for r in args.recipes.split(",")]
             if args.optimizer_copies:
-                arms.append(("delayed:copies", "delayed", "copies"))
+                arms += [(f"{r}:copies", r, "copies") for r in args.recipes.split(",") if r in ("delayed", "block")]
             base = None
             for label, rname, kind in arms:
                 recipe = None if rname is None else recipe_from_name(rname)

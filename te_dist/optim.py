@@ -5,8 +5,8 @@ again, write FP8 in both GEMM layouts). Written in the same pass as the update, 
 (:mod:`te_dist.quantization.triton_adamw_copy`), and the next forward casts nothing.
 
 Which weights: those of the ``GroupedLinear`` ops in ``copies_of`` that say so
-(``GroupedLinear.optimizer_copy_quantizer``: DelayedScaling on the native path, under a caller driving
-``is_first_microbatch``), on a CUDA device with the Triton casts, with this group's plain AdamW (no amsgrad,
+(``GroupedLinear.optimizer_copy_quantizer``: DelayedScaling or 128x128 block scaling on the native path, under a
+caller driving ``is_first_microbatch``), on a CUDA device with the Triton casts, with this group's plain AdamW (no amsgrad,
 maximize, capturable or differentiable; a float lr), while ``te_dist.settings.fp8_optimizer_copies`` is on.
 Every other parameter, and all of them with the setting off, takes ``torch.optim.AdamW.step`` as it is. The state
 is AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint moves between the two.
@@ -24,8 +24,7 @@ from typing import Iterable, Optional
 import torch
 
 from . import settings
-from .quantization.fused import fused_casts_for
-from .quantization.tensors import Float8Tensor
+from .quantization.optimizer_copy import adamw_step_with_copy, copy_kernels_for
 
 __all__ = ["AdamWWithFP8Copies"]
 
@@ -77,12 +76,12 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
                 if op is None or p.grad is None or p.grad.is_sparse or not _same_layout(p, p.grad):
                     continue
                 quantizer = op.optimizer_copy_quantizer()
-                if quantizer is not None and fused_casts_for(p, "adamw_copy") is not None:
+                if quantizer is not None and copy_kernels_for(p) is not None:
                     plan.append((group, p, op, quantizer))
         return plan
 
-    def _update_with_copy(self, group: dict, p: torch.Tensor, quantizer) -> Float8Tensor:
-        """AdamW's step of ``p`` and its delayed-scaling copy, the quantizer's state rolled as its cast rolls it."""
+    def _update_with_copy(self, group: dict, p: torch.Tensor, quantizer):
+        """AdamW's step of ``p`` and the quantizer's copy of the result (:mod:`.quantization.optimizer_copy`)."""
         state = self.state[p]
         if not state:
             on_device = group["fused"] or group["capturable"]
@@ -100,17 +99,8 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
             raise ValueError(f"AdamWWithFP8Copies: the moments of a {tuple(p.shape)} {p.dtype} weight must be "
                              f"contiguous and of its dtype, got {m.dtype} / {v.dtype}")
         beta1, beta2 = (float(b) for b in group["betas"])
-        quantizer._to_device(p.device)
-        scale_inv = quantizer.scale_inv
-        kernels = fused_casts_for(p, "adamw_copy")
-        data, data_t, history, scale, new_scale_inv = kernels.adamw_delayed_copy(
-            p, p.grad, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]), step=steps, scale=quantizer.scale,
-            history=quantizer.amax_history, fp8_dtype=quantizer.fp8_dtype, fmt_max=quantizer.fmt_max,
-            margin=quantizer.margin, algo=quantizer.amax_compute_algo)
-        quantizer.amax_history, quantizer.scale, quantizer.scale_inv = history, scale, new_scale_inv
-        quantizer.num_updates += 1
-        return Float8Tensor(data, scale_inv, quantizer.fmt, p.dtype, data_t=data_t)
+        return adamw_step_with_copy(quantizer, p, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=steps)
 
 
 def _same_layout(p: torch.Tensor, t: Optional[torch.Tensor]) -> bool:

@@ -19,7 +19,7 @@ from te_dist import settings
 from te_dist.ops import GroupedLinear, OperationFuser
 from te_dist.ops.basic.weight_copy import WeightCopy
 from te_dist.optim import AdamWWithFP8Copies
-from te_dist.quantization.cast import cast_fp8_per_tensor, delayed_scale_update
+from te_dist.quantization.cast import cast_fp8_blocks, cast_fp8_per_tensor, delayed_scale_update
 from triton_interpreter import needs_interpreter, patch_interpreter_conversions
 
 SIZES = (128, 0, 128)
@@ -65,11 +65,11 @@ def test_an_offered_copy_goes_to_the_next_driven_forward_under_its_key(case):
     assert copies.get(w, key, lambda: "cast", False) == ("cast" if case == "none" else got)  # kept, or cast anew
 
 
-def test_only_a_driven_delayed_scaling_op_on_the_native_path_asks_for_the_copy(monkeypatch):
+def test_only_a_driven_op_on_the_native_path_under_a_copy_recipe_asks_for_the_copy(monkeypatch):
     monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
     x = _x("cpu")
     for recipe, flag, wanted in ((R.DelayedScaling(), True, True), (R.DelayedScaling(), None, False),
-                                 (R.Float8CurrentScaling(), True, False), (R.Float8BlockScaling(), True, False)):
+                                 (R.Float8CurrentScaling(), True, False), (R.Float8BlockScaling(), True, True)):
         op = _op("cpu")
         op.is_first_microbatch = flag
         _train_forward(op, x, recipe)
@@ -110,14 +110,14 @@ def device(request, monkeypatch):
     yield torch.device("cuda")
 
 
-def test_the_update_writes_the_cast_the_forward_would_make(device, monkeypatch):
-    """Three optimizer steps at one micro-batch each: after each, the offered copy is the delayed-scaling cast of
-    the updated weight with the scale the forward would have used, the quantizer rolled as that cast rolls it, and
-    the next forward takes it (one cast in all: the first forward's)."""
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=["delayed", "block"])
+def test_the_update_writes_the_cast_the_forward_would_make(device, recipe, monkeypatch):
+    """Three optimizer steps at one micro-batch each: after each, the offered copy is the cast of the updated weight
+    the forward would have made (delayed: with the scale it would have used, the quantizer rolled as that cast rolls
+    it; block: both 128x128 copies and their scales), and the next forward takes it (one cast in all: the first's)."""
     prepared = []
     real = K.prepare_quantized_weight
     monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: prepared.append(q) or real(q))
-    recipe = R.DelayedScaling()
     op, x = _op(device), _x(device)
     opt = AdamWWithFP8Copies(op.parameters(), lr=1e-2, weight_decay=0.1, copies_of=[op])
     with settings.override(fp8_optimizer_copies=True):
@@ -126,26 +126,39 @@ def test_the_update_writes_the_cast_the_forward_would_make(device, monkeypatch):
             _train_forward(op, x, recipe)
             assert op._weight_copy.casts == 1 and op._weight_copy.offers_taken == step
             q = op._quantizers.weight
-            scale, history = q.scale.clone(), q.amax_history.clone()
+            before = (q.scale.clone(), q.amax_history.clone()) if isinstance(recipe, R.DelayedScaling) else None
             opt.step()
             opt.zero_grad(set_to_none=True)
-            copy = prepared[-1]
-            w = op.weight.detach()
-            expected = cast_fp8_per_tensor(w, scale, q.fp8_dtype, q.fmt_max)
-            assert torch.equal(copy.data.view(torch.uint8), expected.view(torch.uint8))
-            assert torch.equal(copy.data_t.view(torch.uint8), expected.transpose(1, 2).contiguous().view(torch.uint8))
-            assert torch.equal(copy.scale_inv.reshape(()), (1.0 / scale).reshape(()))
-            want = delayed_scale_update(w.float().abs().amax(), history, scale, q.fmt_max, q.margin,
-                                        q.amax_compute_algo)
-            for got, ref in zip((q.amax_history, q.scale, q.scale_inv), want):
-                assert torch.equal(got.reshape(-1), ref.reshape(-1))
+            _check_copy(prepared[-1], op.weight.detach(), q, before)
     assert op._weight_copy.offers_taken == 2  # the third step's copy waits for a fourth forward
 
 
-def test_the_update_is_adamws(device):
+def _check_copy(copy, w, q, before):
+    """``copy`` is q's cast of w, bit for bit (``before``: a delayed quantizer's scale and history at the step)."""
+    def same(a, b):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(
+            torch.uint8) if b.element_size() == 1 else b)
+
+    if before is None:  # 128x128 blocks: each copy is the cast of w along its own last dim
+        for got, x in ((copy.rowwise, w), (copy.columnwise, w.transpose(1, 2))):
+            data, scale_inv = cast_fp8_blocks(x, 128, 128, q.fp8_dtype, q.fmt_max, q.use_power_2_scales)
+            same(got.data, data)
+            same(got.scale_inv, scale_inv)
+        return
+    scale, history = before
+    expected = cast_fp8_per_tensor(w, scale, q.fp8_dtype, q.fmt_max)
+    same(copy.data, expected)
+    same(copy.data_t, expected.transpose(1, 2).contiguous())
+    same(copy.scale_inv.reshape(()), (1.0 / scale).reshape(()))
+    want = delayed_scale_update(w.float().abs().amax(), history, scale, q.fmt_max, q.margin, q.amax_compute_algo)
+    for got, ref in zip((q.amax_history, q.scale, q.scale_inv), want):
+        same(got.reshape(-1), ref.reshape(-1))
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=["delayed", "block"])
+def test_the_update_is_adamws(device, recipe):
     """The same gradients into AdamWWithFP8Copies (its kernel) and torch's AdamW: the same weights to within a
     tenth of a step (the kernel computes in float32; torch's CPU loop in the parameter's dtype)."""
-    recipe = R.DelayedScaling()
     ours, theirs = _op(device), _op(device)
     x = _x(device)
     opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, copies_of=[ours]),
