@@ -235,10 +235,11 @@ class Settings:
             "(TransformerEngine's default for the forward GEMM; dgrad and wgrad keep the promotion), and take the "
             "fast tiles of cutlass_kernels.heuristics.FP8_CONFIGS. False: every FP8 GEMM promotes.")
     fp8_optimizer_copies: bool = _field(
-        False, env="TE_DIST_FP8_OPTIMIZER_COPIES", parse=_flag, check=_is_bool,
-        doc="te_dist.optim.AdamWWithFP8Copies writes the DelayedScaling FP8 copy of each expert weight in the same "
-            "pass as its update of the weight, and offers it to the next forward (te_dist.ops.basic.weight_copy), "
-            "which then casts nothing. False: the optimizer is torch.optim.AdamW, and forwards cast.")
+        True, env="TE_DIST_FP8_OPTIMIZER_COPIES", parse=_flag, check=_is_bool,
+        doc="te_dist.optim.AdamWWithFP8Copies writes the FP8 copy of each expert weight (DelayedScaling, 128x128 "
+            "blocks) in the same pass as its update of the weight, and offers it to the next forward "
+            "(te_dist.ops.basic.weight_copy), which then casts nothing. False: that optimizer is torch.optim.AdamW, "
+            "and forwards cast.")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

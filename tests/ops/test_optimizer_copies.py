@@ -175,3 +175,21 @@ def test_the_update_is_adamws(device, recipe):
             torch.testing.assert_close(ours.weight.float(), theirs.weight.float(), rtol=1.6e-2, atol=1e-3)
             ours.weight.grad = None
     assert ours._weight_copy.offers_taken == 2 and opts[0].state[ours.weight]["step"].item() == 3
+
+
+def test_switched_off_the_forward_casts_and_the_optimizer_is_adamw(device):
+    """``fp8_optimizer_copies=False``: no copy offered, every step's first forward casts, the update AdamW's own."""
+    recipe = R.Float8BlockScaling()
+    ours, theirs = _op(device), _op(device)
+    x = _x(device)
+    opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, copies_of=[ours]),
+            torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
+    with settings.override(fp8_optimizer_copies=False):
+        for step in range(2):
+            for op, opt in zip((ours, theirs), opts):
+                op.is_first_microbatch = True
+                _train_forward(op, x, recipe)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            assert ours._weight_copy._offered is None and ours._weight_copy.casts == step + 1
+    assert torch.equal(ours.weight, theirs.weight)
