@@ -20,8 +20,8 @@ import triton.language as tl
 
 from .triton_casts import _delayed_outputs, _scalar_f32, _zero_bits
 from .triton_fp8_math import _abs_bits, _block_scale, _merge_amax, _saturate
-from .triton_launch import cdiv, launch, next_power_of_2
-from .triton_rowcol import _roll_history_kernel
+from .triton_launch import cdiv, launch
+from .triton_rowcol import roll_history
 
 __all__ = ["adamw_delayed_copy", "adamw_block_copy"]
 
@@ -93,7 +93,7 @@ def adamw_delayed_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float,
     """One AdamW step of ``p`` [E, R, C] (its moments updated in place) and the delayed-scaling copy of the result.
     Returns NEW (data [E, R, C], data_t [E, C, R], history, scale, scale_inv), as the delayed cast does."""
     E, R, C = p.shape
-    history, new_history, new_scale, new_scale_inv = _delayed_outputs(history, algo, p.device)
+    outputs = _delayed_outputs(history, algo, p.device)
     scale = _scalar_f32(scale)
     data = torch.empty(p.shape, dtype=fp8_dtype, device=p.device)
     data_t = torch.empty((E, C, R), dtype=fp8_dtype, device=p.device)
@@ -101,12 +101,7 @@ def adamw_delayed_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float,
     launch(_adamw_copy_kernel, (cdiv(R, _TILE), cdiv(C, _TILE), E), p, grad, exp_avg, exp_avg_sq, data, data_t,
            scale, bits, R, C, *_hyper(lr, beta1, beta2, eps, weight_decay, step), FMT_MAX=fmt_max, TILE=_TILE,
            num_warps=4)
-    hist_len = history.numel()
-    hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
-    launch(_roll_history_kernel, (1,), bits, history, scale, new_history, new_scale, new_scale_inv,
-           hist_len, math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=hist_block,
-           ITERS=cdiv(hist_len, hist_block), num_warps=1)
-    return data, data_t, new_history, new_scale, new_scale_inv
+    return (data, data_t, *roll_history(bits, scale, outputs, fmt_max, margin, algo))
 
 
 def adamw_block_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,

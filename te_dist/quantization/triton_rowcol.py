@@ -166,13 +166,20 @@ def _delayed_step_one_pass(x, scale, history, fp8_dtype, fmt_max: float, margin:
     """:func:`delayed_scaling_step_rowcol` on the one-pass CUDA cast: the cast records amax(x), then one
     small launch rolls the history. Returns NEW (data, data_t, history, scale, scale_inv)."""
     x = x.contiguous()
-    history, new_history, new_scale, new_scale_inv = _delayed_outputs(history, algo, x.device)
+    outputs = _delayed_outputs(history, algo, x.device)
     bits = _zero_bits(x.device)
     scale = _scalar_f32(scale)
     data, data_t = cuda_rowcol.cast_rowcol(x, scale, fp8_dtype, fmt_max, amax_bits=bits)
+    return (data, data_t, *roll_history(bits, scale, outputs, fmt_max, margin, algo))
+
+
+def roll_history(bits, scale, outputs, fmt_max: float, margin: int, algo: str) -> tuple:
+    """One small launch rolling the amax a cast recorded in ``bits`` (with ``scale``) into ``outputs``
+    (``_delayed_outputs``'s). Returns NEW (history, scale, scale_inv)."""
+    history, new_history, new_scale, new_scale_inv = outputs
     hist_len = history.numel()
     hist_block = min(1024, next_power_of_2(max(hist_len, 1)))
     launch(_roll_history_kernel, (1,), bits, history, scale, new_history, new_scale, new_scale_inv,
            hist_len, math.ldexp(1.0, -margin), FMT_MAX=fmt_max, ALGO_MAX=algo == "max", BLOCK=hist_block,
            ITERS=cdiv(hist_len, hist_block), num_warps=1)
-    return data, data_t, new_history, new_scale, new_scale_inv
+    return new_history, new_scale, new_scale_inv

@@ -77,24 +77,31 @@ def test_only_a_driven_op_on_the_native_path_under_a_copy_recipe_asks_for_the_co
         assert (q is op._quantizers.weight) if wanted else q is None, (recipe, flag)
 
 
+def _steps_against_adamw(device, recipe, steps: int):
+    """An op trained by AdamWWithFP8Copies and its twin by torch's AdamW, every step's forward driven (True); no
+    copy may be offered, so each forward casts. Returns (ours, theirs)."""
+    ours, theirs = _op(device), _op(device)
+    x = _x(device)
+    opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, copies_of=[ours]),
+            torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
+    for step in range(steps):
+        for op, opt in zip((ours, theirs), opts):
+            op.is_first_microbatch = True
+            _train_forward(op, x, recipe)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert ours._weight_copy._offered is None and ours._weight_copy.casts == step + 1
+    return ours, theirs
+
+
 def test_without_its_kernels_the_optimizer_is_torch_adamw(monkeypatch):
     """CPU tensors without forced Triton casts: the op asks for its copy, but no kernel writes it, and every
     parameter takes AdamW's own step: the same bits as torch's."""
     monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
-    recipe, x = R.DelayedScaling(), _x("cpu")
-    ours, theirs = _op("cpu"), _op("cpu")
-    opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, copies_of=[ours]),
-            torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
     with settings.override(fp8_optimizer_copies=True):
-        for _ in range(3):
-            for op, opt in zip((ours, theirs), opts):
-                op.is_first_microbatch = True
-                _train_forward(op, x, recipe)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            assert ours.optimizer_copy_quantizer() is not None
+        ours, theirs = _steps_against_adamw("cpu", R.DelayedScaling(), 3)
+        assert ours.optimizer_copy_quantizer() is not None
     assert torch.equal(ours.weight, theirs.weight)
-    assert ours._weight_copy._offered is None and ours._weight_copy.casts == 3
 
 
 @pytest.fixture(params=[pytest.param("cpu", marks=needs_interpreter), pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -179,17 +186,6 @@ def test_the_update_is_adamws(device, recipe):
 
 def test_switched_off_the_forward_casts_and_the_optimizer_is_adamw(device):
     """``fp8_optimizer_copies=False``: no copy offered, every step's first forward casts, the update AdamW's own."""
-    recipe = R.Float8BlockScaling()
-    ours, theirs = _op(device), _op(device)
-    x = _x(device)
-    opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, copies_of=[ours]),
-            torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
     with settings.override(fp8_optimizer_copies=False):
-        for step in range(2):
-            for op, opt in zip((ours, theirs), opts):
-                op.is_first_microbatch = True
-                _train_forward(op, x, recipe)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            assert ours._weight_copy._offered is None and ours._weight_copy.casts == step + 1
+        ours, theirs = _steps_against_adamw(device, R.Float8BlockScaling(), 2)
     assert torch.equal(ours.weight, theirs.weight)
