@@ -39,6 +39,7 @@ from .. import settings
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
 from ..ops.basic.weight_copy import set_first_microbatch
+from ..optim import AdamWWithFP8Copies
 from .batch_ahead import BatchAhead
 from .checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from .config import JobConfig, resolve_recipe
@@ -182,9 +183,10 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
     data = build_data(cfg, plan)
     model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device,
                         transport=cfg.parallel.transport)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=t.weight_decay,  # CPU: the plain loop, as in every CPU run
-                                  **_optimizer_impl(rt.device, t.fused_optimizer))
+    kwargs = dict(lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay,
+                  **_optimizer_impl(rt.device, t.fused_optimizer))  # CPU: the plain loop, as in every CPU run
+    optimizer = AdamWWithFP8Copies(model.parameters(), copies_of=[model], **kwargs) if t.fp8_optimizer_copies \
+        else torch.optim.AdamW(model.parameters(), **kwargs)
     return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches,
                 t.fused_loss, BatchAhead(data, rt.rank, rt.world_size))
 
@@ -198,8 +200,9 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     x_BS, y_BS = (b.to(rt.device) for b in job.batches.take(step))
     micro = job.micro_batches
     loss = torch.zeros((), device=rt.device)
+    drive = micro > 1 or isinstance(job.optimizer, AdamWWithFP8Copies)  # its copies go to driven forwards
     for i, (x_bS, y_bS) in enumerate(zip(x_BS.chunk(micro), y_BS.chunk(micro))):
-        if micro > 1:  # the FP8 expert weights: cast at the first micro-batch, reused by the others
+        if drive:  # the FP8 expert weights: cast (or the optimizer's copy taken) at the first micro-batch, then reused
             set_first_microbatch(model, i == 0)
         with autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
             micro_loss = model.loss(x_bS, y_bS, fused=job.fused_loss) / micro
@@ -230,7 +233,8 @@ def _evaluate(job: _Job, cfg: JobConfig) -> float:
     """The mean loss over the held-out batches, the same on every rank (collective; no state changes
     but what a forward under the recipe records)."""
     rt, model = job.runtime, job.model
-    if job.micro_batches > 1:  # cast the FP8 expert weights afresh, keep no copy: training's reuse rule stays its own
+    if job.micro_batches > 1 or isinstance(job.optimizer, AdamWWithFP8Copies):  # cast the FP8 expert weights
+        # afresh, keep no copy (an offered one is dropped): training's reuse rule stays its own
         set_first_microbatch(model, None)
     total = torch.zeros(1, dtype=torch.float64)
     with torch.no_grad(), autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):

@@ -53,6 +53,17 @@ def test_dense_linears_under_the_recipe(run_cli, tmp_path):
     assert _losses(tmp_path / "plain")[8] != losses[8]  # the dense layers' quantization changed the run
 
 
+def test_optimizer_copies_change_nothing_where_no_kernel_writes_them(run_cli, tmp_path):
+    """train.fp8_optimizer_copies: the job builds te_dist.optim.AdamWWithFP8Copies and drives is_first_microbatch at
+    one micro-batch a step; on CPU no kernel writes a copy (the emulated path keeps none), so the run is the plain
+    one bit for bit (its GPU effect: docs/quantization.md "Weight copies written by the optimizer")."""
+    args = ("train", "--steps", 4, "--recipe", "block", "--train.eval_every", 2)
+    copies = run_cli(*args, "--train.fp8_optimizer_copies", "true", "--out", "copies").check()
+    assert "fp8_optimizer_copies=true" in copies.output
+    run_cli(*args, "--out", "plain").check()
+    assert _losses(tmp_path / "copies") == _losses(tmp_path / "plain")
+
+
 def test_resume_is_bit_exact_after_a_crash(run_cli, tmp_path):
     """A job killed at step 5 (rank 1 fails) and resumed from its step-3 checkpoint reproduces the
     uninterrupted job's losses exactly. DelayedScaling is the stateful recipe: its amax histories
