@@ -60,9 +60,22 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
         finally:
             for (_, p, _, _), g in zip(plan, grads):
                 p.grad = g
+        self._count_adamw_steps({id(p) for _, p, _, _ in plan})
         for group, p, op, quantizer in plan:
             self._pending.append((op, self._update_with_copy(group, p, quantizer)))
         return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._host_steps.clear()  # the loaded counts are read at the next step
+
+    def _count_adamw_steps(self, ours: set) -> None:
+        """Keep the host counts of the parameters AdamW's own step just took (a weight whose op did not ask for a
+        copy this step) in line with their ``state["step"]``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in ours and id(p) in self._host_steps:
+                    self._host_steps[id(p)] += 1
 
     def _plan(self) -> list:
         """(group, param, op, weight quantizer) of every parameter this step updates with its copy."""
@@ -72,9 +85,10 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
                     isinstance(group["lr"], torch.Tensor):
                 continue
             for p in group["params"]:
-                op = self._ops.get(id(p))
-                if op is None or p.grad is None or p.grad.is_sparse or not _same_layout(p, p.grad):
-                    continue
+                op, state = self._ops.get(id(p)), self.state.get(p)
+                if op is None or p.grad is None or p.grad.is_sparse or not _same_layout(p, p.grad) or (
+                        state and not (_same_layout(p, state["exp_avg"]) and _same_layout(p, state["exp_avg_sq"]))):
+                    continue  # AdamW's own step
                 quantizer = op.optimizer_copy_quantizer()
                 if quantizer is not None and copy_kernels_for(p) is not None:
                     plan.append((group, p, op, quantizer))
@@ -94,12 +108,8 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
         steps += 1
         self._host_steps[id(p)] = steps
         state["step"].add_(1)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        if not (_same_layout(p, m) and _same_layout(p, v)):
-            raise ValueError(f"AdamWWithFP8Copies: the moments of a {tuple(p.shape)} {p.dtype} weight must be "
-                             f"contiguous and of its dtype, got {m.dtype} / {v.dtype}")
         beta1, beta2 = (float(b) for b in group["betas"])
-        return adamw_step_with_copy(quantizer, p, m, v, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+        return adamw_step_with_copy(quantizer, p, state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=steps)
 
 

@@ -9,8 +9,6 @@ blocks, each block's scale its own. The kernels: :mod:`.triton_adamw_copy` (Trit
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..recipe import DelayedScaling, Float8BlockScaling
@@ -34,11 +32,10 @@ def copy_kernels_for(p: torch.Tensor):
 
 
 def adamw_step_with_copy(quantizer, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
-                         beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                         kernels=None) -> Optional[QuantizedTensor]:
+                         beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> QuantizedTensor:
     """AdamW's step ``step`` of ``p`` [E, N, K] (from ``p.grad``; the moments updated in place) and ``quantizer``'s
     copy of the result in both layouts, the quantizer's state moved as its cast moves it."""
-    kernels = kernels or copy_kernels_for(p)
+    kernels = copy_kernels_for(p)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     if quantizer.recipe_type is DelayedScaling:
         quantizer._to_device(p.device)

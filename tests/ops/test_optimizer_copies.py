@@ -9,6 +9,8 @@ tests/triton_interpreter.py) and on a GPU (``-m gpu``), where the forward takes 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -164,24 +166,26 @@ def _check_copy(copy, w, q, before):
 
 @pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=["delayed", "block"])
 def test_the_update_is_adamws(device, recipe):
-    """The same gradients into AdamWWithFP8Copies (its kernel) and torch's AdamW: the same weights to within a
-    tenth of a step (the kernel computes in float32; torch's CPU loop in the parameter's dtype)."""
+    """The same gradients into AdamWWithFP8Copies and torch's AdamW: the same weights to within a tenth of a step
+    (the kernel computes in float32; torch's CPU loop in the parameter's dtype), also across a step whose forward
+    did not drive the protocol (None: no copy kept, so AdamW's own step takes the weight, and the kernel's next step
+    counts it)."""
     ours, theirs = _op(device), _op(device)
     x = _x(device)
     opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, copies_of=[ours]),
             torch.optim.AdamW(theirs.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)]
     with settings.override(fp8_optimizer_copies=True):
-        for step in range(3):
-            ours.is_first_microbatch = True
+        for step in range(4):
+            ours.is_first_microbatch = None if step == 1 else True
             _train_forward(ours, x, recipe)
-            grad = ours.weight.grad.clone()
-            theirs.weight.grad = grad.clone()
+            theirs.weight.grad = ours.weight.grad.clone()
             theirs.weight.data.copy_(ours.weight.data)
             for opt in reversed(opts):  # ours last: a torch step after it would void its offer
                 opt.step()
             torch.testing.assert_close(ours.weight.float(), theirs.weight.float(), rtol=1.6e-2, atol=1e-3)
             ours.weight.grad = None
-    assert ours._weight_copy.offers_taken == 2 and opts[0].state[ours.weight]["step"].item() == 3
+    assert ours._weight_copy.offers_taken == 1 and ours._weight_copy.casts == 3  # step 3 took step 2's copy
+    assert opts[0].state[ours.weight]["step"].item() == 4
 
 
 def test_switched_off_the_forward_casts_and_the_optimizer_is_adamw(device):
@@ -189,3 +193,23 @@ def test_switched_off_the_forward_casts_and_the_optimizer_is_adamw(device):
     with settings.override(fp8_optimizer_copies=False):
         ours, theirs = _steps_against_adamw(device, R.Float8BlockScaling(), 2)
     assert torch.equal(ours.weight, theirs.weight)
+
+
+def test_a_loaded_state_sets_the_step_count(device):
+    """After ``load_state_dict`` the kernel's bias correction counts from the loaded step, not the steps taken since."""
+    recipe = R.Float8BlockScaling()
+    op, x = _op(device), _x(device)
+    opt = AdamWWithFP8Copies(op.parameters(), lr=1e-2, copies_of=[op])
+    with settings.override(fp8_optimizer_copies=True):
+        for step in range(3):
+            op.is_first_microbatch = True
+            _train_forward(op, x, recipe)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 0:
+                saved = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(saved)
+        op.is_first_microbatch = True
+        _train_forward(op, x, recipe)
+        opt.step()
+    assert opt.state[op.weight]["step"].item() == 2 and opt._host_steps[id(op.weight)] == 2
