@@ -16,9 +16,10 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
   * ``+opt vs bf16``: the same ratio with the optimizer step's time counted (per micro-batch share);
   * ``path``: native (the quantized grouped kernels ran) or emulated (fake-quantize, then bf16);
   * ``diff``: the arm's first output against bf16's on the same weights (relative Frobenius).
-``--optimizer-copies`` adds a ``delayed:copies`` / ``block:copies`` row per M (of those in --recipes): ``te_dist.optim.AdamWWithFP8Copies`` writes the expert
-weights' FP8 copies in its update and every step's first forward takes them (no cast in the micro-batches; the
-copies' writes counted in the optimizer's time, so ``+opt`` is the fair figure for that row).
+``--optimizer-copies`` adds a ``delayed:copies`` / ``block:copies`` row per M (of those in --recipes):
+``te_dist.optim.AdamWWithFP8Copies`` writes the expert weights' FP8 copies in its update and every step's first
+forward takes them (no cast in the micro-batches; the copies' writes in the optimizer's time, so ``+opt``, or
+``mb ms`` plus the optimizer's extra time over bf16's, is the fair figure for that row).
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
 every forward (the old fixed-weight figure; not a training step).
 ``te_dist.settings.fp8_pad_off_grid`` (on by default; ``TE_DIST_FP8_PAD_OFF_GRID=0`` turns it off, ``--pad-off-grid``

@@ -6,8 +6,8 @@ again, write FP8 in both GEMM layouts). Written in the same pass as the update, 
 
 Which weights: those of the ``GroupedLinear`` ops in ``copies_of`` that say so
 (``GroupedLinear.optimizer_copy_quantizer``: DelayedScaling or 128x128 block scaling on the native path, under a
-caller driving ``is_first_microbatch``), on a CUDA device with the Triton casts, with this group's plain AdamW (no amsgrad,
-maximize, capturable or differentiable; a float lr), while ``te_dist.settings.fp8_optimizer_copies`` is on.
+caller driving ``is_first_microbatch``), on a CUDA device with the Triton casts, with this group's plain AdamW (no
+amsgrad, maximize, capturable or differentiable; a float lr), while ``te_dist.settings.fp8_optimizer_copies`` is on.
 Every other parameter, and all of them with the setting off, takes ``torch.optim.AdamW.step`` as it is. The state
 is AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint moves between the two.
 
@@ -109,8 +109,9 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
         self._host_steps[id(p)] = steps
         state["step"].add_(1)
         beta1, beta2 = (float(b) for b in group["betas"])
-        return adamw_step_with_copy(quantizer, p, state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=steps)
+        return adamw_step_with_copy(quantizer, p, state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]),
+                                    beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                                    weight_decay=float(group["weight_decay"]), step=steps)
 
 
 def _same_layout(p: torch.Tensor, t: Optional[torch.Tensor]) -> bool:

@@ -4,10 +4,12 @@ Why: a training step casts every expert weight once (read bf16, write FP8 in bot
 right after the optimizer read and wrote the same weight. Here the update writes the copy from the values it just
 rounded to bf16, so the cast costs its 2 bytes of writes alone (te_dist.optim says who may use the copy).
 
-The copy's bytes are the cast's of the updated weight: delayed scaling's (:func:`.triton_rowcol.delayed_scaling_step_rowcol`)
-with the quantizer's scale, amax(w) recorded as int32 bits, then the same history roll; or the 128x128 block cast's
-(:func:`.triton_casts.cast_fp8_blocks`), each program one block: its amax, its scale, both copies and their scales. The update is ``torch.optim.AdamW``'s (decoupled weight decay, bias-corrected moments)
-in float32 on the parameter's dtype. Imported only through :func:`te_dist.optim.adamw_fp8_copy_kernels` (Triton).
+The copy's bytes are the cast's of the updated weight: delayed scaling's
+(:func:`.triton_rowcol.delayed_scaling_step_rowcol`) with the quantizer's scale, amax(w) recorded as int32 bits, then
+the same history roll; or the 128x128 block cast's (:func:`.triton_casts.cast_fp8_blocks`), each program one block:
+its amax, its scale, both copies and their scales. The update is ``torch.optim.AdamW``'s (decoupled weight decay,
+bias-corrected moments) in float32 on the parameter's dtype. Imported only through
+:func:`te_dist.quantization.optimizer_copy.copy_kernels_for` (Triton).
 """
 
 from __future__ import annotations
