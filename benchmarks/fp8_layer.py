@@ -16,7 +16,7 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
   * ``+opt vs bf16``: the same ratio with the optimizer step's time counted (per micro-batch share);
   * ``path``: native (the quantized grouped kernels ran) or emulated (fake-quantize, then bf16);
   * ``diff``: the arm's first output against bf16's on the same weights (relative Frobenius).
-``--optimizer-copies`` adds a ``delayed:copies`` / ``block:copies`` row per M (of those in --recipes):
+``--optimizer-copies`` adds a ``<recipe>:copies`` row per M for delayed, block and current in --recipes:
 ``te_dist.optim.AdamWWithFP8Copies`` writes the expert weights' FP8 copies in its update and every step's first
 forward takes them (no cast in the micro-batches; the copies' writes in the optimizer's time, so ``+opt``, or
 ``mb ms`` plus the optimizer's extra time over bf16's, is the fair figure for that row).
@@ -81,7 +81,7 @@ class Arm:
             out = y if out is None else out
         events[1].record()
         if self.optimizer is not None:
-            with td.settings.override(fp8_optimizer_copies=self.copies):
+            with td.settings.override(fp8_optimizer_copies=self.copies, fp8_optimizer_copies_current=self.copies):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:
@@ -140,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="instead of the table: each arm's N heaviest GPU kernels over --iters steps (torch.profiler)")
     p.add_argument("--optimizer-copies", action="store_true",
-                   help="add a delayed:copies / block:copies row per M (of those recipes): te_dist.optim."
+                   help="add a <recipe>:copies row per M (delayed, block, current): te_dist.optim."
                         "AdamWWithFP8Copies writes the expert weights' FP8 copies with its update "
-                        "(te_dist.settings.fp8_optimizer_copies), every step's first forward takes them; its optimizer "
+                        "(te_dist.settings.fp8_optimizer_copies, _current), every step's first forward takes them; its optimizer "
                         "time is in +opt")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
@@ -182,7 +182,8 @@ def run_configs(args, pad_off_grid: bool) -> list:
             if args.fixed and micro == 1:
                 arms += [(f"{r}:fixed", r, True) for r in args.recipes.split(",")]
             if args.optimizer_copies:
-                arms += [(f"{r}:copies", r, "copies") for r in args.recipes.split(",") if r in ("delayed", "block")]
+                arms += [(f"{r}:copies", r, "copies") for r in args.recipes.split(",")
+                         if r in ("delayed", "block", "current")]
             base = None
             for label, rname, kind in arms:
                 recipe = None if rname is None else recipe_from_name(rname)

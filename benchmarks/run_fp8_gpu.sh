@@ -102,7 +102,7 @@ copies)
     tests/ops/test_optimizer_copies.py tests/ops/test_weight_copy.py > "$OUT/copies_tests.txt" 2>&1
   tail -n 3 "$OUT/copies_tests.txt"
   timeout ${LAYER_LIMIT:-300} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---configs mixtral,deepseek,qwen3_235b,qwen3_30b \
-    --recipes delayed,block --optimizer-copies --micro-batches 1,4 --iters 4 --warmup 2} \
+    --recipes ${RECIPES:-delayed,block,current} --optimizer-copies --micro-batches 1,4 --iters 4 --warmup 2} \
     --json "$OUT/fp8_layer_copies.json" > "$OUT/fp8_layer_copies.txt" 2>&1
   grep -v "^row " "$OUT/fp8_layer_copies.txt" | tail -n 42
   timeout ${TRAIN_LIMIT:-400} python3 benchmarks/train.py throughput --nproc 1 --device cuda --seed 1 \

@@ -240,6 +240,10 @@ class Settings:
             "blocks) in the same pass as its update of the weight, and offers it to the next forward "
             "(te_dist.ops.basic.weight_copy), which then casts nothing. False: that optimizer is torch.optim.AdamW, "
             "and forwards cast.")
+    fp8_optimizer_copies_current: bool = _field(
+        False, env="TE_DIST_FP8_OPTIMIZER_COPIES_CURRENT", parse=_flag, check=_is_bool,
+        doc="with fp8_optimizer_copies, Float8CurrentScaling weights too: the update records the weight's amax and "
+            "the copy is cast from it right after (no amax pass). Off: not yet run on a GPU.")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

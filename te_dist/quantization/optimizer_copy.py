@@ -1,17 +1,21 @@
 """Which weight quantizers an optimizer's update can write the copy for, and that update (te_dist.optim).
 
 Why here: what the copy is (its bytes, scales and the quantizer state it moves) belongs to the quantizers; the
-optimizer only hands over a parameter, its gradient, its moments and AdamW's settings. Two recipes qualify:
-DelayedScaling, whose scale is known before the update (the fused step's one-program roll follows, as after the
-forward's cast), unless its amax is reduced over a group or by a callable; and Float8BlockScaling's 128x128 weight
-blocks, each block's scale its own. The kernels: :mod:`.triton_adamw_copy` (Triton; imported on first use).
+optimizer only hands over a parameter, its gradient, its moments and AdamW's settings. The recipes: DelayedScaling,
+whose scale is known before the update (the fused step's one-program roll follows, as after the forward's cast;
+"max" or "most_recent" only); Float8BlockScaling's 128x128 weight blocks, each block's scale its own; and, under
+``te_dist.settings.fp8_optimizer_copies_current`` (off: not yet run on a GPU), Float8CurrentScaling, whose update
+records the amax and whose cast then reads the weight once more. A per-tensor amax that an all-reduce would merge
+(a group of more than one rank) stays with the forward's cast: a collective inside the optimizer's step would hang
+the ranks whose ops said otherwise. The kernels: :mod:`.triton_adamw_copy` (Triton; imported on first use).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..recipe import DelayedScaling, Float8BlockScaling
+from .. import settings
+from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from .fused import fused_casts_for
 from .tensors import BlockScaledData, Float8BlockTensor, Float8Tensor, QuantizedTensor
 
@@ -22,8 +26,21 @@ def writes_copy(quantizer) -> bool:
     """True for a weight quantizer whose cast an optimizer's update can make (module docstring)."""
     kind = getattr(quantizer, "recipe_type", None)
     if kind is DelayedScaling:
-        return quantizer.num_updates > 0 and quantizer._fusable()
+        return quantizer.num_updates > 0 and quantizer.amax_compute_algo in ("max", "most_recent") and \
+            _reduces_nothing(quantizer)
+    if kind is Float8CurrentScaling:
+        return settings.current().fp8_optimizer_copies_current and _reduces_nothing(quantizer)
     return kind is Float8BlockScaling and quantizer.block_shape == (128, 128)
+
+
+def _reduces_nothing(quantizer) -> bool:
+    """No amax all-reduce runs for this quantizer's casts: no group (or no reduction asked), or a one-rank group."""
+    group = quantizer.group
+    if group is None or not getattr(quantizer, "reduce_amax", True):
+        return True
+    import torch.distributed as dist  # lazy: only distributed runs pay for it
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) <= 1
 
 
 def copy_kernels_for(p: torch.Tensor):
@@ -46,6 +63,11 @@ def adamw_step_with_copy(quantizer, p: torch.Tensor, exp_avg: torch.Tensor, exp_
             algo=quantizer.amax_compute_algo)
         quantizer.amax_history, quantizer.scale, quantizer.scale_inv = history, scale, new_scale_inv
         quantizer.num_updates += 1
+        return Float8Tensor(data, scale_inv, quantizer.fmt, p.dtype, data_t=data_t)
+    if quantizer.recipe_type is Float8CurrentScaling:
+        data, data_t, scale_inv = kernels.adamw_current_copy(
+            p, p.grad, exp_avg, exp_avg_sq, **hyper, fp8_dtype=quantizer.fp8_dtype, fmt_max=quantizer.fmt_max,
+            power_2=quantizer.use_power_2_scales)
         return Float8Tensor(data, scale_inv, quantizer.fmt, p.dtype, data_t=data_t)
     data, scale_inv, data_t, scale_inv_t = kernels.adamw_block_copy(
         p, p.grad, exp_avg, exp_avg_sq, **hyper, fp8_dtype=quantizer.fp8_dtype, fmt_max=quantizer.fmt_max,

@@ -1,4 +1,4 @@
-"""AdamW's update of a grouped weight that also writes the weight's FP8 copy (delayed or 128x128 block scaling).
+"""AdamW's update of a grouped weight that also writes the weight's FP8 copy (delayed, current or 128x128 blocks).
 
 Why: a training step casts every expert weight once (read bf16, write FP8 in both GEMM layouts, 4 bytes per element),
 right after the optimizer read and wrote the same weight. Here the update writes the copy from the values it just
@@ -7,7 +7,8 @@ rounded to bf16, so the cast costs its 2 bytes of writes alone (te_dist.optim sa
 The copy's bytes are the cast's of the updated weight: delayed scaling's
 (:func:`.triton_rowcol.delayed_scaling_step_rowcol`) with the quantizer's scale, amax(w) recorded as int32 bits, then
 the same history roll; or the 128x128 block cast's (:func:`.triton_casts.cast_fp8_blocks`), each program one block:
-its amax, its scale, both copies and their scales. The update is ``torch.optim.AdamW``'s (decoupled weight decay,
+its amax, its scale, both copies and their scales; or current scaling's, whose scale needs the updated weight's
+amax: the update records it, then the one-pass cast from that amax reads the weight once more. The update is ``torch.optim.AdamW``'s (decoupled weight decay,
 bias-corrected moments) in float32 on the parameter's dtype. Imported only through
 :func:`te_dist.quantization.optimizer_copy.copy_kernels_for` (Triton).
 """
@@ -23,9 +24,9 @@ import triton.language as tl
 from .triton_casts import _delayed_outputs, _scalar_f32, _zero_bits
 from .triton_fp8_math import _abs_bits, _block_scale, _merge_amax, _saturate
 from .triton_launch import cdiv, launch
-from .triton_rowcol import roll_history
+from .triton_rowcol import cast_from_amax_rowcol, roll_history
 
-__all__ = ["adamw_delayed_copy", "adamw_block_copy"]
+__all__ = ["adamw_delayed_copy", "adamw_current_copy", "adamw_block_copy"]
 
 _TILE = 64  # rows and columns of one program's tile
 
@@ -73,9 +74,10 @@ def _adamw_block_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_
 
 @triton.jit
 def _adamw_copy_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, R, C,
-                       decay, beta1, beta2, eps, step_size, bc2_sqrt, FMT_MAX: tl.constexpr, TILE: tl.constexpr):
-    """One [TILE, TILE] tile of matrix ``pid 2`` of w [E, R, C]: update w, m, v; write fp8(w * scale) to data
-    [E, R, C] and data_t [E, C, R]; merge max |w| into the amax bits."""
+                       decay, beta1, beta2, eps, step_size, bc2_sqrt, FMT_MAX: tl.constexpr, TILE: tl.constexpr,
+                       CAST: tl.constexpr):
+    """One [TILE, TILE] tile of matrix ``pid 2`` of w [E, R, C]: update w, m, v; merge max |w| into the amax bits;
+    with ``CAST`` write fp8(w * scale) to data [E, R, C] and data_t [E, C, R]."""
     e = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
@@ -83,10 +85,11 @@ def _adamw_copy_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_p
     at = e * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
     x = _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, at, inside, decay, beta1, beta2, eps, step_size, bc2_sqrt)
     _merge_amax(amax_ptr, tl.max(tl.max(tl.where(inside, _abs_bits(x), 0), axis=1), axis=0))
-    q = _saturate(x * tl.load(scale_ptr), FMT_MAX).to(data_ptr.dtype.element_ty)
-    tl.store(data_ptr + at, q, mask=inside)
-    at_t = e * R * C + cols[None, :].to(tl.int64) * R + rows[:, None]
-    tl.store(data_t_ptr + tl.trans(at_t), tl.trans(q), mask=tl.trans(inside))
+    if CAST:
+        q = _saturate(x * tl.load(scale_ptr), FMT_MAX).to(data_ptr.dtype.element_ty)
+        tl.store(data_ptr + at, q, mask=inside)
+        at_t = e * R * C + cols[None, :].to(tl.int64) * R + rows[:, None]
+        tl.store(data_t_ptr + tl.trans(at_t), tl.trans(q), mask=tl.trans(inside))
 
 
 def adamw_delayed_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
@@ -102,8 +105,21 @@ def adamw_delayed_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float,
     bits = _zero_bits(p.device)
     launch(_adamw_copy_kernel, (cdiv(R, _TILE), cdiv(C, _TILE), E), p, grad, exp_avg, exp_avg_sq, data, data_t,
            scale, bits, R, C, *_hyper(lr, beta1, beta2, eps, weight_decay, step), FMT_MAX=fmt_max, TILE=_TILE,
-           num_warps=4)
+           CAST=True, num_warps=4)
     return (data, data_t, *roll_history(bits, scale, outputs, fmt_max, margin, algo))
+
+
+def adamw_current_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float, step: int, fp8_dtype, fmt_max: float, power_2: bool):
+    """One AdamW step of ``p`` [E, R, C] that records amax of the result, then current scaling's cast of it from
+    that amax (its scale needs the whole weight's amax first: a second pass, but no amax pass). Returns
+    (data, data_t, scale_inv), as ``cast_from_amax_rowcol`` does."""
+    E, R, C = p.shape
+    bits = _zero_bits(p.device)
+    launch(_adamw_copy_kernel, (cdiv(R, _TILE), cdiv(C, _TILE), E), p, grad, exp_avg, exp_avg_sq, p, p, bits, bits,
+           R, C, *_hyper(lr, beta1, beta2, eps, weight_decay, step), FMT_MAX=fmt_max, TILE=_TILE, CAST=False,
+           num_warps=4)
+    return cast_from_amax_rowcol(p, bits.view(torch.float32), fp8_dtype, fmt_max, power_2)
 
 
 def adamw_block_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,

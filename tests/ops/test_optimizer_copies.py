@@ -21,10 +21,13 @@ from te_dist import settings
 from te_dist.ops import GroupedLinear, OperationFuser
 from te_dist.ops.basic.weight_copy import WeightCopy
 from te_dist.optim import AdamWWithFP8Copies
-from te_dist.quantization.cast import cast_fp8_blocks, cast_fp8_per_tensor, delayed_scale_update
+from te_dist.quantization.cast import (cast_fp8_blocks, cast_fp8_per_tensor, current_scaling_quantize,
+                                      delayed_scale_update)
 from triton_interpreter import needs_interpreter, patch_interpreter_conversions
 
 SIZES = (128, 0, 128)
+RECIPES = [pytest.param(R.DelayedScaling(), id="delayed"), pytest.param(R.Float8BlockScaling(), id="block"),
+           pytest.param(R.Float8CurrentScaling(), id="current")]  # current: under fp8_optimizer_copies_current
 
 
 def _op(device, seed=0):
@@ -70,13 +73,17 @@ def test_an_offered_copy_goes_to_the_next_driven_forward_under_its_key(case):
 def test_only_a_driven_op_on_the_native_path_under_a_copy_recipe_asks_for_the_copy(monkeypatch):
     monkeypatch.setattr(GroupedLinear, "native_path", lambda self, *a, **k: True)
     x = _x("cpu")
-    for recipe, flag, wanted in ((R.DelayedScaling(), True, True), (R.DelayedScaling(), None, False),
-                                 (R.Float8CurrentScaling(), True, False), (R.Float8BlockScaling(), True, True)):
+    for recipe, flag, current, wanted in ((R.DelayedScaling(), True, False, True),
+                                          (R.DelayedScaling(), None, False, False),
+                                          (R.Float8CurrentScaling(), True, False, False),
+                                          (R.Float8CurrentScaling(), True, True, True),
+                                          (R.Float8BlockScaling(), True, False, True)):
         op = _op("cpu")
         op.is_first_microbatch = flag
         _train_forward(op, x, recipe)
-        q = op.optimizer_copy_quantizer()
-        assert (q is op._quantizers.weight) if wanted else q is None, (recipe, flag)
+        with settings.override(fp8_optimizer_copies_current=current):
+            q = op.optimizer_copy_quantizer()
+        assert (q is op._quantizers.weight) if wanted else q is None, (recipe, flag, current)
 
 
 def _steps_against_adamw(device, recipe, steps: int):
@@ -119,7 +126,7 @@ def device(request, monkeypatch):
     yield torch.device("cuda")
 
 
-@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=["delayed", "block"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_the_update_writes_the_cast_the_forward_would_make(device, recipe, monkeypatch):
     """Three optimizer steps at one micro-batch each: after each, the offered copy is the cast of the updated weight
     the forward would have made (delayed: with the scale it would have used, the quantizer rolled as that cast rolls
@@ -129,7 +136,7 @@ def test_the_update_writes_the_cast_the_forward_would_make(device, recipe, monke
     monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: prepared.append(q) or real(q))
     op, x = _op(device), _x(device)
     opt = AdamWWithFP8Copies(op.parameters(), lr=1e-2, weight_decay=0.1, copies_of=[op])
-    with settings.override(fp8_optimizer_copies=True):
+    with settings.override(fp8_optimizer_copies=True, fp8_optimizer_copies_current=True):
         for step in range(3):
             op.is_first_microbatch = True
             _train_forward(op, x, recipe)
@@ -138,16 +145,22 @@ def test_the_update_writes_the_cast_the_forward_would_make(device, recipe, monke
             before = (q.scale.clone(), q.amax_history.clone()) if isinstance(recipe, R.DelayedScaling) else None
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _check_copy(prepared[-1], op.weight.detach(), q, before)
+            _check_copy(prepared[-1], op.weight.detach(), q, before, recipe)
     assert op._weight_copy.offers_taken == 2  # the third step's copy waits for a fourth forward
 
 
-def _check_copy(copy, w, q, before):
+def _check_copy(copy, w, q, before, recipe):
     """``copy`` is q's cast of w, bit for bit (``before``: a delayed quantizer's scale and history at the step)."""
     def same(a, b):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(
             torch.uint8) if b.element_size() == 1 else b)
 
+    if isinstance(recipe, R.Float8CurrentScaling):  # the scale from the updated weight's own amax
+        data, scale_inv = current_scaling_quantize(w, q.fp8_dtype, q.fmt_max, q.use_power_2_scales)
+        same(copy.data, data)
+        same(copy.data_t, data.transpose(1, 2).contiguous())
+        same(copy.scale_inv.reshape(()), scale_inv.reshape(()))
+        return
     if before is None:  # 128x128 blocks: each copy is the cast of w along its own last dim
         for got, x in ((copy.rowwise, w), (copy.columnwise, w.transpose(1, 2))):
             data, scale_inv = cast_fp8_blocks(x, 128, 128, q.fp8_dtype, q.fmt_max, q.use_power_2_scales)
@@ -164,7 +177,7 @@ def _check_copy(copy, w, q, before):
         same(got.reshape(-1), ref.reshape(-1))
 
 
-@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=["delayed", "block"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_the_update_is_adamws(device, recipe):
     """The same gradients into AdamWWithFP8Copies and torch's AdamW: the same weights to within a tenth of a step
     (the kernel computes in float32; torch's CPU loop in the parameter's dtype), also across a step whose forward
@@ -174,7 +187,7 @@ def test_the_update_is_adamws(device, recipe):
     x = _x(device)
     opts = [AdamWWithFP8Copies(ours.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, copies_of=[ours]),
             torch.optim.AdamW(theirs.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)]
-    with settings.override(fp8_optimizer_copies=True):
+    with settings.override(fp8_optimizer_copies=True, fp8_optimizer_copies_current=True):
         for step in range(4):
             ours.is_first_microbatch = None if step == 1 else True
             _train_forward(ours, x, recipe)
