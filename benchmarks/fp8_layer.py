@@ -61,10 +61,9 @@ class Arm:
     def __init__(self, layer, recipe, micro_batches, fixed=False, copies=False):
         self.layer, self.recipe, self.micro, self.fixed, self.copies = layer, recipe, micro_batches, fixed, copies
         params = [p for p in layer.parameters() if p.requires_grad]
-        if copies:  # the update writes the expert weights' copies, which the next step's first forward takes
-            self.optimizer = AdamWWithFP8Copies(params, lr=1e-5, fused=True, copies_of=[layer])
-        else:
-            self.optimizer = None if fixed else torch.optim.AdamW(params, lr=1e-5, fused=True)
+        # copies: the update writes the expert weights' copies, which the next step's first forward takes
+        self.optimizer = None if fixed else AdamWWithFP8Copies(params, lr=1e-5, fused=True, copies_of=[layer]) \
+            if copies else torch.optim.AdamW(params, lr=1e-5, fused=True)
         layer.is_first_microbatch = True if fixed else None  # fixed: cast once, then reuse (nothing writes)
 
     def step(self, xs, grads, events):

@@ -72,6 +72,8 @@ class AdamWWithFP8Copies(torch.optim.AdamW):
     def _count_adamw_steps(self, ours: set) -> None:
         """Keep the host counts of the parameters AdamW's own step just took (a weight whose op did not ask for a
         copy this step) in line with their ``state["step"]``."""
+        if not self._host_steps:  # nothing counted yet: nothing to follow
+            return
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and id(p) not in ours and id(p) in self._host_steps:
