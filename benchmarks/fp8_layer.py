@@ -80,7 +80,8 @@ class Arm:
             out = y if out is None else out
         events[1].record()
         if self.optimizer is not None:
-            with td.settings.override(fp8_optimizer_copies=self.copies, fp8_optimizer_copies_current=self.copies):
+            with td.settings.override(fp8_optimizer_copies=self.copies, fp8_optimizer_copies_current=self.copies,
+                                      fp8_optimizer_copies_padded=self.copies):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-copies", action="store_true",
                    help="add a <recipe>:copies row per M (delayed, block, current): te_dist.optim."
                         "AdamWWithFP8Copies writes the expert weights' FP8 copies with its update "
-                        "(te_dist.settings.fp8_optimizer_copies, _current), every step's first forward takes them; its optimizer "
+                        "(te_dist.settings.fp8_optimizer_copies, _current, _padded), every step's first forward takes them; its optimizer "
                         "time is in +opt")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")

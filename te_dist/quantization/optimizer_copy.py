@@ -22,9 +22,13 @@ from .tensors import BlockScaledData, Float8BlockTensor, Float8Tensor, Quantized
 __all__ = ["writes_copy", "copy_kernels_for", "adamw_step_with_copy"]
 
 
-def writes_copy(quantizer) -> bool:
-    """True for a weight quantizer whose cast an optimizer's update can make (module docstring)."""
+def writes_copy(quantizer, padded: bool = False) -> bool:
+    """True for a weight quantizer whose cast an optimizer's update can make (module docstring); ``padded``: the
+    cast of the weight zero padded to the 128 grid (off-grid features), which only the block copy writes."""
     kind = getattr(quantizer, "recipe_type", None)
+    if padded:
+        return kind is Float8BlockScaling and quantizer.block_shape == (128, 128) and \
+            settings.current().fp8_optimizer_copies_padded
     if kind is DelayedScaling:
         return quantizer.num_updates > 0 and quantizer.amax_compute_algo in ("max", "most_recent") and \
             _reduces_nothing(quantizer)
@@ -51,7 +55,8 @@ def copy_kernels_for(p: torch.Tensor):
 def adamw_step_with_copy(quantizer, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
                          beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> QuantizedTensor:
     """AdamW's step ``step`` of ``p`` [E, N, K] (from ``p.grad``; the moments updated in place) and ``quantizer``'s
-    copy of the result in both layouts, the quantizer's state moved as its cast moves it."""
+    copy of the result in both layouts, the quantizer's state moved as its cast moves it (block scaling: of the
+    result zero padded to the 128 grid, where N or K is off it)."""
     kernels = copy_kernels_for(p)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     if quantizer.recipe_type is DelayedScaling:
@@ -72,5 +77,5 @@ def adamw_step_with_copy(quantizer, p: torch.Tensor, exp_avg: torch.Tensor, exp_
     data, scale_inv, data_t, scale_inv_t = kernels.adamw_block_copy(
         p, p.grad, exp_avg, exp_avg_sq, **hyper, fp8_dtype=quantizer.fp8_dtype, fmt_max=quantizer.fmt_max,
         power_2=quantizer.use_power_2_scales)
-    return Float8BlockTensor(p.shape, p.dtype, quantizer.fmt, BlockScaledData(data, scale_inv, 128, 128),
+    return Float8BlockTensor(data.shape, p.dtype, quantizer.fmt, BlockScaledData(data, scale_inv, 128, 128),
                              BlockScaledData(data_t, scale_inv_t, 128, 128, transposed=True))

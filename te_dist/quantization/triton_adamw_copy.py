@@ -50,11 +50,12 @@ def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, at, inside, decay, beta1, beta2, eps
 
 
 @triton.jit
-def _adamw_block_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_ptr, scale_t_ptr, R, C,
+def _adamw_block_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_ptr, scale_t_ptr, R, C, RP, CP,
                         decay, beta1, beta2, eps, step_size, bc2_sqrt, FMT_MAX: tl.constexpr,
                         POWER_2: tl.constexpr, TILE: tl.constexpr):
-    """One 128x128 block of matrix ``pid 2`` of w [E, R, C]: update w, m, v; write the block's copies (data
-    [E, R, C], data_t [E, C, R]) and its scale_inv into [E, R/128, C/128] and [E, C/128, R/128]."""
+    """One 128x128 block of matrix ``pid 2`` of w [E, R, C]: update w, m, v; write the block's copies of w zero
+    padded to [E, RP, CP] (RP, CP: R, C up to multiples of 128; data [E, RP, CP], data_t [E, CP, RP]) and its
+    scale_inv into [E, RP/128, CP/128] and [E, CP/128, RP/128]."""
     e = tl.program_id(2).to(tl.int64)
     rb, cb = tl.program_id(0), tl.program_id(1)
     rows = rb * TILE + tl.arange(0, TILE)
@@ -62,12 +63,13 @@ def _adamw_block_kernel(p_ptr, g_ptr, m_ptr, v_ptr, data_ptr, data_t_ptr, scale_
     inside = (rows[:, None] < R) & (cols[None, :] < C)
     at = e * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
     x = _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, at, inside, decay, beta1, beta2, eps, step_size, bc2_sqrt)
+    x = tl.where(inside, x, 0.0)  # the padding: zeros
     mult, stored = _block_scale(tl.max(tl.max(_abs_bits(x), axis=1), axis=0), FMT_MAX, POWER_2, False, 0, 0)
     q = _saturate(x * mult, FMT_MAX).to(data_ptr.dtype.element_ty)
-    tl.store(data_ptr + at, q, mask=inside)
-    at_t = e * R * C + cols[None, :].to(tl.int64) * R + rows[:, None]
-    tl.store(data_t_ptr + tl.trans(at_t), tl.trans(q), mask=tl.trans(inside))
-    nr, nc = R // TILE, C // TILE
+    tl.store(data_ptr + e * RP * CP + rows[:, None].to(tl.int64) * CP + cols[None, :], q)
+    at_t = e * RP * CP + cols[None, :].to(tl.int64) * RP + rows[:, None]
+    tl.store(data_t_ptr + tl.trans(at_t), tl.trans(q))
+    nr, nc = RP // TILE, CP // TILE
     tl.store(scale_ptr + (e * nr + rb) * nc + cb, stored)
     tl.store(scale_t_ptr + (e * nc + cb) * nr + rb, stored)
 
@@ -124,17 +126,19 @@ def adamw_current_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float,
 
 def adamw_block_copy(p, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
                      weight_decay: float, step: int, fp8_dtype, fmt_max: float, power_2: bool):
-    """One AdamW step of ``p`` [E, R, C] (R, C multiples of 128; its moments updated in place) and the 128x128
-    block copies of the result. Returns (data, scale_inv, data_t, scale_inv_t), as ``cast_fp8_blocks`` does."""
+    """One AdamW step of ``p`` [E, R, C] (its moments updated in place) and the 128x128 block copies of the result
+    zero padded to [E, RP, CP] (R and C up to multiples of 128: the padded weight's cast, where they are off that
+    grid). Returns (data, scale_inv, data_t, scale_inv_t), as ``cast_fp8_blocks`` of the padded weight does."""
     E, R, C = p.shape
     t = 128
-    data = torch.empty(p.shape, dtype=fp8_dtype, device=p.device)
-    data_t = torch.empty((E, C, R), dtype=fp8_dtype, device=p.device)
-    scale = torch.empty((E, R // t, C // t), dtype=torch.float32, device=p.device)
-    scale_t = torch.empty((E, C // t, R // t), dtype=torch.float32, device=p.device)
-    launch(_adamw_block_kernel, (R // t, C // t, E), p, grad, exp_avg, exp_avg_sq, data, data_t, scale, scale_t, R, C,
-           *_hyper(lr, beta1, beta2, eps, weight_decay, step), FMT_MAX=fmt_max, POWER_2=power_2, TILE=t,
-           num_warps=16)  # 128x128 fp32 values of four tensors: 128 registers a thread
+    RP, CP = cdiv(R, t) * t, cdiv(C, t) * t
+    data = torch.empty((E, RP, CP), dtype=fp8_dtype, device=p.device)
+    data_t = torch.empty((E, CP, RP), dtype=fp8_dtype, device=p.device)
+    scale = torch.empty((E, RP // t, CP // t), dtype=torch.float32, device=p.device)
+    scale_t = torch.empty((E, CP // t, RP // t), dtype=torch.float32, device=p.device)
+    launch(_adamw_block_kernel, (RP // t, CP // t, E), p, grad, exp_avg, exp_avg_sq, data, data_t, scale, scale_t,
+           R, C, RP, CP, *_hyper(lr, beta1, beta2, eps, weight_decay, step), FMT_MAX=fmt_max, POWER_2=power_2,
+           TILE=t, num_warps=16)  # 128x128 fp32 values of four tensors: 128 registers a thread
     return data, scale, data_t, scale_t
 
 

@@ -26,18 +26,19 @@ from te_dist.quantization.cast import (cast_fp8_blocks, cast_fp8_per_tensor, cur
 from triton_interpreter import needs_interpreter, patch_interpreter_conversions
 
 SIZES = (128, 0, 128)
+OFF_GRID = (208, 80)  # in and out features off the 128 grid (multiples of 16: per-tensor scales run unpadded)
 RECIPES = [pytest.param(R.DelayedScaling(), id="delayed"), pytest.param(R.Float8BlockScaling(), id="block"),
            pytest.param(R.Float8CurrentScaling(), id="current")]  # current: under fp8_optimizer_copies_current
 
 
-def _op(device, seed=0):
+def _op(device, seed=0, features=(256, 128)):
     torch.manual_seed(seed)
-    return GroupedLinear(3, 256, 128, dtype=torch.bfloat16, device=device)
+    return GroupedLinear(3, *features, dtype=torch.bfloat16, device=device)
 
 
-def _x(device, seed=1):
+def _x(device, seed=1, in_features=256):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(SIZES), 256, dtype=torch.bfloat16, generator=g).to(device)
+    return torch.randn(sum(SIZES), in_features, dtype=torch.bfloat16, generator=g).to(device)
 
 
 def _train_forward(op, x, recipe):
@@ -84,6 +85,14 @@ def test_only_a_driven_op_on_the_native_path_under_a_copy_recipe_asks_for_the_co
         with settings.override(fp8_optimizer_copies_current=current):
             q = op.optimizer_copy_quantizer()
         assert (q is op._quantizers.weight) if wanted else q is None, (recipe, flag, current)
+    for padded in (False, True):  # off the 128 grid: block's padded copy under its switch; delayed's unpadded one
+        for recipe, wanted in ((R.Float8BlockScaling(), padded), (R.DelayedScaling(), True)):
+            op = _op("cpu", features=(OFF_GRID[0], OFF_GRID[1]))
+            op.is_first_microbatch = True
+            _train_forward(op, _x("cpu", in_features=OFF_GRID[0]), recipe)
+            with settings.override(fp8_optimizer_copies_padded=padded):
+                q = op.optimizer_copy_quantizer()
+            assert (q is op._quantizers.weight) if wanted else q is None, (recipe, padded)
 
 
 def _steps_against_adamw(device, recipe, steps: int):
@@ -175,6 +184,38 @@ def _check_copy(copy, w, q, before, recipe):
     want = delayed_scale_update(w.float().abs().amax(), history, scale, q.fmt_max, q.margin, q.amax_compute_algo)
     for got, ref in zip((q.amax_history, q.scale, q.scale_inv), want):
         same(got.reshape(-1), ref.reshape(-1))
+
+
+def test_an_off_grid_block_weight_gets_the_padded_cast(device, monkeypatch):
+    """Features off the 128 grid under block scaling: the update writes the cast of the weight zero padded to the grid
+    (the bytes the forward's pad-then-cast makes: 128x128 blocks of both layouts and their scales), the next forward
+    takes it, and its output is the output of a forward that cast the padded weight itself."""
+    prepared = []
+    real = K.prepare_quantized_weight
+    monkeypatch.setattr(K, "prepare_quantized_weight", lambda q: prepared.append(q) or real(q))
+    recipe, (k, n) = R.Float8BlockScaling(), OFF_GRID
+    op, x = _op(device, features=OFF_GRID), _x(device, in_features=k)
+    opt = AdamWWithFP8Copies(op.parameters(), lr=1e-2, copies_of=[op])
+    with settings.override(fp8_optimizer_copies=True, fp8_optimizer_copies_padded=True):
+        for step in range(2):
+            op.is_first_microbatch = True
+            _train_forward(op, x, recipe)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            w = torch.nn.functional.pad(op.weight.detach(), (0, 128 - k % 128, 0, 128 - n % 128))
+            q, copy_ = op._quantizers.weight, prepared[-1]
+            assert tuple(copy_.shape) == (3, 128, 256)
+            for got, xw in ((copy_.rowwise, w), (copy_.columnwise, w.transpose(1, 2))):
+                data, scale_inv = cast_fp8_blocks(xw, 128, 128, q.fp8_dtype, q.fmt_max, q.use_power_2_scales)
+                assert torch.equal(got.data.view(torch.uint8), data.view(torch.uint8))
+                assert torch.equal(got.scale_inv, scale_inv)
+        outputs = []
+        for _ in range(2):  # the offered copy, then (no offer left) the forward's own cast of the padded weight
+            op.is_first_microbatch = True
+            with torch.no_grad(), td.autocast(recipe=recipe):
+                outputs.append(OperationFuser([op])(x, torch.tensor(SIZES)))
+        assert op._weight_copy.offers_taken == 2 and op._weight_copy.casts == 2
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

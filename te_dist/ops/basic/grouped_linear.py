@@ -423,16 +423,15 @@ class GroupedLinear(BasicOperation):
     def optimizer_copy_quantizer(self):
         """The weight quantizer an optimizer may cast this weight's copy with, in its update of the weight
         (``te_dist.optim.AdamWWithFP8Copies``), or None. Only where the next forward would take that copy as
-        its own cast: the last forward took the native path on the unpadded weight under a caller driving
-        ``is_first_microbatch`` (it kept a copy), and the recipe's copy can be cast in the update
-        (``te_dist.quantization.optimizer_copy.writes_copy``)."""
+        its own cast: the last forward took the native path under a caller driving ``is_first_microbatch`` (it
+        kept a copy), and the recipe's copy (of the zero padded weight, where the native path pads it) can be cast
+        in the update (``te_dist.quantization.optimizer_copy.writes_copy``)."""
         q = self._quantizers
-        if not (self._weight_copy.kept and q.active and q.backward_override is None) or \
-                self._native_padding() is not None:
+        if not (self._weight_copy.kept and q.active and q.backward_override is None):
             return None
         from ...quantization.optimizer_copy import writes_copy  # ops import no quantization module up front
 
-        return q.weight if writes_copy(q.weight) else None
+        return q.weight if writes_copy(q.weight, padded=self._native_padding() is not None) else None
 
     def offer_weight_copy(self, copy) -> None:
         """Hand the next forward the weight copy an optimizer wrote with its update (``WeightCopy.offer``)."""
