@@ -16,7 +16,7 @@
 #                                          # tiles"): the layer's training step with the rule's wgrad tile, then with it
 #                                          # (te_dist.settings.fp8_wgrad_tile); its tile sweep first: TILE_ARGS=... tiles
 #   bash benchmarks/run_fp8_gpu.sh copies     # the optimizer's FP8 weight copies: GPU tests, the layer's step with the
-#                                          # :copies arms, te-dist train block without / with train.fp8_optimizer_copies
+#                                          # :copies arms, te-dist train without / with train.fp8_optimizer_copies
 #   bash benchmarks/run_fp8_gpu.sh head_loss  # fp8_head_loss: its GPU tests, the job's step on against off, then
 #                                          # te-dist train with it on (CONFIG=deepseek_like STEPS=300 by default)
 #   bash benchmarks/run_fp8_gpu.sh lane_max   # head_loss_lane_max (on by default): the head-loss GPU tests with it
@@ -96,18 +96,19 @@ wgrad_tile)
   ;;
 copies)
   # the optimizer's FP8 weight copies (docs/quantization.md "Weight copies written by the optimizer"): their GPU
-  # tests, the layer's training step with the :copies arms, then te-dist train under block scaling without and
-  # with train.fp8_optimizer_copies (CONFIG, default deepseek_like)
+  # tests, the layer's training step with the :copies arms, then te-dist train under block and current scaling
+  # without and with train.fp8_optimizer_copies (on by default; CONFIG, default deepseek_like)
   timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 120 -m gpu \
     tests/ops/test_optimizer_copies.py tests/ops/test_weight_copy.py > "$OUT/copies_tests.txt" 2>&1
   tail -n 3 "$OUT/copies_tests.txt"
-  timeout ${LAYER_LIMIT:-300} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---configs mixtral,deepseek,qwen3_235b,qwen3_30b \
+  timeout ${LAYER_LIMIT:-300} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---configs mixtral,qwen3_30b,qwen3_235b,deepseek,gptoss \
     --recipes ${RECIPES:-delayed,block,current} --optimizer-copies --micro-batches 1,4 --iters 4 --warmup 2} \
     --json "$OUT/fp8_layer_copies.json" > "$OUT/fp8_layer_copies.txt" 2>&1
   grep -v "^row " "$OUT/fp8_layer_copies.txt" | tail -n 42
   timeout ${TRAIN_LIMIT:-400} python3 benchmarks/train.py throughput --nproc 1 --device cuda --seed 1 \
-    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-100} --variants none:1 block:1 \
-    block:1:train.fp8_optimizer_copies=true ${TRAIN_ARGS:-} --json "$OUT/train_copies.json" > "$OUT/train_copies.txt" 2>&1
+    --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-100} --fp8-dense --variants none:1 \
+    block:1:train.fp8_optimizer_copies=false block:1 current:1:train.fp8_optimizer_copies=false current:1 \
+    ${TRAIN_ARGS:-} --json "$OUT/train_copies.json" > "$OUT/train_copies.txt" 2>&1
   tail -n 8 "$OUT/train_copies.txt"
   ;;
 switches)

@@ -241,14 +241,14 @@ class Settings:
             "(te_dist.ops.basic.weight_copy), which then casts nothing. False: that optimizer is torch.optim.AdamW, "
             "and forwards cast.")
     fp8_optimizer_copies_current: bool = _field(
-        False, env="TE_DIST_FP8_OPTIMIZER_COPIES_CURRENT", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_OPTIMIZER_COPIES_CURRENT", parse=_flag, check=_is_bool,
         doc="with fp8_optimizer_copies, Float8CurrentScaling weights too: the update records the weight's amax and "
-            "the copy is cast from it right after (no amax pass). Off: not yet run on a GPU.")
+            "the copy is cast from it right after (no amax pass). False: those weights are cast in the forward.")
     fp8_optimizer_copies_padded: bool = _field(
-        False, env="TE_DIST_FP8_OPTIMIZER_COPIES_PADDED", parse=_flag, check=_is_bool,
+        True, env="TE_DIST_FP8_OPTIMIZER_COPIES_PADDED", parse=_flag, check=_is_bool,
         doc="with fp8_optimizer_copies, 128x128 block-scaled weights whose features are off the 128 grid too (the "
             "native path pads them, fp8_pad_off_grid): the update writes the copy of the zero padded weight, so "
-            "no forward pads and casts it. Off: not yet run on a GPU.")
+            "no forward pads and casts it. False: those weights are padded and cast in the forward.")
     fp8_tile: Optional[int] = _field(
         None, env="TE_DIST_FP8_TILE", parse=_tile, check=_is_tile,
         doc="one CUTLASS FP8 tile (an id of cutlass_kernels.heuristics.FP8_CONFIGS) for every FP8 grouped "

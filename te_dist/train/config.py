@@ -130,10 +130,10 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     fused_optimizer: bool = _f(True, "CUDA: AdamW's fused kernel, one pass over weights, gradients and states (false: "
                                      "foreach); CPU runs keep the plain loop")
-    fp8_optimizer_copies: bool = _f(False, "CUDA, FP8 recipes: te_dist.optim.AdamWWithFP8Copies writes the expert "
-                                           "weights' FP8 copies with its update (block scaling; delayed scaling on "
-                                           "one rank, whose amax all-reduce reduces nothing) and every step's first "
-                                           "forward takes them; not yet measured in this job")
+    fp8_optimizer_copies: bool = _f(True, "CUDA, FP8 recipes: te_dist.optim.AdamWWithFP8Copies writes the expert "
+                                          "weights' FP8 copies with its update (block scaling; per-tensor scaling on "
+                                          "one rank, whose amax all-reduce reduces nothing) and every step's first "
+                                          "forward takes them (false: torch's AdamW, the forwards cast)")
     fused_loss: bool = _f(True, "CUDA: the loss's cross-entropy in te_dist.train.cross_entropy's kernels (float32 "
                                 "math over the bf16 logits, no float32 copy); false: F.cross_entropy on float32 logits")
     seed: int = _f(0, "model initialisation seed")

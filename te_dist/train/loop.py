@@ -185,8 +185,8 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
                         transport=cfg.parallel.transport)
     kwargs = dict(lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay,
                   **_optimizer_impl(rt.device, t.fused_optimizer))  # CPU: the plain loop, as in every CPU run
-    optimizer = AdamWWithFP8Copies(model.parameters(), copies_of=[model], **kwargs) if t.fp8_optimizer_copies \
-        else torch.optim.AdamW(model.parameters(), **kwargs)
+    optimizer = AdamWWithFP8Copies(model.parameters(), copies_of=[model], **kwargs) \
+        if t.fp8_optimizer_copies and recipe is not None else torch.optim.AdamW(model.parameters(), **kwargs)
     return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches,
                 t.fused_loss, BatchAhead(data, rt.rank, rt.world_size))
 
