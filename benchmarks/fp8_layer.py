@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-copies", action="store_true",
                    help="add a <recipe>:copies row per M (delayed, block, current): te_dist.optim."
                         "AdamWWithFP8Copies writes the expert weights' FP8 copies with its update "
-                        "(te_dist.settings.fp8_optimizer_copies, _current, _padded), every step's first forward takes them; its optimizer "
-                        "time is in +opt")
+                        "(te_dist.settings.fp8_optimizer_copies, _current, _padded), every step's first forward "
+                        "takes them; its optimizer time is in +opt")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
     timing.add_json_option(p)

@@ -6,8 +6,9 @@ again, write FP8 in both GEMM layouts). Written in the same pass as the update, 
 
 Which weights: those of the ``GroupedLinear`` ops in ``copies_of`` that say so
 (``GroupedLinear.optimizer_copy_quantizer``: DelayedScaling, Float8CurrentScaling or 128x128 block scaling on the
-native path, under a caller driving ``is_first_microbatch``; :mod:`te_dist.quantization.optimizer_copy` says which), on a CUDA device with the Triton casts, with this group's plain AdamW (no
-amsgrad, maximize, capturable or differentiable; a float lr), while ``te_dist.settings.fp8_optimizer_copies`` is on.
+native path, under a caller driving ``is_first_microbatch``; :mod:`te_dist.quantization.optimizer_copy` says which),
+on a CUDA device with the Triton casts, with this group's plain AdamW (no amsgrad, maximize, capturable or
+differentiable; a float lr), while ``te_dist.settings.fp8_optimizer_copies`` is on.
 Every other parameter, and all of them with the setting off, takes ``torch.optim.AdamW.step`` as it is. The state
 is AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint moves between the two.
 

@@ -87,7 +87,7 @@ def test_only_a_driven_op_on_the_native_path_under_a_copy_recipe_asks_for_the_co
         assert (q is op._quantizers.weight) if wanted else q is None, (recipe, flag, current)
     for padded in (False, True):  # off the 128 grid: block's padded copy under its switch; delayed's unpadded one
         for recipe, wanted in ((R.Float8BlockScaling(), padded), (R.DelayedScaling(), True)):
-            op = _op("cpu", features=(OFF_GRID[0], OFF_GRID[1]))
+            op = _op("cpu", features=OFF_GRID)
             op.is_first_microbatch = True
             _train_forward(op, _x("cpu", in_features=OFF_GRID[0]), recipe)
             with settings.override(fp8_optimizer_copies_padded=padded):
