@@ -3,11 +3,12 @@
 Why here: what the copy is (its bytes, scales and the quantizer state it moves) belongs to the quantizers; the
 optimizer only hands over a parameter, its gradient, its moments and AdamW's settings. The recipes: DelayedScaling,
 whose scale is known before the update (the fused step's one-program roll follows, as after the forward's cast;
-"max" or "most_recent" only); Float8BlockScaling's 128x128 weight blocks, each block's scale its own; and, under
-``te_dist.settings.fp8_optimizer_copies_current``, Float8CurrentScaling, whose update records the amax and whose
-cast then reads the weight once more. A per-tensor amax that an all-reduce would merge
-(a group of more than one rank) stays with the forward's cast: a collective inside the optimizer's step would hang
-the ranks whose ops said otherwise. The kernels: :mod:`.triton_adamw_copy` (Triton; imported on first use).
+"max" or "most_recent" only); Float8BlockScaling's 128x128 weight blocks, each block's scale its own (for features
+off the 128 grid, under ``te_dist.settings.fp8_optimizer_copies_padded``, the copy of the zero padded weight); and,
+under ``te_dist.settings.fp8_optimizer_copies_current``, Float8CurrentScaling, whose update records the amax and
+whose cast then reads the weight once more. A per-tensor amax that an all-reduce would merge (a group of more than
+one rank) stays with the forward's cast: a collective inside the optimizer's step would hang the ranks whose ops
+said otherwise. The kernels: :mod:`.triton_adamw_copy` (Triton; imported on first use).
 """
 
 from __future__ import annotations
