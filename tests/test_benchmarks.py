@@ -153,3 +153,12 @@ def test_train_throughput_prints_each_job_when_it_ends(monkeypatch, capsys):
         train.throughput(args)
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("none", "current"))]
     assert [(r[0], r[2], r[4]) for r in rows] == [("none", "350", "1.00"), ("current", "438", "1.25")]
+
+
+def test_fp8_layer_charges_a_longer_optimizer_step_per_micro_batch():
+    """benchmarks/fp8_layer.py ``charged``: the optimizer step's time over bf16's is added per micro-batch (a
+    ``:copies`` arm's cast moved into the step), a shorter step is not credited."""
+    charged = _script("fp8_layer").charged_speed
+    assert charged((12.0, 17.0), 10.0, 21.0, 1) == pytest.approx(12.0 / 14.0)
+    assert charged((12.0, 17.0), 10.0, 21.0, 4) == pytest.approx(12.0 / 11.0)
+    assert charged((12.0, 17.0), 10.0, 15.0, 1) == pytest.approx(1.2)
