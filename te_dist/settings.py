@@ -236,10 +236,10 @@ class Settings:
             "fast tiles of cutlass_kernels.heuristics.FP8_CONFIGS. False: every FP8 GEMM promotes.")
     fp8_optimizer_copies: bool = _field(
         True, env="TE_DIST_FP8_OPTIMIZER_COPIES", parse=_flag, check=_is_bool,
-        doc="te_dist.optim.AdamWWithFP8Copies writes the FP8 copy of each expert weight (DelayedScaling, 128x128 "
-            "blocks) in the same pass as its update of the weight, and offers it to the next forward "
-            "(te_dist.ops.basic.weight_copy), which then casts nothing. False: that optimizer is torch.optim.AdamW, "
-            "and forwards cast.")
+        doc="te_dist.optim.AdamWWithFP8Copies writes the FP8 copy of each expert weight (the recipes "
+            "te_dist.quantization.optimizer_copy.writes_copy names) in the same pass as its update of the weight, "
+            "and offers it to the next forward (te_dist.ops.basic.weight_copy), which then casts nothing. False: "
+            "that optimizer is torch.optim.AdamW, and forwards cast.")
     fp8_optimizer_copies_current: bool = _field(
         True, env="TE_DIST_FP8_OPTIMIZER_COPIES_CURRENT", parse=_flag, check=_is_bool,
         doc="with fp8_optimizer_copies, Float8CurrentScaling weights too: the update records the weight's amax and "

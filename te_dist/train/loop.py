@@ -191,6 +191,12 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
                 t.fused_loss, BatchAhead(data, rt.rank, rt.world_size))
 
 
+def _drives_weight_copies(job: _Job) -> bool:
+    """Training drives ``is_first_microbatch``: several micro-batches reuse one weight cast, or the optimizer's
+    copies go to the next driven forward."""
+    return job.micro_batches > 1 or isinstance(job.optimizer, AdamWWithFP8Copies)
+
+
 def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     """One optimizer step on every rank; returns (global mean loss, global gradient norm, agreed stop
     signal or None) (collective)."""
@@ -200,7 +206,7 @@ def _step(job: _Job, step: int, lr: float, stop_votes: list) -> tuple:
     x_BS, y_BS = (b.to(rt.device) for b in job.batches.take(step))
     micro = job.micro_batches
     loss = torch.zeros((), device=rt.device)
-    drive = micro > 1 or isinstance(job.optimizer, AdamWWithFP8Copies)  # its copies go to driven forwards
+    drive = _drives_weight_copies(job)
     for i, (x_bS, y_bS) in enumerate(zip(x_BS.chunk(micro), y_BS.chunk(micro))):
         if drive:  # the FP8 expert weights: cast (or the optimizer's copy taken) at the first micro-batch, then reused
             set_first_microbatch(model, i == 0)
@@ -233,9 +239,8 @@ def _evaluate(job: _Job, cfg: JobConfig) -> float:
     """The mean loss over the held-out batches, the same on every rank (collective; no state changes
     but what a forward under the recipe records)."""
     rt, model = job.runtime, job.model
-    if job.micro_batches > 1 or isinstance(job.optimizer, AdamWWithFP8Copies):  # cast the FP8 expert weights
-        # afresh, keep no copy (an offered one is dropped): training's reuse rule stays its own
-        set_first_microbatch(model, None)
+    if _drives_weight_copies(job):  # cast the FP8 expert weights afresh, keep no copy (an offered one is dropped):
+        set_first_microbatch(model, None)  # training's reuse rule stays its own
     total = torch.zeros(1, dtype=torch.float64)
     with torch.no_grad(), autocast(recipe=job.recipe, group=dense_group() if job.recipe is not None else None):
         for index in range(cfg.train.eval_batches):
