@@ -173,7 +173,9 @@ def test_wgrad_remembers_the_weight_shape_it_was_checked_on():
     want = grouped_mm_wgrad(x, dy, off, num_groups=E, backend="torch")
     assert want.shape == (E, K, N)
     got = grouped_mm_wgrad(x[:, :4], dy, off, num_groups=E, backend="torch")
-    assert got.shape == (E, 4, N) and torch.equal(got, want[:, :4])
+    assert got.shape == (E, 4, N)
+    # the same sums, but of a strided operand: the CPU GEMM may block them otherwise (AMD EPYC: 1 ulp apart)
+    torch.testing.assert_close(got, want[:, :4], rtol=1e-6, atol=1e-6)
 
 
 class _DeviceOffsets(torch.Tensor):
