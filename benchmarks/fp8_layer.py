@@ -22,6 +22,10 @@ Columns per (config, recipe, M): the median over --iters optimizer steps (after 
 ``te_dist.optim.AdamWWithFP8Copies`` writes the expert weights' FP8 copies in its update and every step's first
 forward takes them (no cast in the micro-batches; the copies' writes in the optimizer's time: ``charged`` or
 ``+opt`` is the fair figure for that row).
+``--wgrad-accumulation`` adds a ``<recipe>:acc`` row per M > 1: the experts' ``fuse_wgrad_accumulation`` set and
+``te_dist.settings.fp8_wgrad_accumulation`` on, so micro-batches after the first add their FP8 weight gradients into
+``.grad`` in the wgrad kernel's epilogue (docs/quantization.md "Gradient accumulation in the wgrad"); the bf16 arm
+keeps autograd's add (torch's grouped GEMM adds into nothing).
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
 every forward (the old fixed-weight figure; not a training step).
 ``te_dist.settings.fp8_pad_off_grid`` (on by default; ``TE_DIST_FP8_PAD_OFF_GRID=0`` turns it off, ``--pad-off-grid``
@@ -60,8 +64,12 @@ CONFIGS = {
 class Arm:
     """One recipe's training loop on a shared layer: its own optimizer state, the same inputs."""
 
-    def __init__(self, layer, recipe, micro_batches, fixed=False, copies=False):
+    def __init__(self, layer, recipe, micro_batches, fixed=False, copies=False, accumulate=False):
         self.layer, self.recipe, self.micro, self.fixed, self.copies = layer, recipe, micro_batches, fixed, copies
+        td.settings.set_for_process(fp8_wgrad_accumulation=accumulate)  # for the arm's whole run (no new generation
+        for module in layer.modules():  # per micro-batch); the layer is shared: every arm sets its own word
+            if hasattr(module, "fuse_wgrad_accumulation"):
+                module.fuse_wgrad_accumulation = accumulate
         params = [p for p in layer.parameters() if p.requires_grad]
         # copies: the update writes the expert weights' copies, which the next step's first forward takes
         self.optimizer = None if fixed else AdamWWithFP8Copies(params, lr=1e-5, fused=True, copies_of=[layer]) \
@@ -146,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "AdamWWithFP8Copies writes the expert weights' FP8 copies with its update "
                         "(te_dist.settings.fp8_optimizer_copies, _current, _padded), every step's first forward "
                         "takes them; its optimizer time is in +opt")
+    p.add_argument("--wgrad-accumulation", action="store_true",
+                   help="add a <recipe>:acc row per M > 1: FP8 wgrads of later micro-batches add into .grad in the "
+                        "kernel's epilogue (fuse_wgrad_accumulation, te_dist.settings.fp8_wgrad_accumulation)")
     p.add_argument("--pad-off-grid", action="store_true",
                    help="te_dist.settings.fp8_pad_off_grid on (the default) whatever the environment says")
     timing.add_json_option(p)
@@ -192,10 +203,12 @@ def run_configs(args, pad_off_grid: bool) -> list:
             if args.optimizer_copies:
                 arms += [(f"{r}:copies", r, "copies") for r in args.recipes.split(",")
                          if r in ("delayed", "block", "current")]
+            if args.wgrad_accumulation and micro > 1:
+                arms += [(f"{r}:acc", r, "acc") for r in args.recipes.split(",")]
             base = None
             for label, rname, kind in arms:
                 recipe = None if rname is None else recipe_from_name(rname)
-                arm = Arm(layer, recipe, micro, fixed=kind is True, copies=kind == "copies")
+                arm = Arm(layer, recipe, micro, fixed=kind is True, copies=kind == "copies", accumulate=kind == "acc")
                 if args.profile:
                     print(f"profile {name} {label} M={micro}", flush=True)
                     profile_arm(arm, xs, grads, args.iters, args.warmup, args.profile)

@@ -1,13 +1,9 @@
-"""``python -m cutlass_kernels [--jobs N] [--only NAME ...]``: build every instance into the cache, in parallel.
+"""``python -m cutlass_kernels [--jobs N] [--only NAME ...]``: build every instance (the bf16 ``te_gg_*`` and FP8
+``te_fb_*`` grouped GEMMs) into the cache in parallel, so a GPU run's first call pays no compilation; ``--only`` names
+instances, FP8 tiles outside the default set included (e.g. ``te_fb_fwd_c8_e4m3xe4m3_bf16_tensor``).
 
-``python -m cutlass_kernels tune --shapes FILE``: ``te-dist tune``, which measures the grouped-GEMM
-choices of a list of shapes ahead of a run (``te_dist/tune.py``), started as its own process: it
-measures through te_dist, and this package imports nothing of te_dist.
-
-Every instance: the bf16 grouped GEMMs (``te_gg_*``) and the FP8 block-scaled ones (``te_fb_*``).
-``--only`` names instances, FP8 tiles outside the default set included (e.g. ``te_fb_fwd_c8_e4m3xe4m3_bf16_tensor``).
-
-Used before GPU test/benchmark runs so the first call does not pay for compilation.
+``python -m cutlass_kernels tune --shapes FILE``: ``te-dist tune`` (``te_dist/tune.py``: the grouped-GEMM choices of
+a list of shapes measured ahead of a run) in its own process, since this package imports nothing of te_dist.
 """
 
 import argparse

@@ -40,6 +40,7 @@ class Fp8Instance:
     b_format: str = "e4m3"
     out_f32: bool = False
     tensor_scales: bool = False
+    accumulate: bool = False  # wgrad adding into its output (TE_FB_ACCUMULATE)
 
     def __post_init__(self):
         if self.direction not in KINDS:
@@ -57,7 +58,8 @@ class Fp8Instance:
     def name(self) -> str:
         out = "f32" if self.out_f32 else "bf16"
         scaling = "_tensor" if self.tensor_scales else ""
-        return f"te_fb_{self.direction}_c{self.config}_{self.a_format}x{self.b_format}_{out}{scaling}"
+        acc = "_acc" if self.accumulate else ""  # (wgrad only: the source's static_assert)
+        return f"te_fb_{self.direction}_c{self.config}_{self.a_format}x{self.b_format}_{out}{scaling}{acc}"
 
     @property
     def macros(self):
@@ -67,7 +69,8 @@ class Fp8Instance:
                 f"-DTE_FB_OUT_F32={int(self.out_f32)}", f"-DTE_FB_TENSOR_SCALES={int(self.tensor_scales)}",
                 f"-DTE_FB_SCHEDULE={SCHEDULES[schedule]}",
                 f"-DTE_FB_TILE_M={tile_m}", f"-DTE_FB_TILE_N={tile_n}",
-                f"-DTE_FB_CLUSTER_M={cluster_m}", f"-DTE_FB_CLUSTER_N={cluster_n}", f"-DTE_FB_EPI_N={sum(epilogue_n)}")
+                f"-DTE_FB_CLUSTER_M={cluster_m}", f"-DTE_FB_CLUSTER_N={cluster_n}", f"-DTE_FB_EPI_N={sum(epilogue_n)}",
+                f"-DTE_FB_ACCUMULATE={int(self.accumulate)}")
 
 
 def build_fp8_instance(inst: Fp8Instance, *, verbose: bool = False) -> Path:
@@ -82,14 +85,14 @@ _RUN_ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 3 + [ctypes.c_int64] +
 
 def _reported(lib) -> tuple:
     formats = lib.te_fb_formats()
-    return (lib.te_fb_kind(), lib.te_fb_config(), *((formats >> bit) & 1 for bit in range(4)))
+    return (lib.te_fb_kind(), lib.te_fb_config(), *((formats >> bit) & 1 for bit in range(5)))
 
 
 def _open_instance(key) -> GemmLibrary:
     """The library of one instance; a library that fails to open is rebuilt once, then BuildError."""
     inst = Fp8Instance(*key)
     expected = (KINDS[inst.direction], inst.config, int(inst.a_format == "e5m2"), int(inst.b_format == "e5m2"),
-                int(inst.out_f32), int(inst.tensor_scales))
+                int(inst.out_f32), int(inst.tensor_scales), int(inst.accumulate))
     return open_cutlass_source(SOURCE, inst.name, inst.macros,
                                lambda path: GemmLibrary(path, "te_fb", _RUN_ARGTYPES, _reported, expected))
 
@@ -98,9 +101,9 @@ _LIBRARIES = Libraries(_open_instance)
 
 
 def load_fp8(direction: str, config: int, a_format: str, b_format: str, out_f32: bool = False,
-             tensor_scales: bool = False) -> GemmLibrary:
+             tensor_scales: bool = False, accumulate: bool = False) -> GemmLibrary:
     """The library of one instance, built on first use (``build.Libraries`` says how it is kept)."""
-    return _LIBRARIES.get((direction, config, a_format, b_format, out_f32, tensor_scales))
+    return _LIBRARIES.get((direction, config, a_format, b_format, out_f32, tensor_scales, accumulate))
 
 
 def fp8_candidate_instances():
@@ -116,4 +119,6 @@ def all_fp8_instances():
     return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for d in KINDS for c in ((0, 1) if
             d != "wgrad" else (fp8_config(d, 1, 1),)) for a_format in (("e4m3",) if d == "fwd" else FORMATS)] + [
         Fp8Instance("fwd", c, tensor_scales=True) for c in (FP8_TENSOR_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K)] + [
-        Fp8Instance("dgrad", FP8_TENSOR_CONFIG, a_format, tensor_scales=True) for a_format in FORMATS]
+        Fp8Instance("dgrad", FP8_TENSOR_CONFIG, a_format, tensor_scales=True) for a_format in FORMATS] + [
+        Fp8Instance("wgrad", fp8_config("wgrad", 1, 1), a_format, tensor_scales=t, accumulate=True)
+        for t in (False, True) for a_format in FORMATS]  # accumulating wgrads (fp8_wgrad_accumulation)

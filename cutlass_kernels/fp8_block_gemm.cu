@@ -12,6 +12,7 @@
 //                                                          every group's first row a multiple of 128
 //   TE_FB_A_E5M2 / TE_FB_B_E5M2: the operand is e5m2 (HYBRID gradients) instead of e4m3.
 //   TE_FB_OUT_F32: fp32 output instead of bf16.
+//   TE_FB_ACCUMULATE (wgrad only): d += the product, in the epilogue (C = D); empty groups leave d as it is.
 //   TE_FB_TENSOR_SCALES: sfa and sfb each point at ONE float (the per-tensor scale_inv); the
 //     operands' layouts are as above, and wgrad's groups need only start on a 16-row boundary.
 //   TE_FB_SCHEDULE, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}: the tile (TILE_K is the scale block, 128).
@@ -32,32 +33,14 @@
 //
 // C ABI only (no torch headers). Per-group shapes, pointers and strides are written on the device from the int32
 // cumulative end offsets (no host sync, CUDA-graph capturable). Empty groups are legal; wgrad writes zeros for them.
-#include <cuda_runtime.h>
-#include <cstdint>
-#include <cstdio>
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/functional.h"
-#include "cutlass/numeric_types.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/util/packed_stride.hpp"
-
-#include "grouped_launch.cuh"
+#include "grouped_launch.cuh"  // CUTLASS's headers too
 
 // Every instance macro comes from cutlass_kernels/fp8_block.py (Fp8Instance.macros): none has a default,
 // so a library is never built as an instance other than the one its name and cache key say.
 #if !defined(TE_FB_KIND) || !defined(TE_FB_A_E5M2) || !defined(TE_FB_B_E5M2) || !defined(TE_FB_OUT_F32) || \
     !defined(TE_FB_TENSOR_SCALES) || !defined(TE_FB_CONFIG) || !defined(TE_FB_SCHEDULE) || !defined(TE_FB_TILE_M) || \
-    !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || !defined(TE_FB_CLUSTER_N) || !defined(TE_FB_EPI_N)
-#error "define TE_FB_{KIND,A_E5M2,B_E5M2,OUT_F32,TENSOR_SCALES,CONFIG,SCHEDULE,EPI_N}, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}"
+    !defined(TE_FB_TILE_N) || !defined(TE_FB_CLUSTER_M) || !defined(TE_FB_CLUSTER_N) || !defined(TE_FB_EPI_N) || !defined(TE_FB_ACCUMULATE)
+#error "define TE_FB_{KIND,A_E5M2,B_E5M2,OUT_F32,TENSOR_SCALES,CONFIG,SCHEDULE,EPI_N,ACCUMULATE}, TE_FB_TILE_{M,N}, TE_FB_CLUSTER_{M,N}"
 #endif
 
 using namespace cute;
@@ -67,6 +50,8 @@ namespace te_fb {
 constexpr int kFwd = 0, kDgrad = 1, kWgrad = 2;
 constexpr int kKind = TE_FB_KIND;
 constexpr bool kTensorScales = TE_FB_TENSOR_SCALES != 0;
+constexpr bool kAccumulate = TE_FB_ACCUMULATE != 0;
+static_assert(!kAccumulate || kKind == kWgrad, "TE_FB_ACCUMULATE: wgrad only");
 constexpr int kBlock = 128;  // the recipe's scale block along K (and the 128x128 weight blocks)
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
@@ -118,8 +103,10 @@ using TensorScaleEpilogue = cutlass::epilogue::fusion::Sm90EVT<
         cutlass::epilogue::fusion::Sm90ScalarBroadcast<float>, cutlass::epilogue::fusion::Sm90AccFetch>,
     cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape_, float*, float, Stride<_0, _1, _0>, 4>>;
 
-using Epilogue = cute::conditional_t<kTensorScales, TensorScaleEpilogue<TileShape, ElementD>,
-                                     te_grouped::RowScaleBiasEpilogue<TileShape, ElementD>>;
+using AccumulateEpilogue = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementD, float>;  // d += alpha*acc
+using Epilogue = cute::conditional_t<kAccumulate, AccumulateEpilogue, cute::conditional_t<
+    kTensorScales, TensorScaleEpilogue<TileShape, ElementD>, te_grouped::RowScaleBiasEpilogue<TileShape, ElementD>>>;
+using ElementC = cute::conditional_t<kAccumulate, ElementD, void>;
 
 // The mainloop's operand layouts: with block scales each operand's layout travels with its scales'.
 using MainloopLayoutA = cute::conditional_t<kTensorScales, LayoutA*, cute::tuple<LayoutA*, LayoutSFA*>>;
@@ -129,7 +116,7 @@ using EpilogueTile = cute::conditional_t<TE_FB_EPI_N == 0, cutlass::epilogue::co
                                          Shape<Int<TE_FB_TILE_M>, Int<TE_FB_EPI_N == 0 ? 32 : TE_FB_EPI_N>>>;
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, ElementAcc, float,
-    void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule, Epilogue>::CollectiveOp;
+    ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule, Epilogue>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -288,24 +275,31 @@ __global__ void prepare_kernel(const int32_t* __restrict__ offsets, int num_grou
   if (p.ptr_bias != nullptr) p.ptr_bias[e] = bias + static_cast<int64_t>(e) * n;
 }
 
+static auto source_of(ElementD** d) { if constexpr (kAccumulate) return const_cast<const ElementD**>(d); else return nullptr; }
+
 static typename Gemm::Arguments make_arguments(int num_groups, const WsLayout& l, char* ws, bool has_scale,
                                                bool has_bias, int sm_count, int device_id) {
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = device_id;
   hw_info.sm_count = sm_count;
   DevicePtrs p = device_ptrs(ws, l, has_scale, has_bias);
-#if TE_FB_TENSOR_SCALES  // the two branches' Arguments differ in shape: a constexpr if would compile both
+#if TE_FB_ACCUMULATE  // the branches' Arguments differ in shape: a constexpr if would compile them all
+  typename CollectiveEpilogue::FusionCallbacks::Arguments fusion{1.0f, 1.0f, kTensorScales ? p.alpha : nullptr};
+#elif TE_FB_TENSOR_SCALES
   typename Epilogue::Arguments fusion{{p.ptr_scale, 1.0f, {}}, {{{1.0f}, {p.alpha}, {}}, {}, {}}, {p.ptr_bias, 0.0f, {}}, {}};
-  typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b};
 #else
   auto fusion = te_grouped::row_scale_bias_arguments<Epilogue>(p.ptr_scale, p.ptr_bias);
+#endif
+#if TE_FB_TENSOR_SCALES
+  typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b};
+#else
   typename GemmKernel::MainloopArguments mainloop{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_sfa, p.layout_sfa, p.ptr_sfb,
                                             p.layout_sfb};
 #endif
   return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
                                   {num_groups, p.shapes, nullptr},
                                   mainloop,
-                                  {fusion, nullptr, p.stride_d, p.ptr_d, p.stride_d},
+                                  {fusion, source_of(p.ptr_d), p.stride_d, p.ptr_d, p.stride_d},
                                   hw_info};
 }
 
@@ -325,7 +319,8 @@ extern "C" {
 int te_fb_kind() { return TE_FB_KIND; }
 int te_fb_config() { return TE_FB_CONFIG; }
 int te_fb_formats() {
-  return (TE_FB_A_E5M2 ? 1 : 0) | (TE_FB_B_E5M2 ? 2 : 0) | (TE_FB_OUT_F32 ? 4 : 0) | (TE_FB_TENSOR_SCALES ? 8 : 0);
+  return (TE_FB_A_E5M2 ? 1 : 0) | (TE_FB_B_E5M2 ? 2 : 0) | (TE_FB_OUT_F32 ? 4 : 0) | (TE_FB_TENSOR_SCALES ? 8 : 0) |
+         (TE_FB_ACCUMULATE ? 16 : 0);
 }
 
 const char* te_fb_last_error() { return te_grouped::g_error; }
@@ -371,7 +366,7 @@ int te_fb_run(const void* a, const void* b, void* d, const float* sfa, const flo
   prepare_kernel<<<blocks, threads, 0, stream>>>(offsets, num_groups, n, k, num_rows, static_cast<const ElementA*>(a),
                                                  static_cast<const ElementB*>(b), static_cast<ElementD*>(d), sfa_used,
                                                  sfb, row_scale, bias, p);
-  if constexpr (kKind == kWgrad) {
+  if constexpr (kKind == kWgrad && !kAccumulate) {
     int64_t vec16 = static_cast<int64_t>(n) * k * sizeof(ElementD) / 16;
     te_grouped::zero_empty_kernel<<<dim3(num_groups, 16), 256, 0, stream>>>(offsets, vec16, static_cast<uint4*>(d));
   }

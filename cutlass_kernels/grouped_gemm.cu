@@ -6,7 +6,6 @@
 //                 2 wgrad : dw[e][N,K] = dy_e^T @ x_e    (A=dy M-major, B=x N-major, K=rows of e)
 //   TE_GG_CONFIG  config id of cutlass_kernels/heuristics.py CONFIGS (reported by te_gg_config());
 //                 its schedule/tile/cluster arrive as TE_GG_SCHEDULE, TE_GG_TILE_*, TE_GG_CLUSTER_*
-//   (cutlass_kernels/heuristics.py picks one config per call.)
 //   TE_GG_OUT_F32 0 bf16 out, 1 fp32 out.   Inputs bf16, accumulate fp32.
 // Epilogue (fused, per group e): out = row_scale[row] * acc + bias[e][col]; either may be null.
 //
@@ -14,24 +13,9 @@
 // problem shapes / pointers / strides are written ON THE DEVICE from the int32 cumulative end
 // offsets by te_gg_prepare (no host sync, CUDA-graph capturable). Experts with zero rows get a
 // zero-sized problem (no tiles); wgrad writes zeros for them (their dw is defined: 0).
-#include <cuda_runtime.h>
-#include <cstdint>
-#include <cstdio>
 #include <cstring>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/functional.h"
-#include "cutlass/numeric_types.h"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/util/packed_stride.hpp"
-
-#include "grouped_launch.cuh"
+#include "grouped_launch.cuh"  // CUTLASS's headers too
 
 // Every instance macro comes from cutlass_kernels/build.py (Instance.macros): none has a default, so a
 // library is never built as an instance other than the one its name and cache key say.

@@ -162,14 +162,14 @@ def _forced_fp8_tile(fb, direction, current):
 
 
 def _launch_fp8(direction, a, a_scale, b, b_scale, d, offsets_E, num_groups, n, k, num_rows, bias, row_scale,
-                group_sizes, per_tensor: bool):
+                group_sizes, per_tensor: bool, accumulate: bool = False):
     """One FP8 kernel call; ``per_tensor``: a_scale and b_scale are one float each (the
-    tensor-scaled instances), else block-scale tables."""
+    tensor-scaled instances), else block-scale tables; ``accumulate``: wgrad adds into ``d``."""
     fb, current = kernels_module().fp8_block, _settings.current()
     config = fb.choose_fp8_config(direction, num_rows, num_groups, group_sizes, contraction=k,
                                   columns=n if direction == "fwd" else k, tensor_scales=per_tensor,
                                   fast=current.fp8_fprop_fast_accum, forced=_forced_fp8_tile(fb, direction, current))
-    lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor)
+    lib = fb.load_fp8(direction, config, fp8_format(a), fp8_format(b), d.dtype == torch.float32, per_tensor, accumulate)
     scratch = None
     if direction != "wgrad" and not per_tensor:
         scratch = torch.empty(a_scale.numel(), dtype=torch.float32, device=a.device)
@@ -201,19 +201,19 @@ def fp8_dgrad(dyq, wq, offsets_E, out_dtype=torch.bfloat16, group_sizes=None):
     return _fp8_rows("dgrad", dyq, wq, offsets_E, None, None, out_dtype, group_sizes)
 
 
-def fp8_wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_sizes=None):
+def fp8_wgrad(xq, dyq, offsets_E, num_groups: int, out_dtype=torch.bfloat16, group_sizes=None, out=None):
     """dw[e] = dy_e^T @ x_e as [E, N, K] from columnwise copies (every group's first row aligned;
-    no size-dependent tile: wgrad pads no rows)."""
+    no size-dependent tile: wgrad pads no rows); ``out``: dw added into it in the kernel's epilogue."""
     (T, K), N = xq.shape, dyq.shape[1]
     per_tensor = tensor_scales(xq, dyq)
     dyT, dyT_scale = columnwise_operand(dyq, scale_tables=not per_tensor)
     xT, xT_scale = columnwise_operand(xq, scale_tables=not per_tensor)
-    dw = torch.empty(num_groups, N, K, device=dyT.device, dtype=out_dtype)
-    if num_groups and T == 0:
+    dw = torch.empty(num_groups, N, K, device=dyT.device, dtype=out_dtype) if out is None else out
+    if num_groups and T == 0 and out is None:
         dw.zero_()
-    elif num_groups:
+    elif num_groups and T:
         _launch_fp8("wgrad", dyT, dyT_scale, xT, xT_scale, dw, offsets_E, num_groups, N, K, T, None, None, None,
-                    per_tensor)
+                    per_tensor, out is not None)
     return dw
 
 

@@ -180,8 +180,6 @@ def candidates(p: Problem, *, cutlass_built: Callable[[], bool], torch_grouped: 
     return out
 
 
-# --------------------------------------------------------------------------- FP8
-
 
 def quantized_why_not(device, k: int, n: int, out_dtype, b_format: str, block_scales: bool = True) -> Optional[str]:
     """None when our FP8 kernels can run a call with these properties, else why not (the device part is the

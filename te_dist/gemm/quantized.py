@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import settings as _settings
 from . import cutlass_backend, decide, fp8_loop_backend
 from .fp8_operands import QuantizedWeight, copy_format, dequantized, fp8_format, tensor_scales
 from .entry import grouped_mm_dgrad, grouped_mm_forward, grouped_mm_wgrad
@@ -31,9 +32,10 @@ def _emulated_dgrad(dyq, wq, offsets_E, out_dtype, group_sizes):
                             group_sizes=group_sizes, validate=False)
 
 
-def _emulated_wgrad(xq, dyq, offsets_E, num_groups, out_dtype, group_sizes=None):
+def _emulated_wgrad(xq, dyq, offsets_E, num_groups, out_dtype, group_sizes=None, out=None):
     x, dy = dequantized(xq, "columnwise", out_dtype), dequantized(dyq, "columnwise", out_dtype)
-    return grouped_mm_wgrad(x, dy, offsets_E, num_groups=num_groups, out_dtype=out_dtype, validate=False).transpose(1, 2)
+    dw = grouped_mm_wgrad(x, dy, offsets_E, num_groups=num_groups, out_dtype=out_dtype, validate=False).transpose(1, 2)
+    return dw if out is None else out.add_(dw)
 
 
 _RUN = {  # direction -> {backend: function}, every one taking the direction's arguments
@@ -79,19 +81,28 @@ def grouped_mm_quantized_dgrad(dyq, wq: QuantizedWeight, offsets_E, *, out_dtype
 
 
 def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype=torch.bfloat16, backend=None,
-                               group_sizes=None) -> torch.Tensor:
+                               group_sizes=None, accumulate_into=None) -> torch.Tensor:
     """dw[e] = dy_e^T @ x_e as [E, N, K] from the columnwise copies of quantized x [T, K] and dy [T, N].
     Every group's first row must be a multiple of the recipe's split alignment (128 for block
-    scales, 16 for per-tensor): the caller guarantees it (the support predicates ask)."""
+    scales, 16 for per-tensor): the caller guarantees it (the support predicates ask).
+    ``accumulate_into``: a contiguous [E, N, K] tensor of ``out_dtype`` that dw is added into (and returned): by
+    the CUTLASS kernels' epilogue where ``te_dist.settings.fp8_wgrad_accumulation`` is on, else after the GEMM."""
     check_quantized("xq", xq, 2)
     check_quantized("dyq", dyq, 2)
     if xq.shape[0] != dyq.shape[0]:
         raise ValueError(f"xq has {xq.shape[0]} rows but dyq has {dyq.shape[0]}")
-    (T, K), N = xq.shape, dyq.shape[1]
-    device = xq.device
+    (T, K), N, device, acc = xq.shape, dyq.shape[1], xq.device, accumulate_into
     check_offsets_tensor(offsets_E, num_groups, "xq", device)
+    if acc is not None and not (isinstance(acc, torch.Tensor) and acc.shape == (num_groups, N, K) and acc.dtype ==
+                                out_dtype and acc.device == device and acc.is_contiguous()):
+        got = f"{tuple(acc.shape)} {acc.dtype} on {acc.device}{'' if acc.is_contiguous() else ', not contiguous'}" \
+            if isinstance(acc, torch.Tensor) else type(acc).__name__
+        raise ValueError(f"accumulate_into must be a contiguous {(num_groups, N, K)} {out_dtype} tensor on {device}, "
+                         f"received {got}")
     name = decide.choose_quantized(
         device, K, N, out_dtype=out_dtype, b_format=copy_format(xq, "columnwise"), backend=backend,
         group_sizes=group_sizes, num_rows=T, num_groups=num_groups, block_scales=not tensor_scales(xq, dyq),
         a_format=copy_format(dyq, "columnwise"), wgrad=True, contraction=T)
-    return _RUN["wgrad"][name](xq, dyq, offsets_E, num_groups, out_dtype, group_sizes)
+    fused = acc is not None and name == "cutlass" and _settings.current().fp8_wgrad_accumulation  # in the epilogue
+    dw = _RUN["wgrad"][name](xq, dyq, offsets_E, num_groups, out_dtype, group_sizes, **({"out": acc} if fused else {}))
+    return dw if acc is None or fused else acc.add_(dw)  # else autograd's own in-place add, after the GEMM

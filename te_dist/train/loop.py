@@ -183,12 +183,23 @@ def _build(cfg: JobConfig, phase: RankPhase, fault: Optional[FaultInjection], *,
     data = build_data(cfg, plan)
     model = build_model(m, seed=t.seed, ep_group=rt.groups.ep_group, device=rt.device,
                         transport=cfg.parallel.transport)
+    fuse_expert_wgrad_accumulation(model)
     kwargs = dict(lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay,
                   **_optimizer_impl(rt.device, t.fused_optimizer))  # CPU: the plain loop, as in every CPU run
     optimizer = AdamWWithFP8Copies(model.parameters(), copies_of=[model], **kwargs) \
         if t.fp8_optimizer_copies and recipe is not None else torch.optim.AdamW(model.parameters(), **kwargs)
     return _Job(rt, recipe, agreed_key, data, model, optimizer, GradientReducer(model, rt), ep_size, t.micro_batches,
                 t.fused_loss, BatchAhead(data, rt.rank, rt.world_size))
+
+
+def fuse_expert_wgrad_accumulation(model: torch.nn.Module) -> None:
+    """While ``te_dist.settings.fp8_wgrad_accumulation`` is on, the expert ops add their FP8 weight gradients into
+    ``.grad`` themselves (``fuse_wgrad_accumulation``): nothing here hooks a gradient's accumulation
+    (``GradientReducer`` reduces after the backward), the condition that attribute asks of its caller."""
+    on = settings.current().fp8_wgrad_accumulation
+    for module in model.modules():
+        if hasattr(module, "fuse_wgrad_accumulation"):
+            module.fuse_wgrad_accumulation = on
 
 
 def _drives_weight_copies(job: _Job) -> bool:

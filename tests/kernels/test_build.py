@@ -124,11 +124,12 @@ def _full_build(inst, tmp_path):
     return path
 
 
-def _fp8_build(tmp_path):
-    """The block-scaled FP8 kernels (the wgrad instance: 1x1x128 scale granularity, an e5m2 operand)."""
-    from cutlass_kernels.fp8_block import Fp8Instance, build_fp8_instance
+def _fp8_build(tmp_path, inst):
+    """An FP8 kernel instance: the block-scaled wgrad (1x1x128 scale granularity, an e5m2 operand), and the
+    tensor-scaled wgrad that adds into its output (its epilogue reads the output as its source)."""
+    from cutlass_kernels.fp8_block import build_fp8_instance
 
-    path = build_fp8_instance(Fp8Instance("wgrad", 0, a_format="e5m2"))
+    path = build_fp8_instance(inst)
     assert path.exists() and path.parent == tmp_path
     symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True, check=True).stdout
     for name in ("te_fb_run", "te_fb_workspace_bytes", "te_fb_kind", "te_fb_formats", "te_fb_last_error"):
@@ -154,7 +155,12 @@ def test_nvcc_compiles_every_cutlass_source_and_direction(tmp_path, monkeypatch)
     if ck.find_cutlass() is None:
         pytest.fail("nvcc is present but the CUTLASS headers are not: pip install --no-deps nvidia-cutlass")
     monkeypatch.setenv("TE_DIST_CACHE", str(tmp_path))
-    jobs = {BUILT.name: lambda: _full_build(BUILT, tmp_path), "fp8 wgrad e5m2": lambda: _fp8_build(tmp_path)}
+    from cutlass_kernels.fp8_block import Fp8Instance
+
+    jobs = {BUILT.name: lambda: _full_build(BUILT, tmp_path),
+            "fp8 wgrad e5m2": lambda: _fp8_build(tmp_path, Fp8Instance("wgrad", 0, a_format="e5m2")),
+            "fp8 wgrad accumulating": lambda: _fp8_build(tmp_path, Fp8Instance("wgrad", 0, tensor_scales=True,
+                                                                               accumulate=True))}
     for inst in DEVICE_CODE:
         jobs[f"{inst.name} (device code)"] = lambda inst=inst: _compile_device_code(inst, tmp_path / f"{inst.name}.ptx")
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each nvcc is one process: they overlap

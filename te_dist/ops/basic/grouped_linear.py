@@ -29,6 +29,9 @@ Features off the kernels' 128 grid take the native path zero padded to it
 (:mod:`.feature_padding`) while ``te_dist.settings.fp8_pad_off_grid`` is on; off, the emulated path.
 Under the per-tensor recipes features on a multiple of 16 go unpadded
 (``te_dist.settings.fp8_unpadded_tensor_scales``): their kernels have no 128-wide scale blocks.
+With ``fuse_wgrad_accumulation`` set (TransformerEngine's name; the caller's word that nothing hooks the
+weight's gradient accumulation, as torch DDP does) the native path adds its weight gradient into an
+existing ``weight.grad`` itself and hands autograd none: see :meth:`GroupedLinear._wgrad_accumulator`.
 """
 
 from __future__ import annotations
@@ -234,6 +237,7 @@ class GroupedLinear(BasicOperation):
         self._weight_copy = WeightCopy()  # the native FP8 path's weight copy
         # None: cast the weight at every forward; True / False: TransformerEngine's micro-batch protocol
         self.is_first_microbatch = None
+        self.fuse_wgrad_accumulation = False  # the native path adds its wgrad into weight.grad (module doc)
         self._emulated_said_for = None  # (recipe key, device) whose emulated path this op has reported
         # the quantized grouped kernels tile both features by 128 (the scale block): None on the grid, else
         # the zero padding the native path adds (while te_dist.settings.fp8_pad_off_grid is on)
@@ -501,12 +505,33 @@ class GroupedLinear(BasicOperation):
                 dx = rows_in.sum_back(dx)
         dw = None
         if weight_rg:
+            grad = self._wgrad_accumulator(pad)
             dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype,
-                                              group_sizes=group_sizes)
-            if pad is not None:
+                                              group_sizes=group_sizes, accumulate_into=grad)
+            if grad is not None:
+                dw = None  # added into weight.grad already: autograd adds nothing
+            elif pad is not None:
                 dw = pad.weight_grad(dw)
         db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
         return dx, dw, db
+
+    def _wgrad_accumulator(self, pad) -> Optional[torch.Tensor]:
+        """``weight.grad`` where the native wgrad adds into it itself, as autograd would add (in place) after:
+        ``fuse_wgrad_accumulation`` set, a gradient already there (a later micro-batch of an accumulation) in the
+        weight's dtype and layout, features not zero padded, a backward that adds into ``.grad`` (autograd.grad does
+        not), and no graph of the backward (``create_graph``: autograd's add is out of place then). Where
+        ``te_dist.settings.fp8_wgrad_accumulation`` is on the add runs in the GEMM's epilogue (the accumulating
+        kernels), else right after it: the bits autograd's add gives."""
+        grad = self.weight.grad
+        if not self.fuse_wgrad_accumulation or grad is None or pad is not None or torch.is_grad_enabled():
+            return None
+        if type(grad) is not torch.Tensor or grad.dtype != self.weight.dtype or not grad.is_contiguous():
+            return None
+        try:  # a backward that adds nothing into .grad (autograd.grad, backward(inputs=...) without the weight)
+            edge = torch.autograd.graph.get_gradient_edge(self.weight)
+            return grad if torch._C._will_engine_execute_node(edge.node) else None
+        except (AttributeError, RuntimeError):  # autograd.grad of the weight itself: its result is returned
+            return None
 
     def grouped_dgrad(self, ctx: OpContext, dyq):
         """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: the GEMM rows'
