@@ -66,8 +66,10 @@ class Arm:
 
     def __init__(self, layer, recipe, micro_batches, fixed=False, copies=False, accumulate=False):
         self.layer, self.recipe, self.micro, self.fixed, self.copies = layer, recipe, micro_batches, fixed, copies
-        td.settings.set_for_process(fp8_wgrad_accumulation=accumulate)  # for the arm's whole run (no new generation
-        for module in layer.modules():  # per micro-batch); the layer is shared: every arm sets its own word
+        # the switch for the arm's whole run (no new settings generation per micro-batch); the layer is shared, so
+        # every arm sets its own word
+        td.settings.set_for_process(fp8_wgrad_accumulation=accumulate)
+        for module in layer.modules():
             if hasattr(module, "fuse_wgrad_accumulation"):
                 module.fuse_wgrad_accumulation = accumulate
         params = [p for p in layer.parameters() if p.requires_grad]
