@@ -315,7 +315,7 @@ def fake_fp8_library(monkeypatch):
             return 256
 
         def run(self, a, b, d, sfa, sfb, scratch, offsets, groups, n, k, rows, *rest):
-            calls[-1].update(sfa=sfa, sfb=sfb, scratch=scratch, n=n, k=k, rows=rows)
+            calls[-1].update(d=d, sfa=sfa, sfb=sfb, scratch=scratch, n=n, k=k, rows=rows)
             return 0
 
     rule = {}  # what the last launch told the tile rule
@@ -331,9 +331,9 @@ def fake_fp8_library(monkeypatch):
             return 0 if forced is None else forced
 
         @staticmethod
-        def load_fp8(direction, config, a_format, b_format, out_f32, tensor_scales):
+        def load_fp8(direction, config, a_format, b_format, out_f32, tensor_scales, accumulate=False):
             calls.append(dict(direction=direction, config=config, formats=(a_format, b_format),
-                              tensor_scales=tensor_scales, rule=dict(rule)))
+                              tensor_scales=tensor_scales, accumulate=accumulate, rule=dict(rule)))
             return FakeLib()
 
     class FakeKernels:
@@ -378,6 +378,31 @@ def test_kernel_launch_takes_the_recipes_scales_as_they_are(fake_fp8_library, re
         w1 = K.prepare_quantized_weight(qw(torch.randn(1, 128, 128), rowwise=True, columnwise=True))
         cb.fp8_forward(one, w1, torch.tensor([1], dtype=torch.int32))
         assert calls[-1]["direction"] == "fwd" and calls[-1]["tensor_scales"] is False
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("in_epilogue", [False, True])
+def test_an_accumulating_wgrad_launches_into_the_gradient_given(fake_fp8_library, monkeypatch, recipe, in_epilogue):
+    """accumulate_into on the kernels' path: with te_dist.settings.fp8_wgrad_accumulation on, the accumulating
+    instance writes into the gradient itself (its pointer is the launch's output); off, the plain instance writes a
+    new buffer and the add follows. Either way the gradient given is what comes back."""
+    from te_dist import settings, support
+    from te_dist.gemm import decide
+
+    monkeypatch.setattr(decide, "choose_quantized", lambda *a, **k: "cutlass")
+    monkeypatch.setattr(support, "fp8_kernels_available", lambda *a: True)
+    calls = fake_fp8_library
+    E, Kin, N, sizes = 2, 256, 384, (128, 256)
+    xq = make_quantizer(recipe, "input")(torch.randn(sum(sizes), Kin), rowwise=True, columnwise=True)
+    dyq = make_quantizer(recipe, "grad_output")(torch.randn(sum(sizes), N), rowwise=True, columnwise=True)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    grad = torch.zeros(E, N, Kin, dtype=torch.bfloat16)
+    with settings.override(fp8_wgrad_accumulation=in_epilogue):
+        out = K.grouped_mm_quantized_wgrad(xq, dyq, offs, num_groups=E, accumulate_into=grad)
+    assert out is grad and len(calls) == 1
+    assert calls[0]["direction"] == "wgrad" and calls[0]["accumulate"] is in_epilogue
+    assert (calls[0]["d"] == grad.data_ptr()) is in_epilogue
+    assert calls[0]["tensor_scales"] is not isinstance(recipe, R.Float8BlockScaling)
 
 
 def test_the_fp8_tile_setting_reaches_every_launch(fake_fp8_library):
