@@ -49,6 +49,7 @@ import torch
 import timing  # noqa: I001 - first: this checkout's te_dist on the path
 import te_dist as td
 from te_dist.moe import MoELayer
+from te_dist.ops.basic.grouped_linear import set_fuse_wgrad_accumulation
 from te_dist.optim import AdamWWithFP8Copies
 from te_dist.recipe import recipe_from_name
 
@@ -69,9 +70,7 @@ class Arm:
         # the switch for the arm's whole run (no new settings generation per micro-batch); the layer is shared, so
         # every arm sets its own word
         td.settings.set_for_process(fp8_wgrad_accumulation=accumulate)
-        for module in layer.modules():
-            if hasattr(module, "fuse_wgrad_accumulation"):
-                module.fuse_wgrad_accumulation = accumulate
+        set_fuse_wgrad_accumulation(layer, accumulate)
         params = [p for p in layer.parameters() if p.requires_grad]
         # copies: the update writes the expert weights' copies, which the next step's first forward takes
         self.optimizer = None if fixed else AdamWWithFP8Copies(params, lr=1e-5, fused=True, copies_of=[layer]) \

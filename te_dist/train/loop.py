@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .. import settings
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
+from ..ops.basic.grouped_linear import set_fuse_wgrad_accumulation
 from ..ops.basic.weight_copy import set_first_microbatch
 from ..optim import AdamWWithFP8Copies
 from .batch_ahead import BatchAhead
@@ -196,10 +197,7 @@ def fuse_expert_wgrad_accumulation(model: torch.nn.Module) -> None:
     """While ``te_dist.settings.fp8_wgrad_accumulation`` is on, the expert ops add their FP8 weight gradients into
     ``.grad`` themselves (``fuse_wgrad_accumulation``): nothing here hooks a gradient's accumulation
     (``GradientReducer`` reduces after the backward), the condition that attribute asks of its caller."""
-    on = settings.current().fp8_wgrad_accumulation
-    for module in model.modules():
-        if hasattr(module, "fuse_wgrad_accumulation"):
-            module.fuse_wgrad_accumulation = on
+    set_fuse_wgrad_accumulation(model, settings.current().fp8_wgrad_accumulation)
 
 
 def _drives_weight_copies(job: _Job) -> bool:

@@ -52,7 +52,7 @@ from .weight_copy import WeightCopy, check_microbatch_flag
 
 __all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
            "remember_split_alignment", "split_rows", "check_rows_out", "cast_weight_copy",
-           "wgrad_copy"]
+           "wgrad_copy", "set_fuse_wgrad_accumulation"]
 
 _kernels = None
 _support = None
@@ -574,6 +574,14 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+def set_fuse_wgrad_accumulation(model: torch.nn.Module, on: bool) -> None:
+    """Set ``fuse_wgrad_accumulation`` on every module of ``model`` that has it (the expert GroupedLinears), as
+    ``set_first_microbatch`` sets its flag: the caller's word for the whole model (module doc)."""
+    for op in model.modules():
+        if hasattr(op, "fuse_wgrad_accumulation"):
+            op.fuse_wgrad_accumulation = on
 
 
 def bias_grad(dy, offsets, num_groups, dtype):
