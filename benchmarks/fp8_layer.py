@@ -49,7 +49,7 @@ import torch
 import timing  # noqa: I001 - first: this checkout's te_dist on the path
 import te_dist as td
 from te_dist.moe import MoELayer
-from te_dist.ops.basic.grouped_linear import set_fuse_wgrad_accumulation
+from te_dist.ops.basic.wgrad_accumulation import set_fuse_wgrad_accumulation
 from te_dist.optim import AdamWWithFP8Copies
 from te_dist.recipe import recipe_from_name
 

@@ -25,7 +25,7 @@
 #                                          # step off against on, then where the step idles (CONFIG=deepseek_like)
 #   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (2 by default): the block-cast GPU tests
 #                                          # (every launch), each launch's cast time, the job's block step per launch
-#   bash benchmarks/run_fp8_gpu.sh wgrad_acc  # fp8_wgrad_accumulation (off by default): the accumulating wgrad's GPU
+#   bash benchmarks/run_fp8_gpu.sh wgrad_acc  # fp8_wgrad_accumulation (on by default): the accumulating wgrad's GPU
 #                                          # test, the layer's :acc rows at M = 4, then te-dist train at 4
 #                                          # micro-batches with it off, then on
 #                                          # (CONFIG=deepseek_like; the accumulating instances built first)

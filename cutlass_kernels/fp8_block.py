@@ -114,11 +114,11 @@ def fp8_candidate_instances():
 
 
 def all_fp8_instances():
-    """The instances the three recipes' formats need, block and tensor scales: E4M3 everywhere, and
-    HYBRID's e5m2 gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output; tensor scales' own tiles."""
+    """The instances the three recipes' formats need, block and tensor scales: E4M3 everywhere, and HYBRID's e5m2
+    gradients (dgrad's A = dy, wgrad's A = dy^T); bf16 output (accumulating wgrads: float32 too); their own tiles."""
     return [Fp8Instance(d, c, a_format, tensor_scales=t) for t in (False, True) for d in KINDS for c in ((0, 1) if
             d != "wgrad" else (fp8_config(d, 1, 1),)) for a_format in (("e4m3",) if d == "fwd" else FORMATS)] + [
         Fp8Instance("fwd", c, tensor_scales=True) for c in (FP8_TENSOR_CONFIG, FP8_FAST_LONG_K, FP8_FAST_SHORT_K)] + [
         Fp8Instance("dgrad", FP8_TENSOR_CONFIG, a_format, tensor_scales=True) for a_format in FORMATS] + [
-        Fp8Instance("wgrad", fp8_config("wgrad", 1, 1), a_format, tensor_scales=t, accumulate=True)
-        for t in (False, True) for a_format in FORMATS]  # accumulating wgrads (fp8_wgrad_accumulation)
+        Fp8Instance("wgrad", fp8_config("wgrad", 1, 1), a_format, out_f32=o, tensor_scales=t, accumulate=True) for t in
+        (False, True) for a_format in FORMATS for o in (False, True)]  # fp8_wgrad_accumulation; float32: main_grad

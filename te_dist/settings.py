@@ -258,11 +258,12 @@ class Settings:
         doc="the CUTLASS FP8 tile of every FP8 wgrad GEMM (an id of cutlass_kernels.heuristics.FP8_CONFIGS), for A/Bs "
             "of a wgrad tile in the training step; fp8_tile, where set, wins. None: the rule (heuristics.fp8_config).")
     fp8_wgrad_accumulation: bool = _field(
-        False, env="TE_DIST_FP8_WGRAD_ACCUMULATION", parse=_flag, check=_is_bool,
-        doc="an FP8 wgrad that adds into an existing gradient (GroupedLinear.fuse_wgrad_accumulation, set by te-dist "
-            "train while this is on) runs the CUTLASS instance whose epilogue reads and writes the gradient (d += "
-            "the product), with no pass of its own. False: the GEMM writes the product, then one add (autograd's). "
-            "Off: not yet run on a GPU.")
+        True, env="TE_DIST_FP8_WGRAD_ACCUMULATION", parse=_flag, check=_is_bool,
+        doc="an FP8 wgrad that adds into a gradient (GroupedLinear.fuse_wgrad_accumulation: Megatron's main_grad, or a "
+            "later micro-batch's weight.grad; te-dist train sets it on its experts while this is on) runs the CUTLASS "
+            "instance whose epilogue reads and writes the gradient (d += the product, bf16 or float32), with no pass "
+            "of its own. False: the GEMM writes the product, then one add (autograd's or Megatron's hook's), and "
+            "te-dist train leaves its experts' gradients to autograd.")
 
 
 def fields() -> Tuple[dataclasses.Field, ...]:

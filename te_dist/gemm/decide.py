@@ -209,7 +209,7 @@ def fp8_loop_why_not(*, device: torch.device, group_sizes: Optional[Sequence[int
     if out_dtype != torch.bfloat16:
         return f"the per-expert loop writes bfloat16, received out_dtype={out_dtype}"
     if epilogue:
-        return "a bias or row scale is fused by the grouped kernels only"
+        return "a bias or row scale, or a wgrad's add into the gradient, is fused by the grouped kernels only"
     if block_scales and any(f != "e4m3" for f in formats):
         return f"cuBLAS block scaling takes e4m3 operands, received {tuple(formats)}"
     if block_scales and not wgrad and contraction % 512:

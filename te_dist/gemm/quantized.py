@@ -4,8 +4,7 @@ They take the operands as the recipe's quantizers made them (``Float8Tensor`` or
 ``Float8BlockTensor`` activations, a weight prepared once per version by ``prepare_quantized_weight``)
 and run on our block-scaled CUTLASS kernels, on cuBLAS per expert, or on the emulated reference
 (dequantize the same operands, then the bf16 grouped GEMM) wherever the kernels cannot run
-(``decide.choose_quantized``). All multiply the same quantized values; only the accumulation differs.
-"""
+(``decide.choose_quantized``). All multiply the same quantized values; only the accumulation differs."""
 
 from __future__ import annotations
 
@@ -85,24 +84,25 @@ def grouped_mm_quantized_wgrad(xq, dyq, offsets_E, *, num_groups: int, out_dtype
     """dw[e] = dy_e^T @ x_e as [E, N, K] from the columnwise copies of quantized x [T, K] and dy [T, N].
     Every group's first row must be a multiple of the recipe's split alignment (128 for block
     scales, 16 for per-tensor): the caller guarantees it (the support predicates ask).
-    ``accumulate_into``: a contiguous [E, N, K] tensor of ``out_dtype`` that dw is added into (and returned): by
-    the CUTLASS kernels' epilogue where ``te_dist.settings.fp8_wgrad_accumulation`` is on, else after the GEMM."""
+    ``accumulate_into``: a contiguous [E, N, K] tensor, ``out_dtype`` or float32 (Megatron's main_grad), dw is added
+    into (returned): in the CUTLASS epilogue where ``te_dist.settings.fp8_wgrad_accumulation`` is on, else after it."""
     check_quantized("xq", xq, 2)
     check_quantized("dyq", dyq, 2)
     if xq.shape[0] != dyq.shape[0]:
         raise ValueError(f"xq has {xq.shape[0]} rows but dyq has {dyq.shape[0]}")
     (T, K), N, device, acc = xq.shape, dyq.shape[1], xq.device, accumulate_into
     check_offsets_tensor(offsets_E, num_groups, "xq", device)
-    if acc is not None and not (isinstance(acc, torch.Tensor) and acc.shape == (num_groups, N, K) and acc.dtype ==
-                                out_dtype and acc.device == device and acc.is_contiguous()):
+    if acc is not None and not (isinstance(acc, torch.Tensor) and acc.shape == (num_groups, N, K) and acc.dtype in
+                                (out_dtype, torch.float32) and acc.device == device and acc.is_contiguous()):
         got = f"{tuple(acc.shape)} {acc.dtype} on {acc.device}{'' if acc.is_contiguous() else ', not contiguous'}" \
             if isinstance(acc, torch.Tensor) else type(acc).__name__
-        raise ValueError(f"accumulate_into must be a contiguous {(num_groups, N, K)} {out_dtype} tensor on {device}, "
-                         f"received {got}")
-    name = decide.choose_quantized(
+        raise ValueError(f"accumulate_into must be a contiguous {(num_groups, N, K)} {out_dtype} or float32 tensor on "
+                         f"{device}, received {got}")
+    fused = [acc] if acc is not None and _settings.current().fp8_wgrad_accumulation else []  # the add in the epilogue
+    name = decide.choose_quantized(  # an epilogue: never cuBLAS per expert
         device, K, N, out_dtype=out_dtype, b_format=copy_format(xq, "columnwise"), backend=backend,
         group_sizes=group_sizes, num_rows=T, num_groups=num_groups, block_scales=not tensor_scales(xq, dyq),
-        a_format=copy_format(dyq, "columnwise"), wgrad=True, contraction=T)
-    fused = acc is not None and name == "cutlass" and _settings.current().fp8_wgrad_accumulation  # in the epilogue
-    dw = _RUN["wgrad"][name](xq, dyq, offsets_E, num_groups, out_dtype, group_sizes, **({"out": acc} if fused else {}))
+        a_format=copy_format(dyq, "columnwise"), epilogue=bool(fused), wgrad=True, contraction=T)
+    fused = fused if name == "cutlass" else []
+    dw = _RUN["wgrad"][name](xq, dyq, offsets_E, num_groups, acc.dtype if fused else out_dtype, group_sizes, *fused)
     return dw if acc is None or fused else acc.add_(dw)  # else autograd's own in-place add, after the GEMM

@@ -18,6 +18,8 @@ Legend: T tokens routed to this rank (sorted by local expert), H hidden size, F
 ``moe_ffn_hidden_size`` divided by the expert tensor-parallel size (ETP), E local experts.
 With ETP > 1 each rank holds its part of every expert's ffn, as Megatron's expert linears do;
 the token dispatcher gathers the tokens and reduce-scatters the outputs over the ETP group.
+``config.gradient_accumulation_fusion`` sets the expert GEMMs' ``fuse_wgrad_accumulation``: the native FP8 wgrad
+adds into Megatron's ``main_grad`` itself (``te_dist.ops.basic.wgrad_accumulation``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..moe.expert_mlp import build_expert_mlp
 from ..moe.init import init_experts_, on_seeded_global_rng
 from ..moe.padding import native_row_alignment, needs_padding, pad_expert_rows
 from ..ops import OperationFuser
+from ..ops.basic.wgrad_accumulation import set_fuse_wgrad_accumulation
 from ._compat import define_missing_te_general_gemm, require_megatron
 from .checkpoint import expert_tensor_factory
 from .recipe_config import resolve_recipe
@@ -187,6 +190,8 @@ class GroupedExperts(MegatronModule):
             self.__dict__["_fc1_fuser"] = OperationFuser([self.linear_fc1])
             self.__dict__["_fc2_fuser"] = OperationFuser([self.linear_fc2])
 
+        # Megatron's gradient_accumulation_fusion: the native FP8 wgrad adds into its DDP's main_grad itself
+        set_fuse_wgrad_accumulation(self, bool(getattr(config, "gradient_accumulation_fusion", False)))
         if config.perform_initialization:
             self._initialize(config)
         # Megatron's marking of expert parameters (its expert linears'): with expert parallelism

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .. import settings
 from ..autocast import autocast
 from ..distributed.bounded import wait_collective
-from ..ops.basic.grouped_linear import set_fuse_wgrad_accumulation
+from ..ops.basic.wgrad_accumulation import set_fuse_wgrad_accumulation
 from ..ops.basic.weight_copy import set_first_microbatch
 from ..optim import AdamWWithFP8Copies
 from .batch_ahead import BatchAhead

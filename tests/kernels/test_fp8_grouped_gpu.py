@@ -265,14 +265,16 @@ def test_layer_keeps_the_swiglu_input_in_fp8(cuda_device, name):
 @pytest.mark.parametrize("name", ["block", "block_hybrid", "current", "delayed"])
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"E{c[0]}_K{c[1]}_N{c[2]}")
 @pytest.mark.parametrize("in_epilogue", [False, True], ids=["add_after", "in_epilogue"])
-def test_accumulating_wgrad_adds_into_the_gradient(cuda_device, name, case, in_epilogue):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "main_grad_f32"])
+def test_accumulating_wgrad_adds_into_the_gradient(cuda_device, name, case, in_epilogue, dtype):
     """``accumulate_into``: the returned tensor is the one given, holding the old values plus dw (an empty expert's
     rows untouched); in the epilogue (te_dist.settings.fp8_wgrad_accumulation) one rounding of acc + the old value,
-    after the GEMM autograd's add of the rounded dw: both within bf16 rounding of the float32 sum."""
+    after the GEMM autograd's add of the rounded dw: both within bf16 rounding of the float32 sum (a float32
+    gradient, Megatron's main_grad, takes the float32 instances)."""
     E, Kin, N, sizes = case
     torch.manual_seed(2)
     xq, wq, dyq, offs = _operands(RECIPES[name](), E, Kin, N, sizes, cuda_device)
-    old = torch.randn(E, N, Kin, device=cuda_device, dtype=torch.bfloat16)
+    old = torch.randn(E, N, Kin, device=cuda_device, dtype=dtype)
     grad = old.clone()
     with td.settings.override(fp8_wgrad_accumulation=in_epilogue):
         out = K.grouped_mm_quantized_wgrad(xq, dyq, offs, num_groups=E, accumulate_into=grad)

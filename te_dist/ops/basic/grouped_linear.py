@@ -29,9 +29,8 @@ Features off the kernels' 128 grid take the native path zero padded to it
 (:mod:`.feature_padding`) while ``te_dist.settings.fp8_pad_off_grid`` is on; off, the emulated path.
 Under the per-tensor recipes features on a multiple of 16 go unpadded
 (``te_dist.settings.fp8_unpadded_tensor_scales``): their kernels have no 128-wide scale blocks.
-With ``fuse_wgrad_accumulation`` set (TransformerEngine's name; the caller's word that nothing hooks the
-weight's gradient accumulation, as torch DDP does) the native path adds its weight gradient into an
-existing ``weight.grad`` itself and hands autograd none: see :meth:`GroupedLinear._wgrad_accumulator`.
+With ``fuse_wgrad_accumulation`` set the native path adds its weight gradient into Megatron's ``main_grad`` or an
+existing ``.grad`` itself (:mod:`.wgrad_accumulation`).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ import torch
 from ... import settings
 from ...recipe import DelayedScaling, Float8CurrentScaling
 from ..op import BasicOperation, OpContext
+from . import wgrad_accumulation
 from ._quant import GemmQuantizers, fake_quantize_or_identity
 from .feature_padding import FeaturePadding
 from .row_gather import RowGather
@@ -52,7 +52,7 @@ from .weight_copy import WeightCopy, check_microbatch_flag
 
 __all__ = ["GroupedLinear", "GroupSplits", "split_sizes_to_groups", "host_split_alignment",
            "remember_split_alignment", "split_rows", "check_rows_out", "cast_weight_copy",
-           "wgrad_copy", "set_fuse_wgrad_accumulation"]
+           "wgrad_copy"]
 
 _kernels = None
 _support = None
@@ -237,7 +237,7 @@ class GroupedLinear(BasicOperation):
         self._weight_copy = WeightCopy()  # the native FP8 path's weight copy
         # None: cast the weight at every forward; True / False: TransformerEngine's micro-batch protocol
         self.is_first_microbatch = None
-        self.fuse_wgrad_accumulation = False  # the native path adds its wgrad into weight.grad (module doc)
+        self.fuse_wgrad_accumulation = False  # the native wgrad adds into main_grad / .grad (wgrad_accumulation)
         self._emulated_said_for = None  # (recipe key, device) whose emulated path this op has reported
         # the quantized grouped kernels tile both features by 128 (the scale block): None on the grid, else
         # the zero padding the native path adds (while te_dist.settings.fp8_pad_off_grid is on)
@@ -457,6 +457,7 @@ class GroupedLinear(BasicOperation):
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale`` (dy: the op's output gradient)."""
+        wgrad_accumulation.not_added_yet(self.weight)
         if isinstance(ctx.saved[2], kernels().QuantizedWeight):
             return self._quantized_backward(ctx, dy)
         dy = self.gemm_output_grad(ctx, dy)
@@ -509,29 +510,15 @@ class GroupedLinear(BasicOperation):
             dw = k.grouped_mm_quantized_wgrad(xq, dyq, offsets, num_groups=self.num_groups, out_dtype=self.weight.dtype,
                                               group_sizes=group_sizes, accumulate_into=grad)
             if grad is not None:
-                dw = None  # added into weight.grad already: autograd adds nothing
+                dw = wgrad_accumulation.added_into(self.weight, grad)
             elif pad is not None:
                 dw = pad.weight_grad(dw)
         db = bias_grad(dy, offsets, self.num_groups, self.bias.dtype) if bias_rg else None
         return dx, dw, db
 
     def _wgrad_accumulator(self, pad) -> Optional[torch.Tensor]:
-        """``weight.grad`` where the native wgrad adds into it itself, as autograd would add (in place) after:
-        ``fuse_wgrad_accumulation`` set, a gradient already there (a later micro-batch of an accumulation) in the
-        weight's dtype and layout, features not zero padded, a backward that adds into ``.grad`` (autograd.grad does
-        not), and no graph of the backward (``create_graph``: autograd's add is out of place then). Where
-        ``te_dist.settings.fp8_wgrad_accumulation`` is on the add runs in the GEMM's epilogue (the accumulating
-        kernels), else right after it: the bits autograd's add gives."""
-        grad = self.weight.grad
-        if not self.fuse_wgrad_accumulation or grad is None or pad is not None or torch.is_grad_enabled():
-            return None
-        if type(grad) is not torch.Tensor or grad.dtype != self.weight.dtype or not grad.is_contiguous():
-            return None
-        try:  # a backward that adds nothing into .grad (autograd.grad, backward(inputs=...) without the weight)
-            edge = torch.autograd.graph.get_gradient_edge(self.weight)
-            return grad if torch._C._will_engine_execute_node(edge.node) else None
-        except (AttributeError, RuntimeError):  # autograd.grad of the weight itself: its result is returned
-            return None
+        """The gradient the native wgrad adds into itself (:mod:`.wgrad_accumulation`), or None: autograd adds."""
+        return wgrad_accumulation.accumulator(self.weight) if self.fuse_wgrad_accumulation and pad is None else None
 
     def grouped_dgrad(self, ctx: OpContext, dyq):
         """``dx = dy @ W_e`` per group (None when the input needs no gradient); ``dyq``: the GEMM rows'
@@ -551,6 +538,7 @@ class GroupedLinear(BasicOperation):
         activation backward, which needs dgrad's result."""
         _, _, _, (offsets, group_sizes), weight_rg, bias_rg, _ = ctx.saved
         ctx.saved = ()
+        wgrad_accumulation.not_added_yet(self.weight)
         dw = None
         if weight_rg:
             dw = kernels().grouped_mm_wgrad(
@@ -574,14 +562,6 @@ class GroupedLinear(BasicOperation):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
-
-
-def set_fuse_wgrad_accumulation(model: torch.nn.Module, on: bool) -> None:
-    """Set ``fuse_wgrad_accumulation`` on every module of ``model`` that has it (the expert GroupedLinears), as
-    ``set_first_microbatch`` sets its flag: the caller's word for the whole model (module doc)."""
-    for op in model.modules():
-        if hasattr(op, "fuse_wgrad_accumulation"):
-            op.fuse_wgrad_accumulation = on
 
 
 def bias_grad(dy, offsets, num_groups, dtype):
