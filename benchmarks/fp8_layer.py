@@ -25,7 +25,8 @@ forward takes them (no cast in the micro-batches; the copies' writes in the opti
 ``--wgrad-accumulation`` adds a ``<recipe>:acc`` row per M > 1: the experts' ``fuse_wgrad_accumulation`` set and
 ``te_dist.settings.fp8_wgrad_accumulation`` on, so micro-batches after the first add their FP8 weight gradients into
 ``.grad`` in the wgrad kernel's epilogue (docs/quantization.md "Gradient accumulation in the wgrad"); the bf16 arm
-keeps autograd's add (torch's grouped GEMM adds into nothing).
+keeps autograd's add (torch's grouped GEMM adds into nothing). With both options, ``<recipe>:copies+acc`` rows (M > 1)
+take both, as ``te-dist train`` does by default.
 ``--fixed`` adds a labelled row per recipe with the weights never written and the copy reused by
 every forward (the old fixed-weight figure; not a training step).
 ``te_dist.settings.fp8_pad_off_grid`` (on by default; ``TE_DIST_FP8_PAD_OFF_GRID=0`` turns it off, ``--pad-off-grid``
@@ -206,10 +207,14 @@ def run_configs(args, pad_off_grid: bool) -> list:
                          if r in ("delayed", "block", "current")]
             if args.wgrad_accumulation and micro > 1:
                 arms += [(f"{r}:acc", r, "acc") for r in args.recipes.split(",")]
+                if args.optimizer_copies:  # both, as te-dist train runs them by default
+                    arms += [(f"{r}:copies+acc", r, "copies+acc") for r in args.recipes.split(",")
+                             if r in ("delayed", "block", "current")]
             base = None
             for label, rname, kind in arms:
                 recipe = None if rname is None else recipe_from_name(rname)
-                arm = Arm(layer, recipe, micro, fixed=kind is True, copies=kind == "copies", accumulate=kind == "acc")
+                arm = Arm(layer, recipe, micro, fixed=kind is True, copies=kind in ("copies", "copies+acc"),
+                          accumulate=kind in ("acc", "copies+acc"))
                 if args.profile:
                     print(f"profile {name} {label} M={micro}", flush=True)
                     profile_arm(arm, xs, grads, args.iters, args.warmup, args.profile)

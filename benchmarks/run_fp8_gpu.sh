@@ -26,7 +26,7 @@
 #   bash benchmarks/run_fp8_gpu.sh block_launch  # cuda_block_cast_launch (2 by default): the block-cast GPU tests
 #                                          # (every launch), each launch's cast time, the job's block step per launch
 #   bash benchmarks/run_fp8_gpu.sh wgrad_acc  # fp8_wgrad_accumulation (on by default): the accumulating wgrad's GPU
-#                                          # test, the layer's :acc rows at M = 4, then te-dist train at 4
+#                                          # test, the layer's :acc and :copies+acc rows at M = 4, then te-dist train at 4
 #                                          # micro-batches with it off, then on
 #                                          # (CONFIG=deepseek_like; the accumulating instances built first)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
@@ -173,10 +173,10 @@ wgrad_acc)
   TE_DIST_FP8_WGRAD_ACCUMULATION=1 timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 \
     -m gpu tests/kernels/test_fp8_grouped_gpu.py -k accumulating > "$OUT/wgrad_acc_tests.txt" 2>&1
   tail -n 4 "$OUT/wgrad_acc_tests.txt"
-  timeout ${LAYER_LIMIT:-200} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---configs deepseek,gptoss --recipes delayed,block \
-    --micro-batches 4 --iters 4 --warmup 2} --wgrad-accumulation --json "$OUT/fp8_layer_wgrad_acc.json" \
+  timeout ${LAYER_LIMIT:-200} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---configs mixtral,deepseek,gptoss --recipes delayed,block \
+    --micro-batches 4 --iters 4 --warmup 2} --wgrad-accumulation --optimizer-copies --json "$OUT/fp8_layer_wgrad_acc.json" \
     > "$OUT/fp8_layer_wgrad_acc.txt" 2>&1
-  grep -v "^row " "$OUT/fp8_layer_wgrad_acc.txt" | tail -n 12
+  grep -v "^row " "$OUT/fp8_layer_wgrad_acc.txt" | tail -n 27
   for acc in 0 1; do
     TE_DIST_FP8_WGRAD_ACCUMULATION=$acc timeout ${TRAIN_LIMIT:-200} python3 benchmarks/train.py throughput --nproc 1 \
       --device cuda --seed 1 --config launchers/configs/${CONFIG:-deepseek_like}.yaml --steps ${STEPS:-30} --fp8-dense \
