@@ -25,7 +25,7 @@ __all__ = ["accumulator", "added_into", "not_added_yet", "set_fuse_wgrad_accumul
 
 
 def accumulator(weight: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The gradient the wgrad of ``weight`` adds into itself (the module doc's table), or None: autograd adds. The
+    """The gradient the wgrad of ``weight`` adds into itself (the module doc's list), or None: autograd adds. The
     caller has checked its own conditions (the attribute set, features not padded)."""
     if torch.is_grad_enabled():  # create_graph: autograd's add is out of place
         return None
