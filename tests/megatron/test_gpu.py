@@ -100,6 +100,45 @@ def test_gpu_padded_rows_take_the_native_fp8_path(megatron_world1, recipe):
         assert rel < bound, (name, rel)
 
 
+@pytest.mark.parametrize("grad_in_fp32", [True, False], ids=["main_grad_f32", "main_grad_bf16"])
+def test_gpu_gradient_accumulation_fusion_adds_fp8_wgrads_into_main_grad(megatron_world1, monkeypatch, grad_in_fp32):
+    """Native FP8 experts under Megatron's DDP, two micro-batches: with ``gradient_accumulation_fusion`` the expert
+    wgrads go into ``main_grad`` in the kernels' epilogue (every micro-batch; the mark set, no ``.grad`` left), and
+    DDP's buffers agree with the unfused run's, whose hook adds the rounded products, within their rounding."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from te_dist import kernels as K
+    from te_dist import recipe as R
+
+    seen, real = [], K.grouped_mm_quantized_wgrad
+    monkeypatch.setattr(K, "grouped_mm_quantized_wgrad", lambda *a, accumulate_into=None, **k:
+                        seen.append(accumulate_into) or real(*a, accumulate_into=accumulate_into, **k))
+    runs = {}
+    for fusion in (False, True):
+        torch.manual_seed(0)
+        config = _bf16_config(hidden_size=256, moe_ffn_hidden_size=256, gradient_accumulation_fusion=fusion)
+        layer = H.build_moe_layer(config, "te_dist", recipe=R.Float8CurrentScaling())
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=grad_in_fp32, overlap_grad_reduce=True, bucket_size=None), layer)
+        ddp.zero_grad_buffer()
+        seen.clear()
+        g = torch.Generator(device="cuda").manual_seed(3)
+        for _ in range(2):
+            y, _ = ddp(torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, generator=g))
+            y.float().square().mean().backward()
+        experts = (layer.experts.linear_fc1, layer.experts.linear_fc2)
+        assert all(op.has_native_weight_copy for op in experts)
+        mains = [op.weight.main_grad for op in experts]
+        if fusion:
+            assert len(seen) == 4 and all(any(a is m for m in mains) for a in seen)
+            assert all(op.weight.grad_added_to_main_grad and op.weight.grad is None for op in experts)
+        else:
+            assert seen == [None] * 4
+        runs[fusion] = [m.float().clone() for m in mains]
+    for fused, unfused in zip(runs[True], runs[False]):
+        assert unfused.norm() > 0 and ((fused - unfused).norm() / unfused.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_gpu_ep2_nccl_matches_sequential(tmp_path, megatron_world1, dispatcher):
     if torch.cuda.device_count() < 2:
