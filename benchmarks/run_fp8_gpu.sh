@@ -28,7 +28,8 @@
 #   bash benchmarks/run_fp8_gpu.sh wgrad_acc  # fp8_wgrad_accumulation (on by default): the accumulating wgrad's GPU
 #                                          # test, the layer's :acc and :copies+acc rows at M = 4, then te-dist train at 4
 #                                          # micro-batches with it off, then on
-#                                          # (CONFIG=deepseek_like; the accumulating instances built first)
+#                                          # (CONFIG=deepseek_like; the accumulating instances built first; the
+#                                          # Megatron test needs megatron-core's wheel in .whl/ too)
 #   (the headline rows of every area: benchmarks/run_suite.sh)
 # Run from the repo root with nvidia-cutlass's wheel in .whl/ (tests/device_env.sh installs it).
 set -u
@@ -171,7 +172,8 @@ wgrad_acc)
   timeout ${BUILD_LIMIT:-300} python3 -m cutlass_kernels --jobs 16 --only $ACC > "$OUT/wgrad_acc_build.txt" 2>&1
   tail -n 2 "$OUT/wgrad_acc_build.txt"
   TE_DIST_FP8_WGRAD_ACCUMULATION=1 timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs --timeout 150 \
-    -m gpu tests/kernels/test_fp8_grouped_gpu.py -k accumulating > "$OUT/wgrad_acc_tests.txt" 2>&1
+    -m gpu tests/kernels/test_fp8_grouped_gpu.py tests/megatron/test_gpu.py -k "accumulating or accumulation_fusion" \
+    > "$OUT/wgrad_acc_tests.txt" 2>&1
   tail -n 4 "$OUT/wgrad_acc_tests.txt"
   timeout ${LAYER_LIMIT:-200} python3 benchmarks/fp8_layer.py ${LAYER_ARGS:---configs mixtral,deepseek,gptoss --recipes delayed,block \
     --micro-batches 4 --iters 4 --warmup 2} --wgrad-accumulation --optimizer-copies --json "$OUT/fp8_layer_wgrad_acc.json" \
