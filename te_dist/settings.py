@@ -196,6 +196,12 @@ class Settings:
         doc="te_dist.megatron.GroupedExperts pads each local expert's rows to the native FP8 path's row "
             "multiple (Megatron's dispatchers do not), so FP8 recipes run the native kernels there. False: "
             "unaligned rows run the emulated path.")
+    megatron_main_grad_fusion: bool = _field(
+        False, env="TE_DIST_MEGATRON_MAIN_GRAD_FUSION", parse=_flag, check=_is_bool,
+        doc="te_dist.megatron.GroupedExperts built under config.gradient_accumulation_fusion adds its native FP8 "
+            "wgrads into Megatron's main_grad itself (fuse_wgrad_accumulation; grad_added_to_main_grad marked). "
+            "False: the experts hand autograd their wgrads and Megatron's DDP hook adds them. Off: not yet run on "
+            "a GPU (the accumulating kernels were; Megatron's DDP around them on the CPU).")
     fp8_pad_off_grid: bool = _field(
         True, env="TE_DIST_FP8_PAD_OFF_GRID", parse=_flag, check=_is_bool,
         doc="expert features off the FP8 kernels' 128 grid (gpt-oss's 2880) take the native FP8 path, zero "

@@ -18,8 +18,9 @@ Legend: T tokens routed to this rank (sorted by local expert), H hidden size, F
 ``moe_ffn_hidden_size`` divided by the expert tensor-parallel size (ETP), E local experts.
 With ETP > 1 each rank holds its part of every expert's ffn, as Megatron's expert linears do;
 the token dispatcher gathers the tokens and reduce-scatters the outputs over the ETP group.
-``config.gradient_accumulation_fusion`` sets the expert GEMMs' ``fuse_wgrad_accumulation``: the native FP8 wgrad
-adds into Megatron's ``main_grad`` itself (``te_dist.ops.basic.wgrad_accumulation``).
+``config.gradient_accumulation_fusion`` sets the expert GEMMs' ``fuse_wgrad_accumulation`` while
+``te_dist.settings.megatron_main_grad_fusion`` is on: the native FP8 wgrad adds into Megatron's ``main_grad`` itself
+(``te_dist.ops.basic.wgrad_accumulation``).
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class GroupedExperts(MegatronModule):
             self.__dict__["_fc2_fuser"] = OperationFuser([self.linear_fc2])
 
         # Megatron's gradient_accumulation_fusion: the native FP8 wgrad adds into its DDP's main_grad itself
-        set_fuse_wgrad_accumulation(self, bool(getattr(config, "gradient_accumulation_fusion", False)))
+        set_fuse_wgrad_accumulation(self, bool(getattr(config, "gradient_accumulation_fusion", False))
+                                    and settings.current().megatron_main_grad_fusion)
         if config.perform_initialization:
             self._initialize(config)
         # Megatron's marking of expert parameters (its expert linears'): with expert parallelism

@@ -107,6 +107,7 @@ def test_gpu_gradient_accumulation_fusion_adds_fp8_wgrads_into_main_grad(megatro
     DDP's buffers agree with the unfused run's, whose hook adds the rounded products, within their rounding."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    import te_dist
     from te_dist import kernels as K
     from te_dist import recipe as R
 
@@ -117,7 +118,8 @@ def test_gpu_gradient_accumulation_fusion_adds_fp8_wgrads_into_main_grad(megatro
     for fusion in (False, True):
         torch.manual_seed(0)
         config = _bf16_config(hidden_size=256, moe_ffn_hidden_size=256, gradient_accumulation_fusion=fusion)
-        layer = H.build_moe_layer(config, "te_dist", recipe=R.Float8CurrentScaling())
+        with te_dist.settings.override(megatron_main_grad_fusion=True):
+            layer = H.build_moe_layer(config, "te_dist", recipe=R.Float8CurrentScaling())
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=grad_in_fp32, overlap_grad_reduce=True, bucket_size=None), layer)
         ddp.zero_grad_buffer()

@@ -1,5 +1,6 @@
 """``config.gradient_accumulation_fusion`` under Megatron's DDP: the native FP8 wgrad of te_dist's experts adds into
-``main_grad`` itself (te_dist.ops.basic.wgrad_accumulation), and Megatron's hook adds nothing then.
+``main_grad`` itself (te_dist.ops.basic.wgrad_accumulation) while ``te_dist.settings.megatron_main_grad_fusion`` is
+on, and Megatron's hook adds nothing then.
 
 On CPU the quantized GEMM's reference backend stands for the kernels (their epilogue add:
 tests/kernels/test_fp8_grouped_gpu.py::test_accumulating_wgrad_adds_into_the_gradient); DDP's buffers hold what the
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import mcore_helpers as H
+import te_dist as td
 from te_dist import kernels as K
 from te_dist import recipe as R
 from te_dist.ops import GroupedLinear
@@ -37,14 +39,15 @@ def accumulators(monkeypatch):
     return seen
 
 
-def _main_grads(fusion: bool, overlap: bool, grad_in_fp32: bool, micro_batches: int = 2):
+def _main_grads(fusion: bool, overlap: bool, grad_in_fp32: bool, micro_batches: int = 2, switch: bool = True):
     """(main_grad of every parameter after ``micro_batches`` backwards under Megatron's DDP, the expert GEMMs)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     torch.manual_seed(0)
     config = H.make_config(hidden_size=128, moe_ffn_hidden_size=128, num_moe_experts=2, params_dtype=torch.bfloat16,
                            bf16=True, gradient_accumulation_fusion=fusion)
-    layer = H.build_moe_layer(config, "te_dist", recipe=R.Float8CurrentScaling())
+    with td.settings.override(megatron_main_grad_fusion=switch):  # read when the experts are built
+        layer = H.build_moe_layer(config, "te_dist", recipe=R.Float8CurrentScaling())
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_in_fp32, overlap_grad_reduce=overlap, bucket_size=None), layer)
     ddp.zero_grad_buffer()
@@ -73,3 +76,11 @@ def test_the_expert_wgrads_go_into_main_grad_as_the_hook_would_add_them(megatron
     for name in fused:
         assert torch.equal(fused[name], unfused[name]), name
     assert all(m.abs().sum() > 0 for m in mains)
+
+
+def test_with_the_switch_off_the_config_flag_leaves_the_add_to_the_hook(megatron_training_world1, accumulators):
+    """``megatron_main_grad_fusion`` off (the default until it runs on a GPU): the flag sets nothing."""
+    assert not td.settings.current().megatron_main_grad_fusion
+    grads, experts = _main_grads(True, False, True, switch=False)
+    assert not any(op.fuse_wgrad_accumulation for op in experts) and accumulators == [None] * 4
+    assert all(not getattr(op.weight, "grad_added_to_main_grad", False) for op in experts)

@@ -1,7 +1,8 @@
 """Where a GroupedLinear's native FP8 wgrad adds itself into the weight's gradient, and what autograd gets then.
 
-``GroupedLinear.fuse_wgrad_accumulation`` (TransformerEngine's name; Megatron's ``gradient_accumulation_fusion``) is
-the caller's word that the wgrad may go into the gradient directly:
+``GroupedLinear.fuse_wgrad_accumulation`` (TransformerEngine's name; Megatron's ``gradient_accumulation_fusion``,
+while ``te_dist.settings.megatron_main_grad_fusion`` is on) is the caller's word that the wgrad may go into the
+gradient directly:
 
 - a weight with ``main_grad`` (Megatron's DDP buffer, float32 or the weight's dtype): the wgrad adds into it and
   marks the weight ``grad_added_to_main_grad``; autograd gets a placeholder (the DDP hook asserts a ``.grad`` under
