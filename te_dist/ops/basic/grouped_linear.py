@@ -457,7 +457,6 @@ class GroupedLinear(BasicOperation):
 
     def grouped_backward(self, ctx: OpContext, dy):
         """Returns ``(dx, dweight, dbias)`` for the op's input ``x * row_scale`` (dy: the op's output gradient)."""
-        wgrad_accumulation.not_added_yet(self.weight)
         if isinstance(ctx.saved[2], kernels().QuantizedWeight):
             return self._quantized_backward(ctx, dy)
         dy = self.gemm_output_grad(ctx, dy)
@@ -484,6 +483,7 @@ class GroupedLinear(BasicOperation):
         quantization, and dgrad and wgrad are sliced back to the input's and the weight's shapes."""
         xq, _, wq, (offsets, group_sizes), weight_rg, bias_rg, (rows_in, rows_out) = ctx.saved
         ctx.saved = ()
+        wgrad_accumulation.not_added_yet(self.weight)  # as grouped_wgrad does on the other paths
         need_dx = ctx.input_requires_grad
         quantize = self._quantizers.grad_output
         # padded as the forward's weight copy was (the switches may have changed since)
